@@ -1,0 +1,9 @@
+"""User mistakes, kept apart from bugs so that entry points can exit 2 with one line."""
+
+
+class UserError(Exception):
+  """A mistake the user can fix (bad flag, gin, TF_CONFIG, data path).
+
+  Entry points print `str(error)` on one line to stderr and exit with code 2.
+  The message names the problem and the fix.
+  """
