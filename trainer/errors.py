@@ -2,8 +2,8 @@
 
 
 class UserError(Exception):
-  """A mistake the user can fix (bad flag, gin, TF_CONFIG, data path).
+    """A mistake the user can fix (bad flag, gin, TF_CONFIG, data path).
 
-  Entry points print `str(error)` on one line to stderr and exit with code 2.
-  The message names the problem and the fix.
-  """
+    Entry points print `str(error)` on one line to stderr and exit with code 2.
+    The message names the problem and the fix.
+    """
