@@ -1,0 +1,89 @@
+"""Physical and logical device setup, done once before TensorFlow initialises its runtime.
+
+Logical devices let one CPU (or one GPU) stand in for several replicas, which is how
+`mirrored.gin` gets 2 replicas on a laptop and how the tests run multi-device code.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from trainer.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceConfig:
+    """What to do with the devices before the first op runs.
+
+    Attributes:
+      gpu_memory_growth: allocate GPU memory as needed instead of all at once.
+      visible_gpus: indices of the physical GPUs to use; None keeps all.
+      logical_gpus_per_gpu: split each visible GPU into this many logical GPUs (0 = no split).
+      logical_gpu_memory_mb: memory limit of each logical GPU (required with a split).
+      logical_cpus: split the CPU into this many logical CPUs (0 = no split).
+      logical_cpus_without_gpu: like `logical_cpus`, but only when no GPU is visible,
+        so one config gives N replicas on a laptop and uses the GPUs on a GPU machine.
+      log_device_placement: log the device of every op (verbose).
+      soft_placement: fall back to a supported device when an op cannot run where asked.
+    """
+
+    gpu_memory_growth: bool = True
+    visible_gpus: tuple[int, ...] | None = None
+    logical_gpus_per_gpu: int = 0
+    logical_gpu_memory_mb: int | None = None
+    logical_cpus: int = 0
+    logical_cpus_without_gpu: int = 0
+    log_device_placement: bool = False
+    soft_placement: bool = True
+
+
+def configure_devices(config: DeviceConfig) -> None:
+    """Applies `config`; raises UserError if TensorFlow's runtime is already up or values are off."""
+    try:
+        _configure(config)
+    except RuntimeError as e:
+        raise UserError(
+            f"device setup failed ({e}); devices must be configured before any TensorFlow op runs"
+        ) from e
+
+
+def _configure(config: DeviceConfig) -> None:
+    gpus = tf.config.list_physical_devices("GPU")
+    if config.visible_gpus is not None:
+        bad = [i for i in config.visible_gpus if not 0 <= i < len(gpus)]
+        if bad:
+            raise UserError(
+                f"visible_gpus {list(config.visible_gpus)} names GPU {bad[0]} but this machine has "
+                f"{len(gpus)} GPU(s); pick indices in 0..{len(gpus) - 1} or leave visible_gpus unset"
+            )
+        gpus = [gpus[i] for i in config.visible_gpus]
+        tf.config.set_visible_devices(gpus, "GPU")
+    if config.logical_gpus_per_gpu > 0 and gpus:
+        if not config.logical_gpu_memory_mb:
+            raise UserError(
+                "logical_gpus_per_gpu needs logical_gpu_memory_mb (memory per logical GPU in MB)"
+            )
+        for gpu in gpus:
+            tf.config.set_logical_device_configuration(
+                gpu,
+                [tf.config.LogicalDeviceConfiguration(memory_limit=config.logical_gpu_memory_mb)]
+                * config.logical_gpus_per_gpu,
+            )
+    elif config.gpu_memory_growth:
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+    num_cpus = config.logical_cpus or (config.logical_cpus_without_gpu if not gpus else 0)
+    if num_cpus > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpus
+        )
+    tf.debugging.set_log_device_placement(config.log_device_placement)
+    tf.config.set_soft_device_placement(config.soft_placement)
+
+
+def compute_devices() -> list[str]:
+    """The devices replicas should run on: logical GPUs if any, else logical CPUs."""
+    gpus = tf.config.list_logical_devices("GPU")
+    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]

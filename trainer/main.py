@@ -1,0 +1,93 @@
+"""Entry point: `python -m trainer.main --gin_file=gin/mwms.gin [--gin_bindings=...] [--model_dir=DIR]`.
+
+Exit codes (DESIGN.md): 0 done; 2 a user mistake, with one line on stderr; 1 anything else.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags, logging  # noqa: E402
+
+from trainer.errors import UserError  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_multi_string("gin_file", [], "Gin config file(s), applied in order.")
+flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings applied after the files, e.g. 'train.total_steps=100'.")
+flags.DEFINE_string("model_dir", None, "Where checkpoints, summaries and metrics.jsonl go (default: a fresh ./runs/<time>).")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fail(message: str) -> None:
+    """Prints a one-line user error and exits 2."""
+    first_line = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    print(f"error: {first_line}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
+    """Parses gin files and bindings; any gin mistake becomes a UserError naming it."""
+    import gin
+
+    from trainer import configurables  # noqa: F401  (registers the gin names)
+
+    if not gin_files:
+        raise UserError("no --gin_file given; pass one of gin/*.gin, e.g. --gin_file=gin/single.gin")
+    gin.add_config_file_search_path(REPO_ROOT)
+    for path in gin_files:
+        if not os.path.isfile(path) and not os.path.isfile(os.path.join(REPO_ROOT, path)):
+            raise UserError(f"gin file {path} not found; check the path (configs live in gin/)")
+    try:
+        gin.parse_config_files_and_bindings(gin_files, bindings, finalize_config=False)
+    except (SyntaxError, ValueError, TypeError, ImportError, KeyError) as e:
+        where = f" ({e.filename}:{e.lineno})" if isinstance(e, SyntaxError) and e.filename else ""
+        detail = (e.msg if isinstance(e, SyntaxError) else str(e)).strip().splitlines()[0]
+        raise UserError(f"bad gin config{where}: {detail}; fix the gin file or --gin_bindings") from e
+
+
+def default_model_dir() -> str:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{stamp}-{os.getpid()}")
+
+
+def run(argv: list[str]) -> None:
+    del argv
+    import gin
+
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # TensorFlow's INFO lines would drown the progress
+
+    try:
+        parse_gin(FLAGS.gin_file, FLAGS.gin_bindings)
+        from trainer import configurables
+
+        model_dir = FLAGS.model_dir or default_model_dir()
+        if not FLAGS.model_dir:
+            print(f"model_dir: {model_dir}", flush=True)
+        configurables.train(
+            model_dir=model_dir,
+            describe_config=gin.operative_config_str,
+            print_fn=lambda line: print(line, flush=True),
+        )
+    except UserError as e:
+        fail(str(e))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, but a bad flag is a user mistake: one line and exit 2."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        fail(f"{e}; see --helpfull")
+
+
+def main() -> None:
+    app.run(run, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    main()

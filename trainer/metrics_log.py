@@ -1,0 +1,60 @@
+"""Where metrics land: `metrics.jsonl` and TensorBoard event files, written by the chief only.
+
+`metrics.jsonl` (DESIGN.md contract) holds one JSON object per line, appended across restarts:
+{"step": int, "split": "train"|"eval", <metric>: float, ...}. TensorBoard gets the same scalars
+under `model_dir/train` and `model_dir/eval`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import tensorflow as tf
+
+METRICS_FILE = "metrics.jsonl"
+SPLITS = ("train", "eval")
+
+
+class MetricsLog:
+    """Appends metric records; a no-op on non-chief workers, decided once in the constructor."""
+
+    def __init__(self, model_dir: str, *, enabled: bool):
+        self.enabled = enabled
+        self._path = os.path.join(model_dir, METRICS_FILE)
+        self._writers = (
+            {split: tf.summary.create_file_writer(os.path.join(model_dir, split)) for split in SPLITS}
+            if enabled
+            else {}
+        )
+
+    def record(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        line = {"step": int(step), "split": split} | {k: float(v) for k, v in metrics.items()}
+        with open(self._path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        with self._writers[split].as_default(step=step):
+            for name, value in metrics.items():
+                tf.summary.scalar(name, value)
+        self._writers[split].flush()
+
+    def text(self, step: int, name: str, markdown: str) -> None:
+        """A text summary (e.g. the operative gin config) in the train event files."""
+        if not self.enabled:
+            return
+        with self._writers["train"].as_default(step=step):
+            tf.summary.text(name, markdown)
+        self._writers["train"].flush()
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+
+
+def read_metrics(model_dir: str) -> list[dict]:
+    """All records of `model_dir/metrics.jsonl`, in order (empty if there is none)."""
+    path = os.path.join(model_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

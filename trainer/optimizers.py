@@ -1,0 +1,109 @@
+"""Optimizers with the tutorial's batch-size advice built in: the linear scaling rule with warm-up.
+
+When the global batch grows with the number of replicas, the learning rate is scaled by
+global_batch_size / reference_batch_size and reached linearly over `warmup_steps`.
+"""
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from trainer.errors import UserError
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
+DECAYS = ("constant", "cosine")
+
+
+@keras.saving.register_keras_serializable(package="trainer")
+class ScaledWarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """peak = base * scale; linear warm-up to peak, then constant or cosine decay to 0."""
+
+    def __init__(self, base_learning_rate, scale=1.0, warmup_steps=0, decay="constant", decay_steps=0):
+        super().__init__()
+        self.base_learning_rate = float(base_learning_rate)
+        self.scale = float(scale)
+        self.warmup_steps = int(warmup_steps)
+        self.decay = decay
+        self.decay_steps = int(decay_steps)
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        peak = self.base_learning_rate * self.scale
+        lr = tf.constant(peak, tf.float32)
+        if self.decay == "cosine" and self.decay_steps > self.warmup_steps:
+            span = float(self.decay_steps - self.warmup_steps)
+            progress = tf.clip_by_value((step - self.warmup_steps) / span, 0.0, 1.0)
+            lr = peak * 0.5 * (1.0 + tf.cos(math.pi * progress))
+        if self.warmup_steps > 0:
+            lr = lr * tf.minimum(1.0, (step + 1.0) / self.warmup_steps)
+        return lr
+
+    def get_config(self):
+        return {
+            "base_learning_rate": self.base_learning_rate,
+            "scale": self.scale,
+            "warmup_steps": self.warmup_steps,
+            "decay": self.decay,
+            "decay_steps": self.decay_steps,
+        }
+
+
+def learning_rate_schedule(
+    learning_rate: float,
+    *,
+    global_batch_size: int,
+    reference_batch_size: int | None = None,
+    warmup_steps: int = 0,
+    decay: str = "constant",
+    total_steps: int = 0,
+) -> float | keras.optimizers.schedules.LearningRateSchedule:
+    """A plain float when nothing is scaled, warmed up or decayed (what Keras fit would get)."""
+    if decay not in DECAYS:
+        raise UserError(f"unknown decay {decay!r}; use one of: {', '.join(DECAYS)}")
+    scale = global_batch_size / reference_batch_size if reference_batch_size else 1.0
+    if scale == 1.0 and warmup_steps == 0 and decay == "constant":
+        return learning_rate
+    return ScaledWarmupSchedule(learning_rate, scale, warmup_steps, decay, total_steps)
+
+
+def make_optimizer(
+    *,
+    global_batch_size: int,
+    total_steps: int,
+    name: str = "adam",
+    learning_rate: float = 1e-3,
+    momentum: float = 0.0,
+    weight_decay: float | None = None,
+    reference_batch_size: int | None = None,
+    warmup_steps: int = 0,
+    decay: str = "constant",
+) -> keras.optimizers.Optimizer:
+    """A Keras 3 optimizer; build it under `strategy.scope()` before the first step (rule 1).
+
+    Args:
+      global_batch_size, total_steps: filled in by the loop.
+      name: one of OPTIMIZERS.
+      reference_batch_size: the batch size `learning_rate` was tuned for; the rate is
+        scaled linearly to the global batch size (None: no scaling).
+      warmup_steps: steps of linear warm-up from 0 to the (scaled) rate.
+      decay: 'constant' or 'cosine' (to 0 at total_steps).
+    """
+    lr = learning_rate_schedule(
+        learning_rate,
+        global_batch_size=global_batch_size,
+        reference_batch_size=reference_batch_size,
+        warmup_steps=warmup_steps,
+        decay=decay,
+        total_steps=total_steps,
+    )
+    if name == "sgd":
+        return keras.optimizers.SGD(lr, momentum=momentum)
+    if name == "adam":
+        return keras.optimizers.Adam(lr)
+    if name == "adamw":
+        return keras.optimizers.AdamW(lr, weight_decay=weight_decay or 0.004)
+    if name == "rmsprop":
+        return keras.optimizers.RMSprop(lr, momentum=momentum)
+    raise UserError(f"unknown optimizer {name!r}; set make_optimizer.name to one of: {', '.join(OPTIMIZERS)}")

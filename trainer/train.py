@@ -1,0 +1,169 @@
+"""`train`: the whole synchronous run from top to bottom, callable without gin.
+
+config -> devices -> cluster -> strategy -> (model, optimizer, data) under strategy.scope()
+-> restore -> loop (step in replica context, SUM in cross-replica context) -> hooks -> model_dir.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Sequence
+
+import keras
+import tensorflow as tf
+
+from trainer import cluster, data, devices, models, optimizers, steps, strategies
+from trainer.checkpoints import CheckpointSaver
+from trainer.errors import UserError
+from trainer.hooks import CheckpointHook, EvalHook, Hook, ProgressLogger, RunContext
+from trainer.loop import Evaluator, TrainLoop
+from trainer.metrics_log import MetricsLog
+from trainer.run_files import check_model_dir, prepare_model_dir, write_text_atomic
+
+OPERATIVE_CONFIG_FILE = "operative_config.gin"
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value <= 0:
+            raise UserError(f"train.{name} must be a positive integer, got {value!r}")
+
+
+def train(
+    *,
+    model_dir: str,
+    total_steps: int = 1000,
+    global_batch_size: int = 64,
+    steps_per_loop: int = 50,
+    log_every_steps: int = 100,
+    checkpoint_every_steps: int = 500,
+    eval_every_steps: int = 500,
+    seed: int = 0,
+    step_fn: Callable = steps.classification_step,
+    eval_step_fn: Callable = steps.classification_eval_step,
+    model_fn: Callable = models.cnn,
+    data_source: data.DataSource | None = None,
+    optimizer_fn: Callable = optimizers.make_optimizer,
+    strategy: str = "default",
+    device_config: devices.DeviceConfig | None = None,
+    cluster_resolver: str = "tf_config",
+    collective_timeout_secs: float | None = None,
+    distribute_method: str = "dataset",
+    shard_policy: str = "AUTO",
+    keep_checkpoints: int = 3,
+    hooks: Sequence[Hook] = (),
+    describe_config: Callable[[], str] | None = None,
+    print_fn: Callable[[str], None] = print,
+) -> dict[str, float]:
+    """Trains until `total_steps`, resuming from the newest checkpoint in `model_dir`.
+
+    Returns the final eval metrics (empty if the run had already finished).
+    Raises UserError for mistakes the user can fix; nothing in `model_dir` is written
+    before the configuration, data and checkpoint have been checked.
+    """
+    _check_positive(
+        total_steps=total_steps,
+        global_batch_size=global_batch_size,
+        steps_per_loop=steps_per_loop,
+        log_every_steps=log_every_steps,
+        checkpoint_every_steps=checkpoint_every_steps,
+        eval_every_steps=eval_every_steps,
+    )
+    check_model_dir(model_dir)
+    source = data_source if data_source is not None else data.Digits()
+    source.validate()
+
+    devices.configure_devices(device_config or devices.DeviceConfig())
+    info = cluster.resolve(strategy, cluster_resolver)
+    dist = strategies.make_strategy(
+        strategy,
+        cluster_resolver=info.resolver,
+        collective_timeout_secs=collective_timeout_secs,
+    )
+    replicas = dist.num_replicas_in_sync
+    if global_batch_size % replicas:
+        raise UserError(
+            f"train.global_batch_size {global_batch_size} is not divisible by the {replicas} "
+            f"replicas; use a multiple of {replicas}"
+        )
+    keras.utils.set_random_seed(seed)
+
+    with dist.scope():
+        model = model_fn(source.input_shape, source.num_classes)
+        optimizer = optimizer_fn(global_batch_size=global_batch_size, total_steps=total_steps)
+        optimizer.build(model.trainable_variables)  # rule 1: never lazily inside tf.function
+        global_step = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="global_step",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, global_step=global_step)
+
+    saver = CheckpointSaver(
+        checkpoint, model_dir, is_chief=info.is_chief, task_name=info.task_name,
+        max_to_keep=keep_checkpoints,
+    )
+    restored = saver.restore_latest()
+    start_step = int(global_step.numpy())
+    if start_step >= total_steps:
+        print_fn(f"already trained: {restored} is at step {start_step} >= train.total_steps {total_steps}; nothing to do")
+        return {}
+    if restored:
+        print_fn(f"restored {restored}; continuing from step {start_step}")
+
+    train_data = data.distribute_train(
+        dist, source, global_batch_size, seed,
+        method=distribute_method, shard_policy=shard_policy, skip_steps=start_step,
+    )
+    eval_data = data.distribute_eval(
+        dist, source, global_batch_size, method=distribute_method, shard_policy=shard_policy
+    )
+    num_eval_batches = -(-source.num_examples("eval") // global_batch_size)
+    loop = TrainLoop(dist, model, optimizer, step_fn, global_batch_size, train_data, global_step)
+    evaluator = Evaluator(dist, model, eval_step_fn, eval_data, num_eval_batches)
+
+    if info.is_chief:
+        prepare_model_dir(model_dir)
+    metrics_log = MetricsLog(model_dir, enabled=info.is_chief)
+    run = RunContext(
+        model_dir=model_dir, is_chief=info.is_chief, total_steps=total_steps,
+        start_step=start_step, global_batch_size=global_batch_size, strategy=dist,
+        model=model, optimizer=optimizer, saver=saver, evaluator=evaluator,
+        metrics_log=metrics_log, print_fn=print_fn,
+    )
+    if describe_config is not None and info.is_chief:
+        config_text = describe_config()
+        write_text_atomic(os.path.join(model_dir, OPERATIVE_CONFIG_FILE), config_text)
+        metrics_log.text(start_step, "operative_config", "```\n" + config_text + "\n```")
+    print_fn(
+        f"training {type(model).__name__} with strategy '{strategy}' on {replicas} replica(s) "
+        f"({max(info.num_workers, 1)} worker(s)), global batch {global_batch_size}, "
+        f"steps {start_step}->{total_steps}, model_dir {model_dir}"
+    )
+
+    all_hooks = [
+        ProgressLogger(log_every_steps),
+        EvalHook(eval_every_steps),
+        CheckpointHook(checkpoint_every_steps),
+        *hooks,
+    ]
+    _drive(loop, run, all_hooks, steps_per_loop)
+    metrics_log.close()
+    return run.last_eval
+
+
+def _drive(loop: TrainLoop, run: RunContext, hooks: Sequence[Hook], steps_per_loop: int) -> None:
+    """The outer loop: compiled calls that end on the nearest hook boundary, hooks in between."""
+    for hook in hooks:
+        hook.begin(run)
+    step = run.start_step
+    while step < run.total_steps:
+        boundaries = [b for h in hooks if (b := h.steps_to_boundary(step)) is not None]
+        num_steps = min([steps_per_loop, run.total_steps - step, *boundaries])
+        started = time.monotonic()
+        metrics = loop.run(num_steps)
+        run.train_seconds += time.monotonic() - started
+        step += num_steps
+        for hook in hooks:
+            hook.after_loop(run, step, metrics)
+    for hook in hooks:
+        hook.end(run, step)
