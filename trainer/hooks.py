@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import time
 from typing import Any, Callable
 
 import keras
 
 from trainer.metrics_log import MetricsLog
+from trainer.run_files import write_text_atomic
+
+OPERATIVE_CONFIG_FILE = "operative_config.gin"
 
 
 @dataclasses.dataclass
@@ -162,3 +166,26 @@ class EvalHook(Hook):
             shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
             run.print_fn(f"eval at step {step}: {shown}  ({int(num_examples)} examples)")
         self._last_step = step
+
+
+class ConfigWriter(Hook):
+    """Writes the operative config (chief): at start, so a crashed run still has it, and
+    again after the first loop call, once tracing has called the step and its parameters
+    are known. Also a text summary, so TensorBoard shows the config beside the curves."""
+
+    def __init__(self, describe_config: Callable[[], str]):
+        self._describe_config = describe_config
+        self._complete = False
+
+    def begin(self, run: RunContext) -> None:
+        self._write(run)
+
+    def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
+        if not self._complete:
+            self._write(run)
+            run.metrics_log.text(step, "operative_config", "```\n" + self._describe_config() + "\n```")
+            self._complete = True
+
+    def _write(self, run: RunContext) -> None:
+        if run.is_chief:
+            write_text_atomic(os.path.join(run.model_dir, OPERATIVE_CONFIG_FILE), self._describe_config())

@@ -5,7 +5,6 @@ config -> devices -> cluster -> strategy -> (model, optimizer, data) under strat
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, Sequence
 
@@ -15,13 +14,10 @@ import tensorflow as tf
 from trainer import cluster, data, devices, models, optimizers, steps, strategies
 from trainer.checkpoints import CheckpointSaver
 from trainer.errors import UserError
-from trainer.hooks import CheckpointHook, EvalHook, Hook, ProgressLogger, RunContext
+from trainer.hooks import CheckpointHook, ConfigWriter, EvalHook, Hook, ProgressLogger, RunContext
 from trainer.loop import Evaluator, TrainLoop
 from trainer.metrics_log import MetricsLog
-from trainer.run_files import check_model_dir, prepare_model_dir, write_text_atomic
-
-OPERATIVE_CONFIG_FILE = "operative_config.gin"
-
+from trainer.run_files import check_model_dir, prepare_model_dir
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
@@ -130,10 +126,6 @@ def train(
         model=model, optimizer=optimizer, saver=saver, evaluator=evaluator,
         metrics_log=metrics_log, print_fn=print_fn,
     )
-    if describe_config is not None and info.is_chief:
-        config_text = describe_config()
-        write_text_atomic(os.path.join(model_dir, OPERATIVE_CONFIG_FILE), config_text)
-        metrics_log.text(start_step, "operative_config", "```\n" + config_text + "\n```")
     print_fn(
         f"training {type(model).__name__} with strategy '{strategy}' on {replicas} replica(s) "
         f"({max(info.num_workers, 1)} worker(s)), global batch {global_batch_size}, "
@@ -144,6 +136,7 @@ def train(
         ProgressLogger(log_every_steps),
         EvalHook(eval_every_steps),
         CheckpointHook(checkpoint_every_steps),
+        *([ConfigWriter(describe_config)] if describe_config else []),
         *hooks,
     ]
     _drive(loop, run, all_hooks, steps_per_loop)

@@ -1,0 +1,60 @@
+"""Test helpers: run the real entry points in fresh subprocesses with hard timeouts."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def run_module(module: str, *args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m module args...` from the repo root; the child is killed at `timeout`."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO, env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def run_main(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_module("trainer.main", *args, timeout=timeout, env=env)
+
+
+def run_python(code: str, *, timeout: float = 240) -> dict:
+    """Runs `code` in a fresh interpreter (so it can split the CPU into logical devices first).
+
+    The code prints one JSON object as its last stdout line; that object is returned.
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
+        capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def tree_digest(root: str) -> dict[str, str]:
+    """Path -> sha256 of every file under root, to prove a failed run changed nothing."""
+    digest = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                digest[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return digest

@@ -1,0 +1,159 @@
+"""The entry point end to end: files in model_dir, resume, a user's own step, exit codes."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from tests.support import REPO, read_jsonl, run_main, subprocess_env, tree_digest
+
+SHORT = ["--gin_bindings=train.log_every_steps=20", "--gin_bindings=train.steps_per_loop=25"]
+
+
+def test_single_run_writes_checkpoints_events_config_and_metrics(trained_single_dir):
+    names = os.listdir(trained_single_dir)
+    assert "operative_config.gin" in names
+    assert "ckpt-60.index" in names and "ckpt-30.index" in names
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(os.path.join(trained_single_dir, "train")))
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(os.path.join(trained_single_dir, "eval")))
+    with open(os.path.join(trained_single_dir, "operative_config.gin")) as f:
+        config = f.read()
+    assert "train.total_steps = 60" in config and "train.strategy = 'default'" in config
+    records = read_jsonl(os.path.join(trained_single_dir, "metrics.jsonl"))
+    train = [r for r in records if r["split"] == "train"]
+    evals = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in train] == [20, 40, 60]
+    assert [r["step"] for r in evals] == [30, 60]
+    for r in train:
+        assert {"loss", "accuracy", "learning_rate", "steps_per_sec", "examples_per_sec"} <= set(r)
+        assert r["examples_per_sec"] == r["steps_per_sec"] * 64
+    assert 0.0 <= evals[-1]["accuracy"] <= 1.0 and evals[-1]["loss"] > 0
+
+
+def test_rerun_continues_from_checkpoint_and_never_trains_a_step_twice(trained_single_dir, tmp_path):
+    model_dir = str(tmp_path / "run")
+    shutil.copytree(trained_single_dir, model_dir)
+    done = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=60")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "already trained" in done.stdout and "step 60" in done.stdout
+
+    more = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=90", *SHORT)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "continuing from step 60" in more.stdout
+    steps = [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "train"]
+    assert steps == [20, 40, 60, 80, 90]
+    assert os.path.exists(os.path.join(model_dir, "ckpt-90.index"))
+
+
+def test_killed_run_finishes_when_rerun(tmp_path):
+    model_dir = str(tmp_path / "run")
+    args = [
+        "--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=3000",
+        "--gin_bindings=train.checkpoint_every_steps=50", *SHORT,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=subprocess_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(model_dir, "ckpt-100.index")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the kill"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+    rerun = run_main(*args, "--gin_bindings=train.total_steps=400")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    restored = int(rerun.stdout.split("continuing from step ")[1].split()[0])
+    assert restored >= 100
+    records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
+    assert records[-1]["split"] == "eval" and records[-1]["step"] == 400
+    assert os.path.exists(os.path.join(model_dir, "ckpt-400.index"))
+
+
+def test_user_step_function_bound_by_gin_reaches_metrics(tmp_path):
+    (tmp_path / "my_steps.py").write_text(textwrap.dedent('''
+        import gin
+        import tensorflow as tf
+
+        @gin.configurable
+        def my_step(model, optimizer, batch, global_batch_size, label_smoothing=0.1):
+            images, labels = batch
+            with tf.GradientTape() as tape:
+                logits = model(images, training=True)
+                onehot = tf.one_hot(labels, 10) * (1 - label_smoothing) + label_smoothing / 10
+                per_example = tf.nn.softmax_cross_entropy_with_logits(onehot, logits)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            confidence = tf.reduce_sum(tf.reduce_max(tf.nn.softmax(logits), -1)) / global_batch_size
+            return {"loss": loss, "confidence": confidence}
+    '''))
+    (tmp_path / "my.gin").write_text(textwrap.dedent(f'''
+        import my_steps
+        include '{REPO}/gin/mirrored.gin'
+        train.step_fn = @my_step
+        my_step.label_smoothing = 0.2
+        train.total_steps = 40
+    '''))
+    model_dir = str(tmp_path / "run")
+    env = subprocess_env(PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    proc = run_main(f"--gin_file={tmp_path / 'my.gin'}", f"--model_dir={model_dir}", *SHORT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = [r for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "train"]
+    assert [r["step"] for r in train] == [20, 40]
+    assert all(0.1 <= r["confidence"] <= 1.0 for r in train)
+    with open(os.path.join(model_dir, "operative_config.gin")) as f:
+        assert "my_step.label_smoothing = 0.2" in f.read()
+
+
+def _assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    lines = proc.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[-1], lines[-1]
+
+
+def test_user_mistakes_exit_2_with_one_line_and_leave_model_dir_alone(trained_single_dir, tmp_path):
+    model_dir = str(tmp_path / "run")
+    shutil.copytree(trained_single_dir, model_dir)
+    before = tree_digest(model_dir)
+    bad_gin = tmp_path / "bad.gin"
+    bad_gin.write_text("include 'gin/single.gin'\ntrain.total_steps = = 3\n")
+
+    missing_data = run_main(
+        "--gin_file=experiments/fashion_mnist/fashion_mnist.gin", f"--model_dir={model_dir}",
+        f"--gin_bindings=fashion_mnist.data_dir='{tmp_path / 'nowhere'}'",
+    )
+    _assert_user_error(missing_data, str(tmp_path / "nowhere"))
+    syntax = run_main(f"--gin_file={bad_gin}", f"--model_dir={model_dir}")
+    _assert_user_error(syntax, "bad.gin", ":2")
+    unknown = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.totl_steps=5")
+    _assert_user_error(unknown, "totl_steps")
+    no_configurable = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=trian.total_steps=5")
+    _assert_user_error(no_configurable, "trian")
+    bad_flag = run_main("--gin_file=gin/single.gin", "--no_such_flag=1")
+    _assert_user_error(bad_flag, "no_such_flag")
+    assert tree_digest(model_dir) == before
+
+
+def test_without_model_dir_a_fresh_one_is_made_and_printed(tmp_path):
+    env = subprocess_env()
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.main", f"--gin_file={REPO}/gin/single.gin",
+         "--gin_bindings=train.total_steps=5", "--gin_bindings=train.eval_every_steps=5"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model_dir = proc.stdout.split("model_dir: ")[1].split()[0]
+    assert os.path.exists(os.path.join(tmp_path, model_dir, "ckpt-5.index"))
