@@ -1,0 +1,354 @@
+"""Who am I in the cluster, and am I the chief: decided once, before TensorFlow starts.
+
+TensorFlow reads TF_CONFIG when a strategy is built and reports a malformed one
+as a stack trace or a hang at the first collective. Here the cluster is checked
+field by field first, so a mistake is one line naming the field and the fix.
+This module imports TensorFlow only inside the resolver functions, so the
+checks run before TensorFlow loads.
+"""
+
+import dataclasses
+import inspect
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from trainer.errors import UserError
+
+_SINGLE_MACHINE_STRATEGIES = ("default", "one_device", "mirrored", "central_storage", "tpu")
+_ALLOWED_TASK_TYPES = {
+    "multi_worker_mirrored": {"chief", "worker"},
+    "parameter_server": {"chief", "worker", "ps", "evaluator"},
+    **{name: {"chief", "worker"} for name in _SINGLE_MACHINE_STRATEGIES},
+}
+_RESOLVER_KINDS = ("tf_config", "slurm")
+_FIX_HINT = (
+    'write it like {"cluster": {"worker": ["host:port", ...]}, '
+    '"task": {"type": "worker", "index": 0}}'
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+    """This process's place in the cluster; an empty cluster means a single process.
+
+    `resolver` is the TensorFlow cluster resolver when `resolve` built one.
+    """
+
+    cluster: dict[str, list[str]]
+    task_type: str | None
+    task_id: int
+    resolver: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def num_workers(self) -> int:
+        """Tasks that run the training step: the chief and the workers."""
+        return len(self.cluster.get("chief", [])) + len(self.cluster.get("worker", []))
+
+    @property
+    def is_chief(self) -> bool:
+        """Task `chief`, or `worker` 0 where there is no chief, or the only process."""
+        if not self.cluster:
+            return True
+        if self.task_type == "chief":
+            return True
+        return self.task_type == "worker" and self.task_id == 0 and "chief" not in self.cluster
+
+    @property
+    def task_name(self) -> str:
+        """'worker1', 'chief0', ...; 'local' for a single process."""
+        return f"{self.task_type}{self.task_id}" if self.task_type else "local"
+
+    @property
+    def is_distributed(self) -> bool:
+        return bool(self.cluster)
+
+    @property
+    def has_ps(self) -> bool:
+        return bool(self.cluster.get("ps"))
+
+
+def parse_tf_config(
+    text: str | None, *, allowed_task_types: set[str] | None = None
+) -> ClusterInfo:
+    """Checks a TF_CONFIG string and returns the cluster it describes.
+
+    None, an empty string or `{}` mean a single process (as in TensorFlow).
+    `allowed_task_types` are the task types the chosen strategy can use; None
+    allows any.
+    """
+    if text is None or not text.strip():
+        return ClusterInfo(cluster={}, task_type=None, task_id=0)
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(
+            f"TF_CONFIG: not valid JSON ({error.msg} at line {error.lineno} "
+            f"column {error.colno}); {_FIX_HINT}"
+        ) from None
+    if config == {}:
+        return ClusterInfo(cluster={}, task_type=None, task_id=0)
+    return _validated(config, allowed_task_types, source="TF_CONFIG")
+
+
+def cluster_from_env(allowed_task_types: set[str] | None = None) -> ClusterInfo:
+    """Checks the TF_CONFIG environment variable; unset means a single process."""
+    return parse_tf_config(os.environ.get("TF_CONFIG"), allowed_task_types=allowed_task_types)
+
+
+def allowed_task_types_for(strategy_name: str) -> set[str] | None:
+    """Task types a strategy can use; None for a name this module does not know.
+
+    The strategy builder rejects unknown names; this only narrows TF_CONFIG.
+    """
+    allowed = _ALLOWED_TASK_TYPES.get(strategy_name)
+    return set(allowed) if allowed is not None else None
+
+
+def check_single_machine(info: ClusterInfo, strategy_name: str) -> None:
+    """Rejects a multi-worker TF_CONFIG for a strategy that runs on one machine."""
+    if strategy_name in _SINGLE_MACHINE_STRATEGIES and info.num_workers > 1:
+        raise UserError(
+            f"strategy '{strategy_name}' runs on one machine but TF_CONFIG describes "
+            f"{info.num_workers} workers; use gin/mwms.gin or unset TF_CONFIG"
+        )
+
+
+def resolve(
+    strategy_name: str, resolver_kind: str = "tf_config", **slurm_kwargs: Any
+) -> ClusterInfo:
+    """Checks the cluster for a strategy and returns it with its TensorFlow resolver attached."""
+    allowed = allowed_task_types_for(strategy_name)
+    if resolver_kind == "tf_config":
+        cluster_from_env(allowed)  # One-line errors before TensorFlow reads TF_CONFIG.
+    resolver = make_cluster_resolver(resolver_kind, **slurm_kwargs)
+    info = cluster_info_from_resolver(resolver, allowed_task_types=allowed)
+    check_single_machine(info, strategy_name)
+    return dataclasses.replace(info, resolver=resolver)
+
+
+def make_cluster_resolver(kind: str = "tf_config", **slurm_kwargs: Any) -> Any:
+    """Builds a TensorFlow cluster resolver: 'tf_config' (TF_CONFIG) or 'slurm'.
+
+    `slurm_kwargs` go to `tf.distribute.cluster_resolver.SlurmClusterResolver`
+    (jobs, port_base, gpus_per_node, gpus_per_task, tasks_per_node, auto_set_gpu,
+    rpc_layer). On nodes without GPUs (or with gpus_per_node=0) the Slurm
+    cluster is resolved for CPU and frozen into a SimpleClusterResolver that
+    reports no accelerators, because TensorFlow's resolver assumes GPUs.
+    """
+    if kind == "tf_config":
+        if slurm_kwargs:
+            raise UserError(
+                f"cluster resolver 'tf_config' takes no arguments, got {sorted(slurm_kwargs)}; "
+                "remove them or use cluster_resolver='slurm'"
+            )
+        cluster_from_env()  # One-line errors before TensorFlow reads TF_CONFIG.
+        import tensorflow as tf
+
+        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if kind == "slurm":
+        return _slurm_resolver(slurm_kwargs)
+    kinds = ", ".join(map(repr, _RESOLVER_KINDS))
+    raise UserError(f"unknown cluster_resolver {kind!r}; use one of {kinds}")
+
+
+def cluster_info_from_resolver(
+    resolver: Any, *, allowed_task_types: set[str] | None = None
+) -> ClusterInfo:
+    """The ClusterInfo of any resolver, checked like TF_CONFIG (the resolver is not attached)."""
+    cluster = resolver.cluster_spec().as_dict()  # Slurm sets task_type only once this has run.
+    if not cluster:
+        return ClusterInfo(cluster={}, task_type=None, task_id=0)
+    task = {"type": resolver.task_type, "index": resolver.task_id}
+    source = type(resolver).__name__
+    return _validated({"cluster": cluster, "task": task}, allowed_task_types, source=source)
+
+
+def temp_dir_for(model_dir: str, info: ClusterInfo) -> str:
+    """Where this task saves checkpoints: model_dir for the chief, a fresh temp dir otherwise.
+
+    Every worker must save (saving only on the chief deadlocks), but only the
+    chief's files belong in model_dir, so the others write outside it. The
+    caller removes the temp dir with `remove_temp_dir` after each save.
+    """
+    if info.is_chief:
+        return model_dir
+    return tempfile.mkdtemp(prefix=f"trainer-{info.task_type}{info.task_id}-")
+
+
+def remove_temp_dir(path: str, info: ClusterInfo) -> None:
+    """Deletes a dir made by `temp_dir_for`; never touches the chief's model_dir."""
+    if not info.is_chief:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _validated(config: Any, allowed: set[str] | None, *, source: str) -> ClusterInfo:
+    if not isinstance(config, dict):
+        raise UserError(
+            f"{source}: top level must be a JSON object, got {type(config).__name__}; {_FIX_HINT}"
+        )
+    cluster = _checked_cluster(config.get("cluster"), source)
+    task_type, task_id = _checked_task(config.get("task"), cluster, source)
+    _check_allowed(cluster, task_type, allowed, source)
+    return ClusterInfo(cluster=cluster, task_type=task_type, task_id=task_id)
+
+
+def _checked_cluster(raw: Any, source: str) -> dict[str, list[str]]:
+    if raw is None:
+        raise UserError(f"{source}: 'cluster' is missing; {_FIX_HINT}")
+    if not isinstance(raw, dict) or not raw:
+        raise UserError(
+            f'{source}: cluster must map each task type to a list of "host:port" strings, '
+            f"got {raw!r}; {_FIX_HINT}"
+        )
+    seen: dict[str, str] = {}
+    for task_type, addresses in raw.items():
+        if not isinstance(addresses, list) or not addresses:
+            raise UserError(
+                f'{source}: cluster.{task_type} must be a non-empty list of "host:port" '
+                f"strings, got {addresses!r}"
+            )
+        for index, address in enumerate(addresses):
+            field = f"cluster.{task_type}[{index}]"
+            _check_address(address, field, source)
+            if address in seen:
+                raise UserError(
+                    f"{source}: {field} repeats address {address!r} of {seen[address]}; "
+                    "give every task its own host:port"
+                )
+            seen[address] = field
+    if len(raw.get("chief", [])) > 1:
+        raise UserError(
+            f"{source}: cluster.chief has {len(raw['chief'])} tasks but a cluster has at most "
+            "one chief; move the others to cluster.worker"
+        )
+    return {task_type: list(addresses) for task_type, addresses in raw.items()}
+
+
+def _check_address(address: Any, field: str, source: str) -> None:
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(
+            f"{source}: {field} is {address!r}, not host:port; write it like 'localhost:12345'"
+        )
+
+
+def _checked_task(raw: Any, cluster: dict[str, list[str]], source: str) -> tuple[str, int]:
+    types = ", ".join(cluster)
+    if raw is None:
+        raise UserError(
+            f'{source}: \'task\' is missing; add "task": {{"type": <one of {types}>, "index": 0}}'
+        )
+    if not isinstance(raw, dict):
+        raise UserError(
+            f'{source}: task must be an object like {{"type": "worker", "index": 0}}, got {raw!r}'
+        )
+    task_type = raw.get("type")
+    if not isinstance(task_type, str):
+        raise UserError(f"{source}: task.type is {task_type!r}; set it to one of {types}")
+    if task_type not in cluster and task_type != "evaluator":
+        raise UserError(
+            f"{source}: task.type {task_type!r} is not in cluster (it has {types}); "
+            "set it to one of those"
+        )
+    return task_type, _checked_index(raw.get("index"), task_type, cluster, source)
+
+
+def _checked_index(index: Any, task_type: str, cluster: dict[str, list[str]], source: str) -> int:
+    # An evaluator runs beside the cluster and is usually not listed in it (TF's convention).
+    count = len(cluster[task_type]) if task_type in cluster else 1
+    if index is None:
+        raise UserError(f"{source}: task.index is missing; set it to 0..{count - 1}")
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise UserError(
+            f"{source}: task.index must be an integer, got {index!r}; set it to 0..{count - 1}"
+        )
+    if not 0 <= index < count:
+        raise UserError(
+            f"{source}: task.index {index} is outside cluster.{task_type} ({count} tasks); "
+            f"set task.index to 0..{count - 1}"
+        )
+    return index
+
+
+def _check_allowed(
+    cluster: dict[str, list[str]], task_type: str, allowed: set[str] | None, source: str
+) -> None:
+    if allowed is None:
+        return
+    for used in [*cluster, task_type]:
+        if used not in allowed:
+            raise UserError(
+                f"{source}: task type {used!r} cannot be used by this strategy (it uses "
+                f"{', '.join(sorted(allowed))}); remove it or choose a strategy that uses it"
+            )
+
+
+def _slurm_resolver(kwargs: dict[str, Any]) -> Any:
+    import tensorflow as tf
+
+    slurm_class = tf.distribute.cluster_resolver.SlurmClusterResolver
+    parameters = inspect.signature(slurm_class).parameters
+    unknown = sorted(set(kwargs) - set(parameters))
+    if unknown:
+        raise UserError(
+            f"slurm resolver: unknown argument(s) {unknown}; use some of {', '.join(parameters)}"
+        )
+    _check_slurm_env(kwargs)
+    gpus_per_node = kwargs.get("gpus_per_node")
+    cpu_only = gpus_per_node == 0 or (gpus_per_node is None and not _gpus_visible())
+    try:
+        if cpu_only:
+            return _cpu_slurm_resolver(slurm_class, kwargs)
+        return slurm_class(**kwargs)
+    except (RuntimeError, ValueError) as error:
+        raise UserError(
+            f"slurm resolver: {str(error).splitlines()[0].rstrip('.')}; "
+            "make jobs/tasks_per_node/gpus_* match the srun allocation"
+        ) from None
+
+
+def _check_slurm_env(kwargs: dict[str, Any]) -> None:
+    needed = ["SLURM_PROCID"]
+    if kwargs.get("jobs") is None:
+        needed.append("SLURM_STEP_NUM_TASKS")
+    if not isinstance(kwargs.get("tasks_per_node"), dict):
+        needed.append("SLURM_STEP_NODELIST")
+    if kwargs.get("tasks_per_node") is None:
+        needed.append("SLURM_STEP_TASKS_PER_NODE")
+    missing = [name for name in needed if name not in os.environ]
+    if missing:
+        raise UserError(
+            f"slurm resolver chosen but {', '.join(missing)} not set: "
+            "run inside an sbatch/srun job or use cluster_resolver='tf_config'"
+        )
+
+
+def _gpus_visible() -> bool:
+    return bool(os.environ.get("CUDA_VISIBLE_DEVICES")) or shutil.which("nvidia-smi") is not None
+
+
+def _cpu_slurm_resolver(slurm_class: Any, kwargs: dict[str, Any]) -> Any:
+    """Resolves the Slurm cluster with one pretend GPU slot per task, then reports no GPUs.
+
+    TF's resolver gives a task a port only together with a GPU slot, and divides
+    by gpus_per_task, so CPU tasks need slots; the frozen resolver then reports
+    no accelerators, so strategies place the work on the CPU.
+    """
+    import tensorflow as tf
+
+    jobs = kwargs.get("jobs")
+    num_tasks = sum(jobs.values()) if jobs else int(os.environ["SLURM_STEP_NUM_TASKS"])
+    slots = {"gpus_per_node": num_tasks, "gpus_per_task": 1, "auto_set_gpu": False}
+    resolver = slurm_class(**{**kwargs, **slots})
+    spec = resolver.cluster_spec()
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec,
+        master=spec.task_address(resolver.task_type, resolver.task_id),
+        task_type=resolver.task_type,
+        task_id=resolver.task_id,
+        num_accelerators={},
+        rpc_layer=resolver.rpc_layer,
+    )

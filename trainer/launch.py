@@ -1,0 +1,296 @@
+"""Run a whole cluster on this machine: one process per task, each with its own TF_CONFIG.
+
+    python -m trainer.launch --num_workers=2 -- --gin_file=gin/mwms.gin
+    python -m trainer.launch --num_workers=2 --num_ps=1 -- --gin_file=gin/ps.gin
+
+Multi-worker runs are tested and debugged locally before they go to a cluster,
+and a half-dead local cluster (a worker gone, its peers hanging in a collective)
+is the usual way that goes wrong. So the launcher treats the tasks as one group:
+one task failing ends them all, a signal to the launcher reaches every task,
+each task runs in its own process group that is killed at the end, and the
+group can be restarted whole on fresh ports (as after a preemption, exit 42).
+
+Layout: without ps, N `worker` tasks (worker 0 is the chief, as in
+MultiWorkerMirrored); with ps, one `chief` (the coordinator, which runs the
+module), N `worker` and P `ps` tasks, which run `--server_module`.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import IO, NoReturn
+
+from absl import app, flags
+
+from trainer.errors import UserError
+
+USER_ERROR_EXIT = 2
+_POLL_SECS = 0.05
+_OUTPUT_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How to run each task and how to end the group."""
+
+    module: str
+    server_module: str
+    grace_secs: float
+
+
+def build_cluster(num_workers: int, num_ps: int, ports: Callable[[int], list[int]]) -> dict:
+    """The cluster spec on localhost; `ports(n)` returns n distinct free ports."""
+    counts = {"worker": num_workers}
+    if num_ps:
+        counts = {"chief": 1, "worker": num_workers, "ps": num_ps}
+    free = iter(ports(sum(counts.values())))
+    return {kind: [f"localhost:{next(free)}" for _ in range(n)] for kind, n in counts.items()}
+
+
+def tf_config_for(cluster: dict, task_type: str, task_id: int) -> str:
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_id}})
+
+
+def command_for(cluster: dict, task_type: str, args: Sequence[str], options: Options) -> list[str]:
+    """In ps mode only the chief runs the module; ps and workers run the server module."""
+    if "ps" in cluster and task_type != "chief":
+        return [sys.executable, "-m", options.server_module]
+    return [sys.executable, "-m", options.module, *args]
+
+
+def launch(
+    num_workers: int,
+    num_ps: int,
+    args: Sequence[str],
+    *,
+    module: str = "trainer.main",
+    server_module: str = "trainer.server",
+    max_restarts: int = 0,
+    grace_secs: float = 10.0,
+) -> int:
+    """Runs the group until it succeeds, fails past its restarts, or a signal stops it.
+
+    Each restart starts every task again, on fresh ports, with the same flags.
+
+    Returns the exit code for the launcher: 0, the failing task's code (128 + N
+    for a task killed by signal N), or 128 + N when the launcher got signal N.
+    Must run in the main thread (it handles SIGINT and SIGTERM).
+    """
+    _check_options(num_workers, num_ps, max_restarts, grace_secs)
+    options = Options(module=module, server_module=server_module, grace_secs=grace_secs)
+    with _SignalCatcher() as signals:
+        attempt = 0
+        while True:
+            cluster = build_cluster(num_workers, num_ps, _free_ports)
+            code = _run_group(cluster, args, options, signals)
+            # A user mistake (exit 2) would fail the same way again, so it ends the run.
+            if code in (0, USER_ERROR_EXIT) or signals.received or attempt == max_restarts:
+                return code
+            attempt += 1
+            _log(f"restarting group ({attempt}/{max_restarts})")
+
+
+def _check_options(num_workers: int, num_ps: int, max_restarts: int, grace_secs: float) -> None:
+    if num_workers < 1:
+        raise UserError(
+            f"--num_workers must be at least 1, got {num_workers}; pass --num_workers=N"
+        )
+    if num_ps < 0:
+        raise UserError(f"--num_ps must be 0 or more, got {num_ps}; pass --num_ps=0 for no ps")
+    if max_restarts < 0:
+        raise UserError(f"--max_restarts must be 0 or more, got {max_restarts}")
+    if grace_secs < 0:
+        raise UserError(f"--grace_secs must be 0 or more, got {grace_secs}")
+
+
+def _free_ports(count: int) -> list[int]:
+    import portpicker
+
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(portpicker.pick_unused_port())
+    return sorted(ports)
+
+
+class _SignalCatcher:
+    """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-way."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_SignalCatcher":
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._record)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.received = signum
+
+
+class _Task:
+    """One task's process, in its own process group, with its output copied under a prefix."""
+
+    def __init__(self, task_type: str, task_id: int, command: list[str], tf_config: str):
+        self.task_type = task_type
+        self.name = f"{task_type} {task_id}"
+        env = {**os.environ, "TF_CONFIG": tf_config, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._copier = threading.Thread(
+            target=_copy_lines, args=(self.process.stdout, f"[{self.name}] "), daemon=True
+        )
+        self._copier.start()
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def reap(self) -> None:
+        self.process.wait()
+        self._copier.join(timeout=5)
+
+
+def _run_group(
+    cluster: dict, args: Sequence[str], options: Options, signals: _SignalCatcher
+) -> int:
+    _log(f"starting {sum(map(len, cluster.values()))} tasks: {json.dumps(cluster)}")
+    tasks: list[_Task] = []
+    try:
+        for task_type, addresses in cluster.items():
+            for task_id in range(len(addresses)):
+                command = command_for(cluster, task_type, args, options)
+                tf_config = tf_config_for(cluster, task_type, task_id)
+                tasks.append(_Task(task_type, task_id, command, tf_config))
+        watched = [task for task in tasks if task.task_type == "chief"] or tasks
+        return _supervise(tasks, watched, signals, options.grace_secs)
+    finally:
+        _kill(tasks)
+
+
+def _supervise(
+    tasks: list[_Task], watched: list[_Task], signals: _SignalCatcher, grace_secs: float
+) -> int:
+    """Waits until the watched tasks all succeed, any task fails, or a signal arrives."""
+    while True:
+        if signals.received:
+            _log(f"got {signal.Signals(signals.received).name}; stopping all tasks")
+            _stop(tasks, signals.received, grace_secs)
+            return 128 + signals.received
+        failed = next((task for task in tasks if task.poll() not in (None, 0)), None)
+        if failed:
+            code = failed.poll()
+            _log(f"{failed.name} exited with code {code}; stopping the other tasks")
+            _stop(tasks, signal.SIGTERM, grace_secs)
+            return code if code > 0 else 128 - code  # -N: killed by signal N.
+        if all(task.poll() == 0 for task in watched):
+            if any(task.poll() is None for task in tasks):
+                _log("chief done; stopping the servers")
+            _stop(tasks, signal.SIGTERM, grace_secs)
+            return 0
+        time.sleep(_POLL_SECS)
+
+
+def _stop(tasks: list[_Task], signum: int, grace_secs: float) -> None:
+    """Sends `signum` to every running task, waits up to grace_secs, then kills the rest."""
+    for task in tasks:
+        if task.poll() is None:
+            task.signal_group(signum)
+    deadline = time.monotonic() + grace_secs
+    while any(task.poll() is None for task in tasks) and time.monotonic() < deadline:
+        time.sleep(_POLL_SECS)
+    _kill(tasks)
+
+
+def _kill(tasks: list[_Task]) -> None:
+    """SIGKILLs every task's process group (also what a task left behind) and reaps it."""
+    for task in tasks:
+        task.signal_group(signal.SIGKILL)
+    for task in tasks:
+        task.reap()
+
+
+def _copy_lines(stream: IO[bytes], prefix: str) -> None:
+    with stream:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with _OUTPUT_LOCK:
+                print(prefix + line, flush=True)
+
+
+def _log(message: str) -> None:
+    with _OUTPUT_LOCK:
+        print(f"[launch] {message}", file=sys.stderr, flush=True)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """Parses the launcher's flags (before `--`); returns the module's flags (after it)."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, passthrough = argv[:split], argv[split + 1:]
+    try:
+        unparsed = flags.FLAGS(own)
+    except flags.Error as error:
+        _exit_user_error(str(error))
+    if unparsed[1:]:
+        _exit_user_error(f"unexpected argument(s) {unparsed[1:]}; put the module's flags after --")
+    return passthrough
+
+
+def _exit_user_error(message: str) -> NoReturn:
+    one_line = " ".join(message.split())
+    print(f"trainer.launch: {one_line}", file=sys.stderr, flush=True)
+    sys.exit(USER_ERROR_EXIT)
+
+
+def _define_flags() -> None:
+    """Defined only when run as a program, so importing `launch` leaves absl's FLAGS alone."""
+    flags.DEFINE_integer(
+        "num_workers", None, "Worker tasks (without ps, worker 0 is the chief).", required=True
+    )
+    flags.DEFINE_integer("num_ps", 0, "Parameter servers; > 0 adds a chief that runs --module.")
+    flags.DEFINE_integer("max_restarts", 0, "Times the group is restarted after a task fails.")
+    flags.DEFINE_string("module", "trainer.main", "Module run with the flags after `--`.")
+    flags.DEFINE_string("server_module", "trainer.server", "Module of ps and workers in ps mode.")
+    flags.DEFINE_float("grace_secs", 10.0, "Seconds tasks get after SIGTERM before SIGKILL.")
+
+
+def main(passthrough: list[str]) -> int:
+    values = flags.FLAGS
+    try:
+        return launch(
+            values.num_workers,
+            values.num_ps,
+            passthrough,
+            module=values.module,
+            server_module=values.server_module,
+            max_restarts=values.max_restarts,
+            grace_secs=values.grace_secs,
+        )
+    except UserError as error:
+        _exit_user_error(str(error))
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main, flags_parser=_parse_flags)
