@@ -106,16 +106,11 @@ def train(
     if restored:
         print_fn(f"restored {restored}; continuing from step {start_step}")
 
-    train_data = data.distribute_train(
-        dist, source, global_batch_size, seed,
-        method=distribute_method, shard_policy=shard_policy, skip_steps=start_step,
+    loop, evaluator = _build_sync_loops(
+        dist, source, model, optimizer, global_step, step_fn, eval_step_fn,
+        global_batch_size=global_batch_size, seed=seed, start_step=start_step,
+        distribute_method=distribute_method, shard_policy=shard_policy,
     )
-    eval_data = data.distribute_eval(
-        dist, source, global_batch_size, method=distribute_method, shard_policy=shard_policy
-    )
-    num_eval_batches = -(-source.num_examples("eval") // global_batch_size)
-    loop = TrainLoop(dist, model, optimizer, step_fn, global_batch_size, train_data, global_step)
-    evaluator = Evaluator(dist, model, eval_step_fn, eval_data, num_eval_batches)
 
     if info.is_chief:
         prepare_model_dir(model_dir)
@@ -142,6 +137,23 @@ def train(
     _drive(loop, run, all_hooks, steps_per_loop)
     metrics_log.close()
     return run.last_eval
+
+
+def _build_sync_loops(
+    dist, source, model, optimizer, global_step, step_fn, eval_step_fn, *,
+    global_batch_size, seed, start_step, distribute_method, shard_policy,
+) -> tuple[TrainLoop, Evaluator]:
+    """The compiled train loop and evaluator of the synchronous strategies."""
+    train_data = data.distribute_train(
+        dist, source, global_batch_size, seed,
+        method=distribute_method, shard_policy=shard_policy, skip_steps=start_step,
+    )
+    eval_data = data.distribute_eval(
+        dist, source, global_batch_size, method=distribute_method, shard_policy=shard_policy
+    )
+    num_eval_batches = -(-source.num_examples("eval") // global_batch_size)
+    loop = TrainLoop(dist, model, optimizer, step_fn, global_batch_size, train_data, global_step)
+    return loop, Evaluator(dist, model, eval_step_fn, eval_data, num_eval_batches)
 
 
 def _drive(loop: TrainLoop, run: RunContext, hooks: Sequence[Hook], steps_per_loop: int) -> None:
