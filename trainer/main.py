@@ -45,7 +45,7 @@ def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
         gin.parse_config_files_and_bindings(gin_files, bindings, finalize_config=False)
     except (SyntaxError, ValueError, TypeError, ImportError, KeyError) as e:
         where = f" ({e.filename}:{e.lineno})" if isinstance(e, SyntaxError) and e.filename else ""
-        detail = (e.msg if isinstance(e, SyntaxError) else str(e)).strip().splitlines()[0]
+        detail = (e.msg if isinstance(e, SyntaxError) else str(e)).strip().splitlines()[0].rstrip(".")
         raise UserError(f"bad gin config{where}: {detail}; fix the gin file or --gin_bindings") from e
 
 
