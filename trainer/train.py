@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import keras
 import tensorflow as tf
 
-from trainer import cluster, data, devices, models, optimizers, steps, strategies
+from trainer import cluster, data, devices, guard, models, optimizers, steps, strategies
 from trainer.checkpoints import CheckpointSaver
 from trainer.errors import UserError
 from trainer.hooks import CheckpointHook, ConfigWriter, EvalHook, Hook, ProgressLogger, RunContext
@@ -37,6 +37,7 @@ def train(
     seed: int = 0,
     step_fn: Callable = steps.classification_step,
     eval_step_fn: Callable = steps.classification_eval_step,
+    check_loss_scaling: bool = True,
     model_fn: Callable = models.cnn,
     data_source: data.DataSource | None = None,
     optimizer_fn: Callable = optimizers.make_optimizer,
@@ -111,6 +112,10 @@ def train(
         global_batch_size=global_batch_size, seed=seed, start_step=start_step,
         distribute_method=distribute_method, shard_policy=shard_policy,
     )
+
+    if check_loss_scaling:  # rule 2: a mis-scaled step stops here, before its first update
+        guard.check_loss_scaling(dist, model, optimizer, step_fn, source, global_batch_size=global_batch_size,
+                                 seed=seed, print_fn=print_fn)
 
     if info.is_chief:
         prepare_model_dir(model_dir)
