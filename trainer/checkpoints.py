@@ -25,7 +25,7 @@ class CheckpointSaver:
         max_to_keep: int = 3,
     ):
         self._checkpoint = checkpoint
-        self._model_dir = model_dir
+        self.model_dir = model_dir
         self._is_chief = is_chief
         self._task_name = task_name
         self._manager = (
@@ -37,7 +37,7 @@ class CheckpointSaver:
 
     def latest(self) -> str | None:
         """The newest checkpoint in the chief's directory, or None."""
-        return tf.train.latest_checkpoint(self._model_dir)
+        return tf.train.latest_checkpoint(self.model_dir)
 
     def restore_latest(self) -> str | None:
         """Restores the newest checkpoint if there is one; returns its path."""

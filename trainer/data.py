@@ -276,6 +276,31 @@ def _check(strategy: tf.distribute.Strategy, source: DataSource, split: str, met
                         "set the eval shard_policy to DATA")
 
 
+def _shards_by_file(source: DataSource, shard_policy: str, context: tf.distribute.InputContext) -> bool:
+    if context.num_input_pipelines <= 1:
+        return False
+    policy = shard_policy.upper()
+    return policy == "FILE" or policy == "AUTO" and source.num_files("train") >= context.num_input_pipelines
+
+
+def replica_slices(dataset: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.Dataset:
+    """Per-replica batches cut from global batches: this pipeline's replicas, in order.
+
+    Every pipeline reads the same global batches and keeps its own slices, so replica r
+    trains on slice r of global batch s, exactly as with `experimental_distribute_dataset`
+    and as one device would see it: results do not depend on how work is split.
+    """
+    replicas = context.num_replicas_in_sync
+    per_pipeline = replicas // context.num_input_pipelines
+    first = context.input_pipeline_id * per_pipeline
+
+    def split(*batch):
+        chunks = [tf.reshape(t, [replicas, -1, *t.shape[1:]])[first:first + per_pipeline] for t in batch]
+        return tf.data.Dataset.from_tensor_slices(tuple(chunks))
+
+    return dataset.flat_map(split).prefetch(tf.data.AUTOTUNE)
+
+
 def distribute_train(strategy: tf.distribute.Strategy, source: DataSource, global_batch_size: int, seed: int, *,
                      method: str = "dataset", shard_policy: str = "AUTO", skip_steps: int = 0
                      ) -> tf.distribute.DistributedDataset:
@@ -286,10 +311,13 @@ def distribute_train(strategy: tf.distribute.Strategy, source: DataSource, globa
         return strategy.experimental_distribute_dataset(dataset)
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        batches_per_step = context.num_replicas_in_sync // context.num_input_pipelines
-        return train_dataset(source, context.get_per_replica_batch_size(global_batch_size), seed,
-                             shard_policy=shard_policy, skip_batches=skip_steps * batches_per_step,
-                             input_context=context)
+        if _shards_by_file(source, shard_policy, context):
+            batches_per_step = context.num_replicas_in_sync // context.num_input_pipelines
+            return train_dataset(source, context.get_per_replica_batch_size(global_batch_size), seed,
+                                 shard_policy=shard_policy, skip_batches=skip_steps * batches_per_step,
+                                 input_context=context)
+        dataset = train_dataset(source, global_batch_size, seed, shard_policy="OFF", skip_batches=skip_steps)
+        return replica_slices(dataset, context)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 

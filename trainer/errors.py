@@ -7,3 +7,11 @@ class UserError(Exception):
     Entry points print `str(error)` on one line to stderr and exit with code 2.
     The message names the problem and the fix.
     """
+
+
+class RunFailure(Exception):
+    """A run that cannot go on for a reason outside the code: a dead peer, a lost ps task.
+
+    Entry points print it on one line and exit 1; the message says what to do next
+    (usually: restart, and the run continues from the newest checkpoint).
+    """

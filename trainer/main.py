@@ -12,21 +12,27 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
-from trainer.errors import UserError  # noqa: E402
+from trainer import local_cluster  # noqa: E402
+from trainer.errors import RunFailure, UserError  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("gin_file", [], "Gin config file(s), applied in order.")
 flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings applied after the files, e.g. 'train.total_steps=100'.")
 flags.DEFINE_string("model_dir", None, "Where checkpoints, summaries and metrics.jsonl go (default: a fresh ./runs/<time>).")
+flags.DEFINE_enum(
+    "mode", "train", ["train", "eval_continuous"],
+    "train: train and evaluate inline. eval_continuous: a sidecar evaluator that evaluates every new "
+    "checkpoint in --model_dir as it appears, until the one at train.total_steps.",
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def fail(message: str) -> None:
-    """Prints a one-line user error and exits 2."""
+def fail(message: str, exit_code: int = 2) -> None:
+    """Prints a one-line error and exits (2: a user mistake, 1: a run that could not go on)."""
     first_line = message.strip().splitlines()[0] if message.strip() else "unknown error"
     print(f"error: {first_line}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(exit_code)
 
 
 def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
@@ -65,16 +71,22 @@ def run(argv: list[str]) -> None:
         parse_gin(FLAGS.gin_file, FLAGS.gin_bindings)
         from trainer import configurables
 
+        print_fn = lambda line: print(line, flush=True)  # noqa: E731
+        if FLAGS.mode == "eval_continuous":
+            if not FLAGS.model_dir:
+                raise UserError("--mode=eval_continuous needs --model_dir=DIR, the directory of the run to evaluate")
+            configurables.evaluate_continuously(model_dir=FLAGS.model_dir, print_fn=print_fn)
+            return
         model_dir = FLAGS.model_dir or default_model_dir()
         if not FLAGS.model_dir:
             print(f"model_dir: {model_dir}", flush=True)
-        configurables.train(
-            model_dir=model_dir,
-            describe_config=gin.operative_config_str,
-            print_fn=lambda line: print(line, flush=True),
-        )
+        strategy = gin.get_bindings("train", resolve_references=False).get("strategy", "default")
+        with local_cluster.cluster_for(strategy, configurables.local_cluster, print_fn=print_fn):
+            configurables.train(model_dir=model_dir, describe_config=gin.operative_config_str, print_fn=print_fn)
     except UserError as e:
         fail(str(e))
+    except RunFailure as e:
+        fail(str(e), exit_code=1)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -86,7 +98,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    app.run(run, flags_parser=parse_flags)
+    app.run(local_cluster.exit_hard_after_ps(run), flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

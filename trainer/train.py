@@ -13,10 +13,12 @@ import tensorflow as tf
 
 from trainer import cluster, data, devices, guard, models, optimizers, steps, strategies
 from trainer.checkpoints import CheckpointSaver
-from trainer.errors import UserError
+from trainer.errors import RunFailure, UserError
 from trainer.hooks import CheckpointHook, ConfigWriter, EvalHook, Hook, ProgressLogger, RunContext
 from trainer.loop import Evaluator, TrainLoop
 from trainer.metrics_log import MetricsLog
+from trainer.preemption import PreemptionHook
+from trainer.ps_loop import ParameterServerConfig, build_ps_loops
 from trainer.run_files import check_model_dir, prepare_model_dir
 
 def _check_positive(**values: int) -> None:
@@ -44,10 +46,13 @@ def train(
     strategy: str = "default",
     device_config: devices.DeviceConfig | None = None,
     cluster_resolver: str = "tf_config",
+    cluster_resolver_options: dict | None = None,
     collective_timeout_secs: float | None = None,
     distribute_method: str = "dataset",
     shard_policy: str = "AUTO",
+    parameter_server: ParameterServerConfig | None = None,
     keep_checkpoints: int = 3,
+    preemption_checkpointing: bool = False,
     hooks: Sequence[Hook] = (),
     describe_config: Callable[[], str] | None = None,
     print_fn: Callable[[str], None] = print,
@@ -71,11 +76,12 @@ def train(
     source.validate()
 
     devices.configure_devices(device_config or devices.DeviceConfig())
-    info = cluster.resolve(strategy, cluster_resolver)
+    info = cluster.resolve(strategy, cluster_resolver, **(cluster_resolver_options or {}))
     dist = strategies.make_strategy(
         strategy,
         cluster_resolver=info.resolver,
         collective_timeout_secs=collective_timeout_secs,
+        variable_partitioner=parameter_server.variable_partitioner if parameter_server else None,
     )
     replicas = dist.num_replicas_in_sync
     if global_batch_size % replicas:
@@ -107,11 +113,18 @@ def train(
     if restored:
         print_fn(f"restored {restored}; continuing from step {start_step}")
 
-    loop, evaluator = _build_sync_loops(
-        dist, source, model, optimizer, global_step, step_fn, eval_step_fn,
-        global_batch_size=global_batch_size, seed=seed, start_step=start_step,
-        distribute_method=distribute_method, shard_policy=shard_policy,
-    )
+    if strategy == "parameter_server":
+        loop, evaluator = build_ps_loops(
+            dist, source, model, optimizer, global_step, step_fn, eval_step_fn,
+            global_batch_size=global_batch_size, seed=seed, start_step=start_step,
+            steps_per_loop=steps_per_loop, shard_policy=shard_policy, config=parameter_server,
+        )
+    else:
+        loop, evaluator = _build_sync_loops(
+            dist, source, model, optimizer, global_step, step_fn, eval_step_fn,
+            global_batch_size=global_batch_size, seed=seed, start_step=start_step,
+            distribute_method=distribute_method, shard_policy=shard_policy,
+        )
 
     if check_loss_scaling:  # rule 2: a mis-scaled step stops here, before its first update
         guard.check_loss_scaling(dist, model, optimizer, step_fn, source, global_batch_size=global_batch_size,
@@ -137,6 +150,7 @@ def train(
         EvalHook(eval_every_steps),
         CheckpointHook(checkpoint_every_steps),
         *([ConfigWriter(describe_config)] if describe_config else []),
+        *([PreemptionHook(dist, checkpoint, saver, print_fn)] if preemption_checkpointing else []),
         *hooks,
     ]
     _drive(loop, run, all_hooks, steps_per_loop)
@@ -161,6 +175,26 @@ def _build_sync_loops(
     return loop, Evaluator(dist, model, eval_step_fn, eval_data, num_eval_batches)
 
 
+def _op_error_summary(error: Exception) -> str:
+    """The line of a TensorFlow graph error that says what happened (not where)."""
+    for line in str(error).splitlines():
+        text = line.strip()
+        if text and not line[0].isspace() and not text.startswith(("Graph execution error", "Detected at node", "File ")):
+            return text.rstrip(".:")
+    return "no detail"
+
+
+def _peer_failure(error: Exception, step: int, num_steps: int, saver: CheckpointSaver) -> RunFailure:
+    """A collective or remote call that failed: name the steps and where a rerun continues."""
+    detail = _op_error_summary(error)
+    latest = saver.latest()
+    resume = f"a rerun continues from {latest}" if latest else "no checkpoint yet: a rerun starts over"
+    return RunFailure(
+        f"training failed in steps {step + 1}-{step + num_steps} ({type(error).__name__}: {detail}); "
+        f"a peer task may have died or timed out; {resume}"
+    )
+
+
 def _drive(loop: TrainLoop, run: RunContext, hooks: Sequence[Hook], steps_per_loop: int) -> None:
     """The outer loop: compiled calls that end on the nearest hook boundary, hooks in between."""
     for hook in hooks:
@@ -170,7 +204,11 @@ def _drive(loop: TrainLoop, run: RunContext, hooks: Sequence[Hook], steps_per_lo
         boundaries = [b for h in hooks if (b := h.steps_to_boundary(step)) is not None]
         num_steps = min([steps_per_loop, run.total_steps - step, *boundaries])
         started = time.monotonic()
-        metrics = loop.run(num_steps)
+        try:
+            metrics = loop.run(num_steps)
+        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError,
+                tf.errors.CancelledError, tf.errors.InternalError) as e:
+            raise _peer_failure(e, step, num_steps, run.saver) from e
         run.train_seconds += time.monotonic() - started
         step += num_steps
         for hook in hooks:
