@@ -209,3 +209,29 @@ def test_bad_tf_config_exits_2_with_one_line_quickly(tmp_path, tf_config, needle
     assert last.startswith("error: TF_CONFIG") and needle in last, last
     assert "Traceback" not in proc.stderr
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.timeout(200)
+def test_two_slurm_tasks_find_each_other_without_tf_config(tmp_path):
+    """srun sets these variables per task; TensorFlow's SlurmClusterResolver builds the cluster."""
+    model_dir = str(tmp_path / "run")
+    port_base = portpicker.pick_unused_port()
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost",
+             "SLURM_STEP_TASKS_PER_NODE": "2"}
+    flags = ["-m", "trainer.main", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
+             "--gin_bindings=train.cluster_resolver='slurm'",
+             f"--gin_bindings=train.cluster_resolver_options={{'port_base': {port_base}}}",
+             "--gin_bindings=train.total_steps=20", *QUIET]
+    tasks = [subprocess.Popen([sys.executable, *flags], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=subprocess_env(SLURM_PROCID=str(i), **slurm))
+             for i in range(2)]
+    try:
+        outputs = [t.communicate(timeout=150)[0] for t in tasks]
+    finally:
+        for t in tasks:
+            t.kill()
+            t.wait()
+    assert [t.returncode for t in tasks] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert all("on 2 replica(s) (2 worker(s))" in out for out in outputs)
+    assert "eval at step 20" in outputs[0] and "eval at step 20" not in outputs[1]  # task 0 is the chief
+    assert os.path.exists(os.path.join(model_dir, "ckpt-20.index"))
