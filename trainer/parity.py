@@ -1,0 +1,325 @@
+"""`python -m trainer.parity --gin_file=gin/<mode>.gin [--gin_bindings=...] [--steps=K] [--atol=X]`
+
+Does our loop train exactly like Keras `fit` on this config? Runs K steps of TrainLoop
+with the configured step, model, optimizer and data, and K steps of `fit` from the same
+initial weights on the same batches in the same order (`steps_per_execution=1`), prints
+both losses step by step, their difference and the largest weight difference, and exits
+0 when both are within `--atol`, 1 when not (2: a user mistake). The last line is the
+verdict with its figures.
+
+- default, one_device, mirrored, central_storage: against Keras 3 `fit` in this process,
+  on the same strategy (same replica count). Expected bit-identical weights.
+- multi_worker_mirrored: Keras 3 `fit` cannot run there (DESIGN.md rule 7), so the
+  comparison is against `tf_keras` `fit` (`TF_USE_LEGACY_KERAS=1`): `--num_workers`
+  worker processes run our loop, then as many run tf_keras `fit` under the same strategy
+  from the weights ours started with; results travel as .npz files. The tf_keras side calls
+  the configured `model_fn`/`optimizer_fn` with the name `keras` bound to tf_keras, so
+  they must use Keras API that both have.
+- `--replicas=1,2,4`: instead of fit, the same config on 1, 2 and 4 logical-CPU replicas
+  (MirroredStrategy, one fresh process each) at the same global batch size must give
+  the same losses and weights as the first count.
+- parameter_server: not supported yet (the tool says so and exits 2).
+
+`--report=FILE` appends the table and verdict to a markdown file
+(experiments/parity/run.sh regenerates experiments/parity/README.md that way).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags, logging  # noqa: E402
+
+from trainer import main as main_lib  # noqa: E402  (defines --gin_file and --gin_bindings)
+from trainer.errors import UserError  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("steps", 20, "Train steps on each side.")
+flags.DEFINE_float("atol", 1e-6, "Largest allowed absolute difference of any weight and of any step's loss.")
+flags.DEFINE_list("replicas", [], "Replica counts for the replica-invariance check instead of fit, e.g. 1,2,4.")
+flags.DEFINE_integer("num_workers", 2, "multi_worker_mirrored: worker processes on each side.")
+flags.DEFINE_string("report", None, "Append the table and verdict to this markdown file.")
+flags.DEFINE_enum("role", "compare", ["compare", "ours", "tf_keras_fit", "replicas"],
+                  "Internal: what this process does (compare runs the others as needed).")
+flags.DEFINE_string("work_dir", None, "Internal: where worker processes leave their results.")
+flags.DEFINE_integer("num_replicas", 0, "Internal: the replica count of a --role=replicas process.")
+
+IN_PROCESS = ("default", "one_device", "mirrored", "central_storage")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """Per-step losses of several runs (the first is the reference) and the weight difference."""
+
+    title: str
+    columns: list[str]
+    losses: list[list[float]]
+    max_dw: float
+    atol: float
+    num_params: int
+    seconds: float = 0.0
+
+    @property
+    def max_dloss(self) -> float:
+        reference = self.losses[0]
+        return max(abs(a - b) for other in self.losses[1:] for a, b in zip(reference, other))
+
+    @property
+    def passed(self) -> bool:
+        return self.max_dw <= self.atol and self.max_dloss <= self.atol
+
+    def rows(self) -> list[list[str]]:
+        rows = []
+        for step, values in enumerate(zip(*self.losses), start=1):
+            diff = max((v - values[0] for v in values[1:]), key=abs)
+            rows.append([str(step), *(f"{v:.9f}" for v in values), f"{diff:+.2e}"])
+        return rows
+
+    def header(self) -> list[str]:
+        return ["step", *(f"{c} loss" for c in self.columns), "diff"]
+
+    def verdict(self) -> str:
+        word, relation = ("PASS", "<=") if self.passed else ("FAIL", "exceeds")
+        return (f"{word}: max |dw| {self.max_dw:.2e}, max |dloss| {self.max_dloss:.2e} {relation} atol "
+                f"{self.atol:g} after {len(self.losses[0])} steps ({self.title})")
+
+    def text(self) -> str:
+        table = [self.header(), *self.rows()]
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+        lines.append(f"max |weight difference| {self.max_dw:.2e} over {self.num_params} parameters; "
+                     f"max |loss difference| {self.max_dloss:.2e}; {self.seconds:.0f} s")
+        return "\n".join([self.title, *lines, self.verdict()])
+
+    def markdown(self, command: str) -> str:
+        table = [self.header(), *self.rows()]
+        lines = [f"## {self.title}", "", f"`{command}`", "",
+                 "| " + " | ".join(table[0]) + " |", "|" + "---:|" * len(table[0])]
+        lines += ["| " + " | ".join(row) + " |" for row in table[1:]]
+        lines += ["", f"max \\|weight difference\\| {self.max_dw:.2e} over {self.num_params} parameters; "
+                  f"{self.seconds:.0f} s on this machine", "", f"**{self.verdict()}**", ""]
+        return "\n".join(lines)
+
+
+def max_abs_difference(a: list, b: list) -> float:
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        raise UserError("the two models have different weights (count or shapes); model_fn must build the same "
+                        "model on both sides")
+    return max((float(abs(x.astype("float64") - y.astype("float64")).max()) for x, y in zip(a, b) if x.size),
+               default=0.0)
+
+
+def describe(settings, replicas: int) -> str:
+    return f"{settings.strategy}, {replicas} replica(s), global batch {settings.global_batch_size}"
+
+
+# --- the comparisons ------------------------------------------------------------------------
+
+
+def compare_in_process(settings, steps: int, atol: float) -> Outcome:
+    """Ours and Keras 3 fit in this process, on the configured strategy."""
+    from trainer import parity_runs as runs
+
+    dist, _ = runs.make_strategy(settings)
+    model, optimizer = runs.build(settings, dist)
+    fit_model, fit_optimizer = runs.build(settings, dist, seed=False)
+    runs.copy_state(model, fit_model)
+    initial = runs.weights(model)
+    ours = runs.run_ours(settings, dist, model, optimizer, steps)
+    fit = runs.run_fit(settings, dist, fit_model, fit_optimizer, steps)
+    replicas = dist.num_replicas_in_sync
+    return Outcome(
+        title=f"{describe(settings, replicas)}: TrainLoop vs Keras 3 fit",
+        columns=["ours", "Keras 3 fit"], losses=[ours, fit],
+        max_dw=max_abs_difference(runs.weights(model), runs.weights(fit_model)),
+        atol=atol, num_params=sum(w.size for w in initial),
+    )
+
+
+def compare_multi_worker(settings, steps: int, atol: float, num_workers: int, gin_args: list[str]) -> Outcome:
+    """Ours on `num_workers` processes, then tf_keras fit on as many, from ours' initial weights."""
+    from trainer import launch
+    from trainer import parity_runs as runs
+
+    with tempfile.TemporaryDirectory(prefix="parity-") as work_dir:
+        common = [*gin_args, f"--steps={steps}", f"--work_dir={work_dir}"]
+        for role in ("ours", "tf_keras_fit"):
+            code = launch.launch(num_workers, 0, [*common, f"--role={role}"], module="trainer.parity")
+            if code == 2:
+                raise UserError(f"the {role} workers stopped on a user mistake (see their output above)")
+            if code:
+                raise RuntimeError(f"the {role} workers failed with exit code {code} (see their output above)")
+        ours, ours_arrays = runs.load(os.path.join(work_dir, "ours"))
+        fit, fit_arrays = runs.load(os.path.join(work_dir, "tf_keras_fit"))
+    return Outcome(
+        title=(f"{describe(settings, ours['replicas'])} in {num_workers} worker processes: "
+               "TrainLoop vs tf_keras fit"),
+        columns=["ours", "tf_keras fit"], losses=[ours["losses"], fit["losses"]],
+        max_dw=max_abs_difference(ours_arrays["final"], fit_arrays["final"]),
+        atol=atol, num_params=sum(w.size for w in ours_arrays["initial"]),
+    )
+
+
+def compare_replicas(settings, steps: int, atol: float, counts: list[int], gin_args: list[str]) -> Outcome:
+    """Ours on each replica count in a fresh process, all from the first one's initial weights."""
+    from trainer import parity_runs as runs
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="parity-") as work_dir:
+        for count in counts:
+            command = [sys.executable, "-m", "trainer.parity", *gin_args, f"--steps={steps}",
+                       f"--work_dir={work_dir}", "--role=replicas", f"--num_replicas={count}"]
+            proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if proc.returncode:
+                print(proc.stdout, end="")
+                if proc.returncode == 2:
+                    raise UserError(proc.stdout.strip().splitlines()[-1].removeprefix("error: "))
+                raise RuntimeError(f"the {count}-replica run failed with exit code {proc.returncode}")
+            results.append(runs.load(os.path.join(work_dir, f"replicas{count}")))
+    reference = results[0][1]["final"]
+    return Outcome(
+        title=(f"{settings.strategy} config on {', '.join(map(str, counts))} logical-CPU replicas "
+               f"(MirroredStrategy), global batch {settings.global_batch_size}: same losses and weights"),
+        columns=[f"{c} replica(s)" for c in counts], losses=[meta["losses"] for meta, _ in results],
+        max_dw=max(max_abs_difference(reference, arrays["final"]) for _, arrays in results[1:]),
+        atol=atol, num_params=sum(w.size for w in reference),
+    )
+
+
+# --- what one worker process does -------------------------------------------------------------
+
+
+def worker_ours(settings, steps: int, work_dir: str) -> None:
+    """One worker of the multi-worker comparison: our loop; the chief saves the results."""
+    from trainer import parity_runs as runs
+
+    dist, is_chief = runs.make_strategy(settings)
+    model, optimizer = runs.build(settings, dist)
+    initial = runs.weights(model)
+    losses = runs.run_ours(settings, dist, model, optimizer, steps)
+    if is_chief:
+        runs.save(os.path.join(work_dir, "ours"), losses=losses, replicas=dist.num_replicas_in_sync,
+                  arrays={"initial": initial, "final": runs.weights(model)})
+    print(f"ours: {steps} steps on {dist.num_replicas_in_sync} replicas, last loss {losses[-1]:.6f}", flush=True)
+
+
+def worker_tf_keras_fit(settings, steps: int, work_dir: str) -> None:
+    """One worker of the multi-worker comparison: tf_keras fit from ours' initial weights."""
+    from trainer import parity_runs as runs
+
+    _, arrays = runs.load(os.path.join(work_dir, "ours"))
+    dist, is_chief = runs.make_strategy(settings)
+    model, optimizer = runs.build(settings, dist)
+    with dist.scope():
+        model.set_weights(arrays["initial"])
+    losses = runs.run_fit(settings, dist, model, optimizer, steps)
+    if is_chief:
+        runs.save(os.path.join(work_dir, "tf_keras_fit"), losses=losses, replicas=dist.num_replicas_in_sync,
+                  arrays={"final": runs.weights(model)})
+    print(f"tf_keras fit: {steps} steps on {dist.num_replicas_in_sync} replicas, last loss {losses[-1]:.6f}",
+          flush=True)
+
+
+def worker_replicas(settings, steps: int, work_dir: str, count: int) -> None:
+    """Our loop on `count` logical CPUs under MirroredStrategy, from the first count's initial weights."""
+    import tensorflow as tf
+
+    from trainer import devices
+    from trainer import parity_runs as runs
+
+    if count < 1 or settings.global_batch_size % count:
+        raise UserError(f"--replicas: {count} does not divide train.global_batch_size {settings.global_batch_size}")
+    devices.configure_devices(dataclasses.replace(settings.device_config, logical_cpus=count,
+                                                  logical_cpus_without_gpu=0))
+    dist = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+    model, optimizer = runs.build(settings, dist)
+    init_path = os.path.join(work_dir, "initial")
+    if runs.exists(init_path):
+        _, arrays = runs.load(init_path)
+        with dist.scope():
+            model.set_weights(arrays["initial"])
+    else:
+        runs.save(init_path, losses=[], arrays={"initial": runs.weights(model)})
+    losses = runs.run_ours(settings, dist, model, optimizer, steps)
+    runs.save(os.path.join(work_dir, f"replicas{count}"), losses=losses, arrays={"final": runs.weights(model)})
+
+
+# --- entry point ---------------------------------------------------------------------------------
+
+
+def use_tf_keras() -> None:
+    """From here on, `import keras` (ours, the user's gin modules) and tf.keras are tf_keras."""
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    if "keras" in sys.modules and not sys.modules["keras"].__name__.startswith("tf_keras"):
+        raise RuntimeError("Keras 3 was imported before the tf_keras side could start")
+    import tf_keras
+
+    sys.modules["keras"] = tf_keras
+
+
+def gin_args() -> list[str]:
+    return [*(f"--gin_file={f}" for f in FLAGS.gin_file), *(f"--gin_bindings={b}" for b in FLAGS.gin_bindings)]
+
+
+def compare(settings, steps: int, atol: float) -> Outcome:
+    if FLAGS.replicas:
+        try:
+            counts = [int(c) for c in FLAGS.replicas]
+        except ValueError:
+            raise UserError(f"--replicas takes replica counts like 1,2,4, got {','.join(FLAGS.replicas)}") from None
+        return compare_replicas(settings, steps, atol, counts, gin_args())
+    if settings.strategy in IN_PROCESS:
+        return compare_in_process(settings, steps, atol)
+    if settings.strategy == "multi_worker_mirrored":
+        return compare_multi_worker(settings, steps, atol, FLAGS.num_workers, gin_args())
+    if settings.strategy == "parameter_server":
+        raise UserError("parity for parameter_server is not implemented yet; --replicas works for its model")
+    raise UserError(f"parity does not support strategy {settings.strategy!r}; use one of "
+                    f"{', '.join(IN_PROCESS)}, multi_worker_mirrored")
+
+
+def run(argv: list[str]) -> None:
+    del argv
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    if FLAGS.steps < 1:
+        main_lib.fail(f"--steps must be at least 1, got {FLAGS.steps}")
+    if FLAGS.role == "tf_keras_fit":
+        use_tf_keras()
+    started = time.monotonic()
+    try:
+        main_lib.parse_gin(FLAGS.gin_file, FLAGS.gin_bindings)
+        from trainer import parity_runs as runs
+
+        settings = runs.settings_from_gin()
+        if FLAGS.role == "ours":
+            return worker_ours(settings, FLAGS.steps, FLAGS.work_dir)
+        if FLAGS.role == "tf_keras_fit":
+            return worker_tf_keras_fit(settings, FLAGS.steps, FLAGS.work_dir)
+        if FLAGS.role == "replicas":
+            return worker_replicas(settings, FLAGS.steps, FLAGS.work_dir, FLAGS.num_replicas)
+        outcome = compare(settings, FLAGS.steps, FLAGS.atol)
+    except UserError as e:
+        main_lib.fail(str(e))
+    outcome.seconds = time.monotonic() - started
+    if FLAGS.report:
+        command = shlex.join(["python", "-m", "trainer.parity", *(a for a in sys.argv[1:] if not a.startswith("--report"))])
+        with open(FLAGS.report, "a") as f:
+            f.write(outcome.markdown(command) + "\n")
+    print(outcome.text(), flush=True)
+    sys.exit(0 if outcome.passed else 1)
+
+
+def main() -> None:
+    app.run(run, flags_parser=main_lib.parse_flags)
+
+
+if __name__ == "__main__":
+    main()
