@@ -9,9 +9,12 @@ import inspect
 import sys
 
 import gin
+import tensorflow as tf
 
 from trainer import data, devices, hooks, models, optimizers, steps
 from trainer import train as train_lib
+from trainer import local_cluster as local_cluster_lib
+from trainer import ps_loop, sidecar
 
 REGISTERED = {
     "train": train_lib.train,
@@ -28,12 +31,26 @@ REGISTERED = {
     "progress_logger": hooks.ProgressLogger,
     "checkpoint_hook": hooks.CheckpointHook,
     "eval_hook": hooks.EvalHook,
+    "parameter_server": ps_loop.ParameterServerConfig,
+    "local_cluster": local_cluster_lib.LocalClusterConfig,
+    "min_size_partitioner": tf.distribute.experimental.partitioners.MinSizePartitioner,
+    "max_size_partitioner": tf.distribute.experimental.partitioners.MaxSizePartitioner,
+    "fixed_shards_partitioner": tf.distribute.experimental.partitioners.FixedShardsPartitioner,
+    "eval_continuous": sidecar.evaluate_continuously,
 }
 """Gin name -> library object. Models are bound as `train.model_fn = @cnn` (called with
 input_shape and num_classes), data sources and devices as instances (`@digits()`)."""
 
 CONFIGURABLES = {name: gin.external_configurable(target, name) for name, target in REGISTERED.items()}
 train = CONFIGURABLES["train"]
+local_cluster = CONFIGURABLES["local_cluster"]
+
+
+def evaluate_continuously(*, model_dir: str, print_fn=print) -> dict[str, float]:
+    """--mode=eval_continuous: the sidecar evaluator, set up by the run's own `train.*` bindings
+    (`eval_continuous.timeout_secs` and `.poll_secs` are its own)."""
+    settings = sidecar.train_settings(train_lib.train, gin.get_bindings("train"))
+    return CONFIGURABLES["eval_continuous"](model_dir=model_dir, print_fn=print_fn, **settings)
 
 
 def describe(name: str, target) -> str:

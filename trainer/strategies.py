@@ -1,6 +1,8 @@
 """Build a `tf.distribute.Strategy` by name, so a gin file picks the mode with one string."""
 from __future__ import annotations
 
+import os
+
 import tensorflow as tf
 
 from trainer import devices
@@ -53,16 +55,54 @@ def make_strategy(
             cluster_resolver=cluster_resolver, communication_options=options
         )
     if name == "parameter_server":
-        if cluster_resolver is None:
-            cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        return tf.distribute.ParameterServerStrategy(
-            cluster_resolver, variable_partitioner=variable_partitioner
+        return _parameter_server_strategy(cluster_resolver, variable_partitioner)
+    if variable_partitioner is not None:
+        raise UserError(
+            f"a variable_partitioner shards variables across ps tasks and only works with strategy "
+            f"'parameter_server', not {name!r}; remove it or use gin/ps.gin"
         )
     if name == "tpu":
         return _tpu_strategy(tpu)
     raise UserError(
         f"unknown strategy {name!r}; set train.strategy to one of: {', '.join(STRATEGY_NAMES)}"
     )
+
+
+def _parameter_server_strategy(resolver, variable_partitioner) -> tf.distribute.Strategy:
+    """ParameterServerStrategy for the coordinator (task `chief`), checked before TF connects.
+
+    Workers and ps tasks do not run the training program: they run `python -m trainer.server`.
+    """
+    if resolver is None:
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    jobs = resolver.cluster_spec().as_dict()
+    if not jobs:
+        raise UserError(
+            "strategy 'parameter_server' needs a cluster with ps and worker tasks: run "
+            "`python -m trainer.main --gin_file=gin/ps.gin` without TF_CONFIG (it starts a local "
+            "one), use `python -m trainer.launch --num_ps=1 ...`, or set TF_CONFIG"
+        )
+    if resolver.task_type in ("worker", "ps"):
+        raise UserError(
+            f"this process is task {resolver.task_type} {resolver.task_id} of a ParameterServer "
+            "cluster; workers and ps tasks run `python -m trainer.server`, only the chief runs "
+            "trainer.main"
+        )
+    for needed in ("worker", "ps"):
+        if not jobs.get(needed):
+            raise UserError(
+                f"strategy 'parameter_server' needs at least one {needed!r} task in the cluster, "
+                f"which has {', '.join(sorted(jobs))}; add one to TF_CONFIG"
+            )
+    if resolver.task_type != "chief":
+        raise UserError(
+            f"strategy 'parameter_server' runs the training program on task 'chief' (the "
+            f"coordinator), but this process is {resolver.task_type!r}; add a chief to TF_CONFIG "
+            "and run trainer.main there"
+        )
+    # A dead worker or ps must be an error the coordinator can act on, not a hang (rule 8).
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    return tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=variable_partitioner)
 
 
 def _tpu_strategy(tpu: str) -> tf.distribute.Strategy:

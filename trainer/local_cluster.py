@@ -1,0 +1,318 @@
+"""An embedded ParameterServer cluster: ps and worker servers as subprocesses of this process.
+
+`python -m trainer.main --gin_file=gin/ps.gin` with no TF_CONFIG has nobody to coordinate,
+so it starts its own cluster on localhost: `num_ps` ps and `num_workers` worker tasks,
+each a `python -m trainer.server` subprocess on a free port (portpicker), and runs itself
+as the coordinator (task `chief`) by setting TF_CONFIG for its own process.
+
+Subprocesses, not in-process servers: TensorFlow's gRPC servers never shut down, so
+in-process ones would outlive the run (DESIGN.md rule 8). The servers are ended in a
+`finally` (SIGTERM, then SIGKILL after `grace_secs`), also on an error or a SIGTERM to
+this process; if this process is killed outright, each server notices its parent is
+gone and exits by itself (see trainer/server.py). So no process is left behind.
+
+A worker that dies is restarted on its port (up to `max_worker_restarts` times): the
+coordinator works around it meanwhile and gives it work again once it is back. A ps
+that dies is not restarted: its variables are gone, so the coordinator stops the run
+and a rerun continues from the last checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Callable, Iterator
+
+from trainer.errors import UserError
+
+SERVER_MODULE = "trainer.server"
+READY_MESSAGE = "listening at"  # printed by trainer.server once it serves
+_POLL_SECS = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalClusterConfig:
+    """The embedded cluster's shape (gin: `local_cluster.num_workers = 2`, ...).
+
+    Attributes:
+      num_workers: worker servers (>= 1).
+      num_ps: parameter servers (>= 1).
+      start_timeout_secs: how long the servers may take to start listening.
+      grace_secs: time the servers get after SIGTERM before SIGKILL.
+      max_worker_restarts: how often a dead worker is restarted (in total).
+    """
+
+    num_workers: int = 2
+    num_ps: int = 1
+    start_timeout_secs: float = 180.0
+    grace_secs: float = 5.0
+    max_worker_restarts: int = 3
+
+    def validate(self) -> None:
+        if self.num_workers < 1 or self.num_ps < 1:
+            raise UserError(
+                f"local_cluster needs at least 1 worker and 1 ps, got num_workers="
+                f"{self.num_workers}, num_ps={self.num_ps}"
+            )
+
+
+class _Server:
+    """One `trainer.server` subprocess; its output is copied to our stderr under a prefix."""
+
+    def __init__(self, task_type: str, task_id: int, cluster: dict, module: str):
+        self.task_type, self.task_id = task_type, task_id
+        self.name = f"{task_type} {task_id}"
+        self.ready = threading.Event()
+        self.last_lines: list[str] = []
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_id}})
+        env = {**os.environ, "TF_CONFIG": tf_config, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", module], env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        self._copier = threading.Thread(target=self._copy_output, daemon=True)
+        self._copier.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _copy_output(self) -> None:
+        with self.process.stdout:
+            for raw in iter(self.process.stdout.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\n")
+                self.last_lines = (self.last_lines + [line])[-5:]
+                if READY_MESSAGE in line:
+                    self.ready.set()
+                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signum)
+
+    def reap(self) -> None:
+        self.process.wait()
+        self._copier.join(timeout=5)
+
+
+class LocalCluster:
+    """Starts the servers, watches them, and ends them: use as a context manager."""
+
+    def __init__(
+        self,
+        config: LocalClusterConfig = LocalClusterConfig(),
+        *,
+        print_fn: Callable[[str], None] = print,
+        server_module: str = SERVER_MODULE,
+    ):
+        config.validate()
+        self.config = config
+        self._print = print_fn
+        self._module = server_module
+        self.cluster: dict[str, list[str]] = {}
+        self._servers: list[_Server] = []
+        self._retired: list[_Server] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._restarts = 0
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """'worker 0' -> pid of the task's current process."""
+        with self._lock:
+            return {server.name: server.pid for server in self._servers}
+
+    def coordinator_tf_config(self) -> str:
+        """TF_CONFIG of the coordinator: task `chief` 0 of this cluster."""
+        return json.dumps({"cluster": self.cluster, "task": {"type": "chief", "index": 0}})
+
+    def start(self) -> None:
+        ports = _free_ports(1 + self.config.num_workers + self.config.num_ps)
+        self.cluster = {
+            "chief": [f"localhost:{ports[0]}"],
+            "worker": [f"localhost:{p}" for p in ports[1:1 + self.config.num_workers]],
+            "ps": [f"localhost:{p}" for p in ports[1 + self.config.num_workers:]],
+        }
+        for task_type in ("ps", "worker"):
+            for task_id in range(len(self.cluster[task_type])):
+                self._servers.append(_Server(task_type, task_id, self.cluster, self._module))
+        self._wait_until_ready()
+        shown = ", ".join(
+            f"{s.name} pid {s.pid} at {self.cluster[s.task_type][s.task_id]}" for s in self._servers
+        )
+        self._print(f"local cluster: {shown}; this process is the coordinator (chief)")
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="local-cluster")
+        self._watcher.start()
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_secs
+        for server in self._servers:
+            while not server.ready.wait(_POLL_SECS):
+                code = server.poll()
+                if code is not None:
+                    detail = " | ".join(server.last_lines[-2:]) or "no output"
+                    raise RuntimeError(f"local cluster: {server.name} exited with code {code} while starting ({detail})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"local cluster: {server.name} did not start listening within "
+                        f"{self.config.start_timeout_secs:.0f} s"
+                    )
+
+    def _watch(self) -> None:
+        """Restarts dead workers (on the same port); reports a dead ps (the coordinator fails)."""
+        reported: set[int] = set()
+        while not self._stopping.wait(_POLL_SECS):
+            with self._lock:
+                for index, server in enumerate(self._servers):
+                    code = server.poll()
+                    if code is None or server.pid in reported or self._stopping.is_set():
+                        continue
+                    reported.add(server.pid)
+                    if server.task_type == "worker" and self._restarts < self.config.max_worker_restarts:
+                        self._restarts += 1
+                        self._retired.append(server)
+                        self._servers[index] = _Server(
+                            server.task_type, server.task_id, self.cluster, self._module
+                        )
+                        self._print(
+                            f"local cluster: {server.name} exited with code {code}; restarted it as "
+                            f"pid {self._servers[index].pid} ({self._restarts}/{self.config.max_worker_restarts})"
+                        )
+                    else:
+                        self._print(f"local cluster: {server.name} exited with code {code}")
+
+    def stop(self) -> None:
+        """SIGTERM to every server, SIGKILL after the grace period, then reap them all."""
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        with self._lock:
+            servers = self._servers + self._retired
+        for server in servers:
+            server.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.grace_secs
+        while any(s.poll() is None for s in servers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for server in servers:
+            server.signal(signal.SIGKILL)
+        for server in servers:
+            server.reap()
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _free_ports(count: int) -> list[int]:
+    import portpicker
+
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(portpicker.pick_unused_port())
+    return sorted(ports)
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) here, so `finally` blocks end the servers."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+def needs_local_cluster(strategy: str) -> bool:
+    """A ParameterServer run with no cluster given (no TF_CONFIG) gets an embedded one."""
+    return strategy == "parameter_server" and not os.environ.get("TF_CONFIG", "").strip()
+
+
+@contextlib.contextmanager
+def embedded_cluster(
+    config: LocalClusterConfig, *, print_fn: Callable[[str], None] = print
+) -> Iterator[LocalCluster]:
+    """Runs the body as the coordinator of a fresh local cluster, ended whatever happens."""
+    with _sigterm_unwinds(), LocalCluster(config, print_fn=print_fn) as cluster:
+        with _environ("TF_CONFIG", cluster.coordinator_tf_config()):
+            yield cluster
+
+
+_coordinates_ps_cluster = False
+
+
+def cluster_for(
+    strategy: str,
+    make_config: Callable[[], LocalClusterConfig],
+    *,
+    print_fn: Callable[[str], None] = print,
+) -> contextlib.AbstractContextManager:
+    """What an entry point runs `train` in: an embedded cluster when `needs_local_cluster`."""
+    global _coordinates_ps_cluster
+    _coordinates_ps_cluster = strategy == "parameter_server"
+    if not needs_local_cluster(strategy):
+        return contextlib.nullcontext()
+    return embedded_cluster(make_config(), print_fn=print_fn)
+
+
+def exit_hard_after_ps(run: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
+    """Wraps an entry point so that a ParameterServer coordinator ends with `os._exit`.
+
+    After a ParameterServer run TensorFlow's teardown tries to reach every server again
+    (to unregister functions); the embedded servers are gone by then, and each attempt
+    logs an error (or a dead ps makes it hang). The outcome is decided and printed by
+    then, so the process leaves without the teardown, with the same exit code.
+    """
+
+    def wrapped(argv: list[str]) -> None:
+        try:
+            run(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except Exception:
+            if not _coordinates_ps_cluster:
+                raise
+            traceback.print_exc()
+            code = 1
+        if _coordinates_ps_cluster:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        sys.exit(code)
+
+    return wrapped

@@ -1,0 +1,106 @@
+"""`python -m trainer.server`: one worker or ps task of a ParameterServer cluster, from TF_CONFIG.
+
+In ParameterServer training only the coordinator (task `chief`) runs the training
+program; workers and parameter servers are plain TensorFlow servers that execute
+what the coordinator sends them. This module is that server:
+
+    TF_CONFIG='{"cluster": {"chief": [...], "worker": [...], "ps": [...]},
+                "task": {"type": "worker", "index": 0}}' python -m trainer.server
+
+It checks TF_CONFIG with `trainer.cluster` (one line and exit 2 on a mistake),
+sets `GRPC_FAIL_FAST=use_caller` before TensorFlow loads (so a dead peer is an
+error the coordinator can act on, not a hang), gives the server
+`inter_op_parallelism_threads >= workers + 1` (fewer deadlock at the first
+`join`, DESIGN.md rule 8), prints one line once it listens, and blocks until
+SIGTERM or SIGINT, after which it exits 0. TensorFlow's gRPC server cannot be
+shut down, so the process ends with `os._exit`. A server whose parent process
+dies (the launcher or an embedded cluster killed with SIGKILL) exits too, so
+no server outlives what started it.
+"""
+
+import os
+import signal
+import sys
+import threading
+
+os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from trainer import cluster  # noqa: E402  (no TensorFlow import)
+from trainer.errors import UserError  # noqa: E402
+
+SERVER_TASK_TYPES = ("worker", "ps")
+READY_MESSAGE = "listening at"
+_PARENT_POLL_SECS = 1.0
+
+
+def check_server_task(info: cluster.ClusterInfo) -> None:
+    """Raises UserError unless `info` is a worker or ps task of a cluster with both."""
+    if not info.is_distributed:
+        raise UserError(
+            "trainer.server needs TF_CONFIG describing a worker or ps task; without a "
+            "cluster, run `python -m trainer.main --gin_file=gin/ps.gin`, which starts its own"
+        )
+    if info.task_type not in SERVER_TASK_TYPES:
+        raise UserError(
+            f"TF_CONFIG: task.type is {info.task_type!r} but trainer.server runs 'worker' or 'ps' "
+            "tasks; run the chief with `python -m trainer.main --gin_file=gin/ps.gin`"
+        )
+    for needed in SERVER_TASK_TYPES:
+        if not info.cluster.get(needed):
+            raise UserError(
+                f"TF_CONFIG: cluster has no {needed!r} tasks; a ParameterServer cluster needs "
+                "at least one worker and one ps"
+            )
+
+
+def inter_op_threads(info: cluster.ClusterInfo) -> int:
+    """At least one thread per worker plus one: fewer deadlocks the first `join` (rule 8)."""
+    return max(os.cpu_count() or 1, len(info.cluster.get("worker", [])) + 1)
+
+
+def serve(info: cluster.ClusterInfo, stop: threading.Event) -> None:
+    """Starts the server and returns once `stop` is set or the parent process has gone."""
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=inter_op_threads(info))
+    tf.distribute.Server(
+        tf.train.ClusterSpec(info.cluster),
+        job_name=info.task_type,
+        task_index=info.task_id,
+        protocol="grpc",
+        config=config,
+        start=True,
+    )
+    address = info.cluster[info.task_type][info.task_id]
+    print(
+        f"server {info.task_type} {info.task_id} (pid {os.getpid()}) {READY_MESSAGE} {address}",
+        flush=True,
+    )
+    parent = os.getppid()
+    while not stop.wait(_PARENT_POLL_SECS):
+        if os.getppid() != parent:
+            print(f"server {info.task_type} {info.task_id}: parent process gone; exiting", flush=True)
+            return
+
+
+def main() -> int:
+    try:
+        info = cluster.cluster_from_env(cluster.allowed_task_types_for("parameter_server"))
+        check_server_task(info)
+    except UserError as error:
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    serve(info, stop)
+    print(f"server {info.task_type} {info.task_id} stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # The gRPC server has no shutdown; a normal exit can hang in its threads.
