@@ -6,10 +6,15 @@ All workers restore from the chief's directory.
 """
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import tempfile
+from typing import Callable
 
 import tensorflow as tf
+
+from trainer.errors import UserError
 
 
 class CheckpointSaver:
@@ -39,12 +44,37 @@ class CheckpointSaver:
         """The newest checkpoint in the chief's directory, or None."""
         return tf.train.latest_checkpoint(self.model_dir)
 
-    def restore_latest(self) -> str | None:
-        """Restores the newest checkpoint if there is one; returns its path."""
-        path = self.latest()
-        if path:
-            self._checkpoint.restore(path).assert_existing_objects_matched()
-        return path
+    def candidates(self) -> list[str]:
+        """Checkpoints of the chief's directory, newest first."""
+        state = tf.train.get_checkpoint_state(self.model_dir)
+        if state is None:
+            return []
+        paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+        return [p if os.path.isabs(p) else os.path.join(self.model_dir, p) for p in reversed(paths)]
+
+    def restore_latest(self, print_fn: Callable[[str], None] = print) -> str | None:
+        """Restores the newest readable checkpoint; returns its path (None: nothing to restore).
+
+        A checkpoint that cannot be read (truncated, corrupted, a file missing) is skipped,
+        saying so, for the one before it. One that does not fit the model is a UserError:
+        restoring an older one would not fit either.
+        """
+        for path in self.candidates():
+            try:
+                self._checkpoint.restore(path).assert_existing_objects_matched()
+                return path
+            except tf.errors.OpError as e:
+                print_fn(f"warning: {path} cannot be read ({_first_line(e)}); trying the checkpoint before it")
+            except (ValueError, AssertionError) as e:
+                raise UserError(
+                    f"checkpoint {path} does not match the model ({_first_line(e)}); use the model "
+                    "that wrote it or a fresh --model_dir"
+                ) from e
+        if self.candidates():
+            raise UserError(
+                f"no checkpoint in {self.model_dir} can be read; move them away to start over"
+            )
+        return None
 
     def save(self, step: int) -> str:
         """Every worker must call this at the same step; returns the path written."""
@@ -60,3 +90,9 @@ class CheckpointSaver:
                 shutil.rmtree(temp_dir, ignore_errors=True)
         self.last_saved_step = step
         return path
+
+
+def _first_line(error: Exception) -> str:
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[0] if lines else type(error).__name__).rstrip(".")
