@@ -1,0 +1,92 @@
+"""`python -m trainer.parity`: our loop trains like Keras fit, and says so in its exit code.
+
+Real runs of the tool in fresh processes on small models (the CNN with 8 filters), a few
+steps each; the full-size runs of every mode are in experiments/parity/.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.support import run_module
+
+SMALL = ["--gin_bindings=cnn.filters=(8, 8, 8)", "--gin_bindings=cnn.dense_units=16"]
+
+
+def run_parity(*args: str, timeout: float = 200):
+    return run_module("trainer.parity", *SMALL, *args, timeout=timeout)
+
+
+def verdict(proc) -> tuple[str, float, float]:
+    """(PASS|FAIL, max |dw|, max |dloss|) from the last line."""
+    last = proc.stdout.strip().splitlines()[-1]
+    match = re.match(r"(PASS|FAIL): max \|dw\| (\S+), max \|dloss\| (\S+) ", last)
+    assert match, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return match[1], float(match[2]), float(match[3])
+
+
+def step_losses(proc, column: int) -> list[float]:
+    rows = re.findall(r"^\s+\d+\s+(\S+)\s+(\S+)\s+\S+$", proc.stdout, re.M)
+    return [float(row[column]) for row in rows]
+
+
+@pytest.mark.timeout(120)
+def test_parity_with_l2_adam_and_schedule_under_mirrored_2_replicas():
+    # Adam with warm-up and cosine decay: the rate changes at every step.
+    proc = run_parity("--gin_file=gin/mirrored.gin", "--steps=8", "--gin_bindings=cnn.l2=1e-3",
+                      "--gin_bindings=train.total_steps=10", "--gin_bindings=make_optimizer.name='adam'",
+                      "--gin_bindings=make_optimizer.learning_rate=0.01", "--gin_bindings=make_optimizer.warmup_steps=3",
+                      "--gin_bindings=make_optimizer.decay='cosine'", timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mirrored, 2 replica(s), global batch 64: TrainLoop vs Keras 3 fit" in proc.stdout
+    word, dw, dloss = verdict(proc)
+    assert word == "PASS" and dw <= 1e-6 and dloss <= 1e-6
+    ours, fit = step_losses(proc, 0), step_losses(proc, 1)
+    assert len(ours) == len(fit) == 8
+    assert ours[0] != ours[-1], "the weights never changed: the comparison would prove nothing"
+
+
+@pytest.mark.timeout(120)
+def test_a_difference_the_guard_cannot_see_fails_parity():
+    """Twice the learning rate in the step: scaled right on any replica count, but not fit's training."""
+    proc = run_parity("--gin_file=gin/mirrored.gin", "--steps=4", "--gin_bindings=import tests.guard_steps",
+                      "--gin_bindings=train.step_fn=@double_learning_rate_step",
+                      "--gin_bindings=make_optimizer.name='sgd'", "--gin_bindings=make_optimizer.learning_rate=0.05",
+                      timeout=110)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    word, dw, _ = verdict(proc)
+    assert word == "FAIL" and dw > 1e-4
+    assert step_losses(proc, 0)[0] == step_losses(proc, 1)[0], "step 1 starts from the same weights and batch"
+
+
+@pytest.mark.timeout(200)
+def test_replica_counts_train_the_same():
+    proc = run_parity("--gin_file=gin/mirrored.gin", "--steps=4", "--replicas=1,2", "--gin_bindings=cnn.l2=1e-3",
+                      timeout=190)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on 1, 2 logical-CPU replicas" in proc.stdout
+    word, dw, dloss = verdict(proc)
+    assert word == "PASS" and dw <= 1e-6 and dloss <= 1e-6
+
+
+@pytest.mark.timeout(200)
+def test_multi_worker_parity_against_tf_keras_fit_in_two_worker_processes():
+    # SGD with momentum and the linear scaling rule (rate x 64/32) with warm-up, and an L2 regulariser.
+    proc = run_parity("--gin_file=gin/mwms.gin", "--steps=4", "--num_workers=2", "--gin_bindings=cnn.l2=1e-3",
+                      "--gin_bindings=make_optimizer.name='sgd'", "--gin_bindings=make_optimizer.momentum=0.9",
+                      "--gin_bindings=make_optimizer.learning_rate=0.05",
+                      "--gin_bindings=make_optimizer.reference_batch_size=32",
+                      "--gin_bindings=make_optimizer.warmup_steps=2", timeout=190)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "in 2 worker processes: TrainLoop vs tf_keras fit" in proc.stdout
+    word, dw, dloss = verdict(proc)
+    assert word == "PASS" and dw <= 1e-6 and dloss <= 1e-6
+
+
+@pytest.mark.timeout(60)
+def test_user_mistake_exits_2_with_one_line():
+    proc = run_parity("--gin_file=gin/mirrored.gin", "--replicas=1,3", "--steps=1", timeout=55)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "3 does not divide train.global_batch_size 64" in errors[0]
