@@ -274,6 +274,10 @@ def compare(settings, steps: int, atol: float) -> Outcome:
             counts = [int(c) for c in FLAGS.replicas]
         except ValueError:
             raise UserError(f"--replicas takes replica counts like 1,2,4, got {','.join(FLAGS.replicas)}") from None
+        for count in counts:
+            if count < 1 or settings.global_batch_size % count:
+                raise UserError(f"--replicas: {count} does not divide train.global_batch_size "
+                                f"{settings.global_batch_size}")
         return compare_replicas(settings, steps, atol, counts, gin_args())
     if settings.strategy in IN_PROCESS:
         return compare_in_process(settings, steps, atol)
