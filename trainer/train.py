@@ -118,6 +118,7 @@ def train(
             dist, source, model, optimizer, global_step, step_fn, eval_step_fn,
             global_batch_size=global_batch_size, seed=seed, start_step=start_step,
             steps_per_loop=steps_per_loop, shard_policy=shard_policy, config=parameter_server,
+            print_fn=print_fn,
         )
     else:
         loop, evaluator = _build_sync_loops(
