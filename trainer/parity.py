@@ -18,7 +18,12 @@ verdict with its figures.
 - `--replicas=1,2,4`: instead of fit, the same config on 1, 2 and 4 logical-CPU replicas
   (MirroredStrategy, one fresh process each) at the same global batch size must give
   the same losses and weights as the first count.
-- parameter_server: not supported yet (the tool says so and exits 2).
+- parameter_server: against tf_keras `fit` under ParameterServerStrategy, each side in
+  its own process with its own embedded local cluster (`local_cluster.num_workers`
+  workers, one ps). With one worker, exact, step by step as above. With more, updates
+  are asynchronous and their order differs on every run, so weights cannot match: each
+  side trains `--metric_steps` steps and the final eval accuracy of both (computed here,
+  with the configured eval step) must agree within `--metric_atol`.
 
 `--report=FILE` appends the table and verdict to a markdown file
 (experiments/parity/run.sh regenerates experiments/parity/README.md that way).
@@ -45,6 +50,10 @@ flags.DEFINE_integer("steps", 20, "Train steps on each side.")
 flags.DEFINE_float("atol", 1e-6, "Largest allowed absolute difference of any weight and of any step's loss.")
 flags.DEFINE_list("replicas", [], "Replica counts for the replica-invariance check instead of fit, e.g. 1,2,4.")
 flags.DEFINE_integer("num_workers", 2, "multi_worker_mirrored: worker processes on each side.")
+flags.DEFINE_integer("metric_steps", 300, "parameter_server with several workers: steps on each side before "
+                     "the final eval metrics are compared.")
+flags.DEFINE_float("metric_atol", 0.03, "parameter_server with several workers: largest allowed difference of the "
+                   "final eval accuracy.")
 flags.DEFINE_string("report", None, "Append the table and verdict to this markdown file.")
 flags.DEFINE_enum("role", "compare", ["compare", "ours", "tf_keras_fit", "replicas"],
                   "Internal: what this process does (compare runs the others as needed).")
@@ -193,38 +202,146 @@ def compare_replicas(settings, steps: int, atol: float, counts: list[int], gin_a
     )
 
 
+def compare_parameter_server(settings, steps: int, atol: float, gin_args: list[str]):
+    """Ours, then tf_keras fit, each in a subprocess that runs its own embedded ps cluster."""
+    from trainer import configurables
+    from trainer import parity_runs as runs
+
+    if os.environ.get("TF_CONFIG", "").strip():
+        raise UserError("parity for parameter_server starts its own local clusters; unset TF_CONFIG")
+    workers = configurables.local_cluster().num_workers
+    exact = workers == 1
+    if not exact:
+        steps = FLAGS.metric_steps
+    with tempfile.TemporaryDirectory(prefix="parity-") as work_dir:
+        for role in ("ours", "tf_keras_fit"):
+            command = [sys.executable, "-m", "trainer.parity", *gin_args, f"--steps={steps}",
+                       f"--work_dir={work_dir}", f"--role={role}"]
+            code = subprocess.run(command).returncode
+            if code == 2:
+                raise UserError(f"the {role} run stopped on a user mistake (see its output above)")
+            if code:
+                raise RuntimeError(f"the {role} run failed with exit code {code} (see its output above)")
+        ours, ours_arrays = runs.load(os.path.join(work_dir, "ours"))
+        fit, fit_arrays = runs.load(os.path.join(work_dir, "tf_keras_fit"))
+    title = f"parameter_server, {workers} worker(s), global batch {settings.global_batch_size}: TrainLoop vs tf_keras fit"
+    if exact:
+        return Outcome(
+            title=title, columns=["ours", "tf_keras fit"], losses=[ours["losses"], fit["losses"]],
+            max_dw=max_abs_difference(ours_arrays["final"], fit_arrays["final"]),
+            atol=atol, num_params=sum(w.size for w in ours_arrays["initial"]),
+        )
+    return MetricOutcome(
+        title=f"{title}, by final eval metrics", steps=steps, tolerance=FLAGS.metric_atol,
+        ours={"last train loss": ours["losses"][-1], **runs.evaluate(settings, ours_arrays["final"])},
+        fit={"last train loss": fit["losses"][-1], **runs.evaluate(settings, fit_arrays["final"])},
+    )
+
+
+@dataclasses.dataclass
+class MetricOutcome:
+    """Asynchronous training on both sides: final metrics compared, not weights."""
+
+    title: str
+    steps: int
+    tolerance: float
+    ours: dict
+    fit: dict
+    seconds: float = 0.0
+
+    NOTE = ("updates from several workers are asynchronous and land in a different order on every run, so "
+            "weights are not comparable; compared: final eval accuracy")
+
+    @property
+    def accuracy_difference(self) -> float:
+        return abs(self.ours["accuracy"] - self.fit["accuracy"])
+
+    @property
+    def passed(self) -> bool:
+        return self.accuracy_difference <= self.tolerance
+
+    def rows(self) -> list[list[str]]:
+        keys = ["last train loss", "loss", "accuracy"]
+        names = {"loss": "eval loss", "accuracy": "eval accuracy"}
+        return [[names.get(k, k), f"{self.ours[k]:.4f}", f"{self.fit[k]:.4f}", f"{self.fit[k] - self.ours[k]:+.4f}"]
+                for k in keys]
+
+    def verdict(self) -> str:
+        word, relation = ("PASS", "<=") if self.passed else ("FAIL", "exceeds")
+        return (f"{word}: |eval accuracy difference| {self.accuracy_difference:.4f} {relation} "
+                f"{self.tolerance:g} after {self.steps} steps ({self.title})")
+
+    def text(self) -> str:
+        table = [["metric", "ours", "tf_keras fit", "diff"], *self.rows()]
+        widths = [max(len(row[i]) for row in table) for i in range(4)]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+        return "\n".join([self.title, f"({self.NOTE})", *lines, f"{self.seconds:.0f} s", self.verdict()])
+
+    def markdown(self, command: str) -> str:
+        lines = [f"## {self.title}", "", f"`{command}`", "", self.NOTE + ".", "",
+                 "| metric | ours | tf_keras fit | diff |", "|---|---:|---:|---:|"]
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows()]
+        lines += ["", f"{self.seconds:.0f} s on this machine", "", f"**{self.verdict()}**", ""]
+        return "\n".join(lines)
+
+
 # --- what one worker process does -------------------------------------------------------------
 
 
 def worker_ours(settings, steps: int, work_dir: str) -> None:
-    """One worker of the multi-worker comparison: our loop; the chief saves the results."""
+    """Our loop; the chief saves the results. Multi-worker: one of the launched workers.
+
+    parameter_server: this process coordinates its own embedded cluster.
+    """
     from trainer import parity_runs as runs
 
-    dist, is_chief = runs.make_strategy(settings)
-    model, optimizer = runs.build(settings, dist)
-    initial = runs.weights(model)
-    losses = runs.run_ours(settings, dist, model, optimizer, steps)
-    if is_chief:
-        runs.save(os.path.join(work_dir, "ours"), losses=losses, replicas=dist.num_replicas_in_sync,
-                  arrays={"initial": initial, "final": runs.weights(model)})
+    with _embedded_cluster(settings):
+        dist, is_chief = runs.make_strategy(settings)
+        model, optimizer = runs.build(settings, dist)
+        initial = runs.weights(model)
+        if settings.strategy == "parameter_server":
+            losses = runs.run_ours_ps(settings, dist, model, optimizer, steps, chunk=_ps_chunk(settings, dist))
+        else:
+            losses = runs.run_ours(settings, dist, model, optimizer, steps)
+        if is_chief:
+            runs.save(os.path.join(work_dir, "ours"), losses=losses, replicas=dist.num_replicas_in_sync,
+                      arrays={"initial": initial, "final": runs.weights(model)})
     print(f"ours: {steps} steps on {dist.num_replicas_in_sync} replicas, last loss {losses[-1]:.6f}", flush=True)
 
 
 def worker_tf_keras_fit(settings, steps: int, work_dir: str) -> None:
-    """One worker of the multi-worker comparison: tf_keras fit from ours' initial weights."""
+    """tf_keras fit from ours' initial weights, on the same strategy; the chief saves the results."""
     from trainer import parity_runs as runs
 
     _, arrays = runs.load(os.path.join(work_dir, "ours"))
-    dist, is_chief = runs.make_strategy(settings)
-    model, optimizer = runs.build(settings, dist)
-    with dist.scope():
-        model.set_weights(arrays["initial"])
-    losses = runs.run_fit(settings, dist, model, optimizer, steps)
-    if is_chief:
-        runs.save(os.path.join(work_dir, "tf_keras_fit"), losses=losses, replicas=dist.num_replicas_in_sync,
-                  arrays={"final": runs.weights(model)})
+    with _embedded_cluster(settings):
+        dist, is_chief = runs.make_strategy(settings)
+        model, optimizer = runs.build(settings, dist)
+        with dist.scope():
+            model.set_weights(arrays["initial"])
+        if settings.strategy == "parameter_server":
+            losses = runs.run_fit_ps(settings, dist, model, optimizer, steps, chunk=_ps_chunk(settings, dist))
+        else:
+            losses = runs.run_fit(settings, dist, model, optimizer, steps)
+        if is_chief:
+            runs.save(os.path.join(work_dir, "tf_keras_fit"), losses=losses, replicas=dist.num_replicas_in_sync,
+                      arrays={"final": runs.weights(model)})
     print(f"tf_keras fit: {steps} steps on {dist.num_replicas_in_sync} replicas, last loss {losses[-1]:.6f}",
           flush=True)
+
+
+def _embedded_cluster(settings):
+    """parameter_server: a local cluster coordinated by this process; otherwise nothing."""
+    from trainer import configurables, local_cluster
+
+    return local_cluster.cluster_for(settings.strategy, configurables.local_cluster, print_fn=print)
+
+
+def _ps_chunk(settings, dist) -> int:
+    """One step per call with one worker (step-by-step losses); a whole loop's steps with more."""
+    from trainer import data
+
+    return 1 if data.num_workers(dist) == 1 else settings.steps_per_loop
 
 
 def worker_replicas(settings, steps: int, work_dir: str, count: int) -> None:
@@ -268,7 +385,7 @@ def gin_args() -> list[str]:
     return [*(f"--gin_file={f}" for f in FLAGS.gin_file), *(f"--gin_bindings={b}" for b in FLAGS.gin_bindings)]
 
 
-def compare(settings, steps: int, atol: float) -> Outcome:
+def compare(settings, steps: int, atol: float) -> Outcome | MetricOutcome:
     if FLAGS.replicas:
         try:
             counts = [int(c) for c in FLAGS.replicas]
@@ -284,9 +401,9 @@ def compare(settings, steps: int, atol: float) -> Outcome:
     if settings.strategy == "multi_worker_mirrored":
         return compare_multi_worker(settings, steps, atol, FLAGS.num_workers, gin_args())
     if settings.strategy == "parameter_server":
-        raise UserError("parity for parameter_server is not implemented yet; --replicas works for its model")
+        return compare_parameter_server(settings, steps, atol, gin_args())
     raise UserError(f"parity does not support strategy {settings.strategy!r}; use one of "
-                    f"{', '.join(IN_PROCESS)}, multi_worker_mirrored")
+                    f"{', '.join(IN_PROCESS)}, multi_worker_mirrored, parameter_server")
 
 
 def run(argv: list[str]) -> None:
@@ -303,10 +420,9 @@ def run(argv: list[str]) -> None:
         from trainer import parity_runs as runs
 
         settings = runs.settings_from_gin()
-        if FLAGS.role == "ours":
-            return worker_ours(settings, FLAGS.steps, FLAGS.work_dir)
-        if FLAGS.role == "tf_keras_fit":
-            return worker_tf_keras_fit(settings, FLAGS.steps, FLAGS.work_dir)
+        if FLAGS.role in ("ours", "tf_keras_fit"):
+            worker = worker_ours if FLAGS.role == "ours" else worker_tf_keras_fit
+            return worker(settings, FLAGS.steps, FLAGS.work_dir)
         if FLAGS.role == "replicas":
             return worker_replicas(settings, FLAGS.steps, FLAGS.work_dir, FLAGS.num_replicas)
         outcome = compare(settings, FLAGS.steps, FLAGS.atol)
@@ -322,7 +438,11 @@ def run(argv: list[str]) -> None:
 
 
 def main() -> None:
-    app.run(run, flags_parser=main_lib.parse_flags)
+    from trainer import local_cluster
+
+    # A ParameterServer coordinator leaves with os._exit (TensorFlow's teardown would call
+    # the stopped servers), as trainer.main does.
+    app.run(local_cluster.exit_hard_after_ps(run), flags_parser=main_lib.parse_flags)
 
 
 if __name__ == "__main__":

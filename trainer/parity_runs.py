@@ -43,6 +43,9 @@ class Settings:
     collective_timeout_secs: float | None
     distribute_method: str
     shard_policy: str
+    eval_step_fn: Callable
+    steps_per_loop: int
+    parameter_server: object = None  # ps_loop.ParameterServerConfig, for strategy 'parameter_server'
 
 
 def settings_from_gin() -> Settings:
@@ -70,9 +73,11 @@ def make_strategy(settings: Settings) -> tuple[tf.distribute.Strategy, bool]:
     settings.data_source.validate()
     devices.configure_devices(settings.device_config)
     info = cluster.resolve(settings.strategy, settings.cluster_resolver, **settings.cluster_resolver_options)
+    partitioner = getattr(settings.parameter_server, "variable_partitioner", None)
     dist = strategies.make_strategy(
         settings.strategy, cluster_resolver=info.resolver,
         collective_timeout_secs=settings.collective_timeout_secs,
+        **({"variable_partitioner": partitioner} if partitioner else {}),
     )
     if settings.global_batch_size % dist.num_replicas_in_sync:
         raise UserError(f"train.global_batch_size {settings.global_batch_size} is not divisible by the "
@@ -113,6 +118,64 @@ def run_ours(settings: Settings, dist: tf.distribute.Strategy, model, optimizer,
                             "output with Keras fit's loss")
         losses.append(outputs["loss"])
     return losses
+
+
+def run_ours_ps(settings: Settings, dist: tf.distribute.Strategy, model, optimizer, steps: int,
+                chunk: int) -> list[float]:
+    """`steps` steps of the ParameterServer loop, `chunk` steps per call; the mean loss of each call.
+
+    With one step per call a single closure runs at a time, on one worker; with more, the
+    steps are spread over the workers as in training (asynchronous updates).
+    """
+    from trainer.ps_loop import build_ps_loops
+
+    with dist.scope():
+        global_step = tf.Variable(0, dtype=tf.int64, trainable=False)
+    loop, _ = build_ps_loops(
+        dist, settings.data_source, model, optimizer, global_step, settings.step_fn, settings.eval_step_fn,
+        global_batch_size=settings.global_batch_size, seed=settings.seed, start_step=0,
+        steps_per_loop=settings.steps_per_loop, shard_policy=settings.shard_policy,
+        config=settings.parameter_server,
+    )
+    losses = []
+    for start in range(0, steps, chunk):
+        losses.append(loop.run(min(chunk, steps - start))["loss"])
+    return losses
+
+
+def run_fit_ps(settings: Settings, dist: tf.distribute.Strategy, model, optimizer, steps: int,
+               chunk: int) -> list[float]:
+    """tf_keras fit under ParameterServerStrategy: `steps` steps as epochs of `chunk` steps.
+
+    One step per epoch (chunk 1) on the stored batches of `fit_input`: the epoch's loss is
+    the step's loss. With more workers, every worker reads the training pipeline itself.
+    """
+    with dist.scope():
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=1)
+    if hasattr(model, "distribute_reduction_method"):
+        model.distribute_reduction_method = "first"
+    source, gb, seed = settings.data_source, settings.global_batch_size, settings.seed
+    pipeline = data.train_dataset(source, gb, seed, shard_policy=settings.shard_policy)
+    if chunk == 1:
+        batches = list(pipeline.take(steps).as_numpy_iterator())
+        pipeline = tf.data.Dataset.from_tensor_slices(tuple(np.stack(parts) for parts in zip(*batches)))
+    if steps % chunk:
+        raise UserError(f"--steps {steps} must be a multiple of train.steps_per_loop {chunk} here")
+    history = model.fit(pipeline, epochs=steps // chunk, steps_per_epoch=chunk, verbose=0)
+    return [float(v) for v in history.history["loss"]]
+
+
+def evaluate(settings: Settings, weights_list: list[np.ndarray]) -> dict[str, float]:
+    """The configured eval step over the whole eval set, on this process's device, with these weights."""
+    from trainer.loop import Evaluator
+
+    source, gb = settings.data_source, settings.global_batch_size
+    model = settings.model_fn(source.input_shape, source.num_classes)
+    model.set_weights(weights_list)
+    dataset = data.eval_dataset(source, gb)
+    return Evaluator(tf.distribute.get_strategy(), model, settings.eval_step_fn, dataset,
+                     -(-source.num_examples("eval") // gb)).evaluate()
 
 
 def fit_input(settings: Settings, dist: tf.distribute.Strategy, steps: int):
