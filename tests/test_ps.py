@@ -263,13 +263,17 @@ def test_a_lost_ps_stops_the_chief_with_one_line_and_a_rerun_continues(tmp_path)
 
 
 @pytest.mark.timeout(200)
-def test_variables_shard_across_ps_tasks_for_a_tf_module_model(tmp_path):
+def test_tf_module_variables_shard_across_ps_tasks_and_sigterm_ends_the_cluster(tmp_path):
+    """Sharding by gin for a tf.Module model; then SIGTERM: exit 143, every server stopped.
+    (One cluster start for both, to keep the suite short.)"""
     gin_file = tmp_path / "module.gin"
     gin_file.write_text(textwrap.dedent(f"""
         import tests.module_model
         include '{REPO}/gin/ps.gin'
         train.model_fn = @module_mlp
-        train.total_steps = 40
+        train.total_steps = 100000
+        train.log_every_steps = 50
+        train.checkpoint_every_steps = 50
         parameter_server.variable_partitioner = @min_size_partitioner()
         min_size_partitioner.min_shard_bytes = 4096
         min_size_partitioner.max_shards = 2
@@ -277,12 +281,22 @@ def test_variables_shard_across_ps_tasks_for_a_tf_module_model(tmp_path):
         local_cluster.num_workers = 1
     """))
     model_dir = tmp_path / "module"
-    proc = run_main(f"--gin_file={gin_file}", f"--model_dir={model_dir}", timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    # w1 (64x64 floats, 16 KiB) is split across both ps tasks; the small ones stay whole.
-    assert "variables on /job:ps/task:0, /job:ps/task:1; sharded: w1 in 2" in proc.stdout
-    assert evals(model_dir)[0][-1]["step"] == 40
-    assert_all_gone(server_pids(proc.stderr))
+    run = Main(f"--gin_file={gin_file}", f"--model_dir={model_dir}")
+    try:
+        # w1 (64x64 floats, 16 KiB) is split across both ps tasks; the small ones stay whole.
+        run.wait_for(r"variables on /job:ps/task:0, /job:ps/task:1; sharded: w1 in 2$", timeout=150)
+        first, second = (float(run.wait_for(rf"^step {n}/100000  loss ([\d.]+)", timeout=60).group(1))
+                         for n in (50, 150))
+        assert second < first
+        run.proc.send_signal(signal.SIGTERM)
+        code = run.finish(timeout=60)
+    finally:
+        run.kill()
+    assert code == 128 + signal.SIGTERM, run.tail()
+    assert (model_dir / "ckpt-100.index").exists()
+    for name in ("ps 0", "ps 1", "worker 0"):
+        assert f"[{name}] server {name} stopped" in run.stderr
+    assert_all_gone(server_pids(run.stderr))
 
 
 def test_a_partitioner_with_a_keras_model_is_a_user_error():

@@ -39,6 +39,7 @@ class RunContext:
     train_seconds: float = 0.0
     start_time: float = dataclasses.field(default_factory=time.monotonic)
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+    loop: Any = None  # the compiled train loop (e.g. its `trace_count`)
 
 
 class Hook:

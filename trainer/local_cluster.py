@@ -30,7 +30,7 @@ import time
 import traceback
 from typing import Callable, Iterator
 
-from trainer.errors import UserError
+from trainer.errors import RunFailure, UserError
 
 SERVER_MODULE = "trainer.server"
 READY_MESSAGE = "listening at"  # printed by trainer.server once it serves
@@ -163,9 +163,9 @@ class LocalCluster:
                 code = server.poll()
                 if code is not None:
                     detail = " | ".join(server.last_lines[-2:]) or "no output"
-                    raise RuntimeError(f"local cluster: {server.name} exited with code {code} while starting ({detail})")
+                    raise RunFailure(f"local cluster: {server.name} exited with code {code} while starting ({detail})")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(
+                    raise RunFailure(
                         f"local cluster: {server.name} did not start listening within "
                         f"{self.config.start_timeout_secs:.0f} s"
                     )
@@ -298,21 +298,25 @@ def exit_hard_after_ps(run: Callable[[list[str]], None]) -> Callable[[list[str]]
     then, so the process leaves without the teardown, with the same exit code.
     """
 
-    def wrapped(argv: list[str]) -> None:
-        try:
-            run(argv)
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except Exception:
-            if not _coordinates_ps_cluster:
-                raise
-            traceback.print_exc()
-            code = 1
+    def leave(code: int) -> None:
         if _coordinates_ps_cluster:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-        sys.exit(code)
+
+    # os._exit inside each `except`: once the exception is dropped, the frames it holds are
+    # freed and their tf.functions try to unregister themselves from the stopped servers.
+    def wrapped(argv: list[str]) -> None:
+        try:
+            run(argv)
+        except SystemExit as e:
+            leave(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
+            raise
+        except Exception:
+            if _coordinates_ps_cluster:
+                traceback.print_exc()
+            leave(1)
+            raise
+        leave(0)
 
     return wrapped

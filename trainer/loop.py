@@ -10,6 +10,8 @@ from typing import Callable, Mapping
 
 import tensorflow as tf
 
+from trainer import xla
+
 StepFn = Callable[..., Mapping[str, tf.Tensor]]
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -34,13 +36,16 @@ class TrainLoop:
         global_batch_size: int,
         dataset,
         global_step: tf.Variable,
+        *,
+        jit_compile: bool = False,
     ):
         self._strategy = strategy
         self._global_step = global_step
         self._iterator = iter(dataset)
 
-        def replica_step(batch):
-            return step_fn(model, optimizer, batch, global_batch_size)
+        # XLA (if asked) on the replica function only: iterator ops and the reduce stay outside (rule 9).
+        replica_step = xla.replica_step(strategy, step_fn, model, optimizer, global_batch_size,
+                                        jit_compile=jit_compile)
 
         def one_step(iterator):
             return _reduce(strategy, strategy.run(replica_step, args=(next(iterator),)))

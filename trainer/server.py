@@ -73,15 +73,20 @@ def serve(info: cluster.ClusterInfo, stop: threading.Event) -> None:
         start=True,
     )
     address = info.cluster[info.task_type][info.task_id]
-    print(
-        f"server {info.task_type} {info.task_id} (pid {os.getpid()}) {READY_MESSAGE} {address}",
-        flush=True,
-    )
+    say(f"server {info.task_type} {info.task_id} (pid {os.getpid()}) {READY_MESSAGE} {address}")
     parent = os.getppid()
     while not stop.wait(_PARENT_POLL_SECS):
         if os.getppid() != parent:
-            print(f"server {info.task_type} {info.task_id}: parent process gone; exiting", flush=True)
+            say(f"server {info.task_type} {info.task_id}: parent process gone; exiting")
             return
+
+
+def say(line: str) -> None:
+    """Prints a line; a reader that has gone (its parent killed) must not stop the exit."""
+    try:
+        print(line, flush=True)
+    except (BrokenPipeError, OSError):
+        pass
 
 
 def main() -> int:
@@ -95,12 +100,20 @@ def main() -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     serve(info, stop)
-    print(f"server {info.task_type} {info.task_id} stopped", flush=True)
+    say(f"server {info.task_type} {info.task_id} stopped")
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # The gRPC server has no shutdown; a normal exit can hang in its threads.
+    code = 1
+    try:
+        code = main()
+    finally:
+        # The gRPC server has no shutdown and a normal exit can hang in its threads, so the
+        # process always ends here, whatever happened.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (BrokenPipeError, OSError):
+                pass
+        os._exit(code)

@@ -3,8 +3,10 @@
 Contract (DESIGN.md): `step_fn(model, optimizer, batch, global_batch_size) -> {name: scalar}`,
 each value this replica's share of a global-batch mean, so SUM across replicas is the global
 value. Losses are per example, averaged with the *global* batch size; regularisation losses
-are divided by the replica count. Eval steps return per-replica SUMS over the batch plus
-`num_examples`; the loop sums over replicas and batches and divides by `num_examples`.
+are divided by the replica count. Gradients are taken of `scale_loss(optimizer, loss)`, which
+is the loss itself unless mixed_float16 loss scaling is on (see trainer/precision.py).
+Eval steps return per-replica SUMS over the batch plus `num_examples`; the loop sums over
+replicas and batches and divides by `num_examples`.
 """
 from __future__ import annotations
 
@@ -29,6 +31,18 @@ def regularization_loss(model) -> tf.Tensor:
     return tf.nn.scale_regularization_loss(tf.add_n([tf.cast(l, tf.float32) for l in losses]))
 
 
+def scale_loss(optimizer, loss: tf.Tensor) -> tf.Tensor:
+    """The loss to take gradients of: `loss` times the optimizer's loss scale, if it has one.
+
+    Under `mixed_float16` the optimizer is a `LossScaleOptimizer`, whose `apply_gradients`
+    divides the gradients by the same scale (and skips steps with non-finite gradients);
+    without loss scaling this returns `loss` unchanged. A custom step does the same:
+    gradients of `scale_loss(optimizer, loss)`, the unscaled `loss` in its outputs.
+    """
+    scale = getattr(optimizer, "scale_loss", None)
+    return scale(loss) if scale is not None else loss
+
+
 def classification_step(model, optimizer, batch, global_batch_size: int) -> Mapping[str, tf.Tensor]:
     """One SGD step of softmax cross-entropy on integer labels; returns loss and accuracy."""
     images, labels = batch[0], batch[1]
@@ -38,8 +52,9 @@ def classification_step(model, optimizer, batch, global_batch_size: int) -> Mapp
         per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
         loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
         loss += regularization_loss(model)
+        scaled = scale_loss(optimizer, loss)
     variables = model.trainable_variables
-    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    optimizer.apply_gradients(zip(tape.gradient(scaled, variables), variables))
     correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), tf.float32)
     return {"loss": loss, "accuracy": tf.reduce_sum(correct) / global_batch_size}
 

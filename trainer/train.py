@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import keras
 import tensorflow as tf
 
-from trainer import cluster, data, devices, guard, models, optimizers, steps, strategies
+from trainer import cluster, data, devices, guard, models, optimizers, precision, steps, strategies
 from trainer.checkpoints import CheckpointSaver
 from trainer.errors import RunFailure, UserError
 from trainer.hooks import CheckpointHook, ConfigWriter, EvalHook, Hook, ProgressLogger, RunContext
@@ -27,6 +27,7 @@ def _check_positive(**values: int) -> None:
             raise UserError(f"train.{name} must be a positive integer, got {value!r}")
 
 
+@precision.keeps_global_policy
 def train(
     *,
     model_dir: str,
@@ -40,6 +41,8 @@ def train(
     step_fn: Callable = steps.classification_step,
     eval_step_fn: Callable = steps.classification_eval_step,
     check_loss_scaling: bool = True,
+    jit_compile: bool = False,
+    mixed_precision: str | None = None,
     model_fn: Callable = models.cnn,
     data_source: data.DataSource | None = None,
     optimizer_fn: Callable = optimizers.make_optimizer,
@@ -62,6 +65,10 @@ def train(
     Returns the final eval metrics (empty if the run had already finished).
     Raises UserError for mistakes the user can fix; nothing in `model_dir` is written
     before the configuration, data and checkpoint have been checked.
+
+    Speed options: `jit_compile` compiles the per-replica step with XLA (synchronous
+    strategies); `mixed_precision` is None/'float32', 'mixed_bfloat16' or 'mixed_float16'
+    (with dynamic loss scaling; see trainer/precision.py for what a custom step must do).
     """
     _check_positive(
         total_steps=total_steps,
@@ -72,6 +79,9 @@ def train(
         eval_every_steps=eval_every_steps,
     )
     check_model_dir(model_dir)
+    policy = precision.check(mixed_precision)
+    if jit_compile and strategy == "parameter_server":
+        raise UserError("train.jit_compile works with the synchronous strategies only, not 'parameter_server'")
     source = data_source if data_source is not None else data.Digits()
     source.validate()
 
@@ -90,10 +100,12 @@ def train(
             f"replicas; use a multiple of {replicas}"
         )
     keras.utils.set_random_seed(seed)
+    precision.set_global_policy(policy)  # before any layer exists; train's decorator puts it back
 
     with dist.scope():
         model = model_fn(source.input_shape, source.num_classes)
-        optimizer = optimizer_fn(global_batch_size=global_batch_size, total_steps=total_steps)
+        optimizer = precision.wrap_optimizer(
+            optimizer_fn(global_batch_size=global_batch_size, total_steps=total_steps), policy)
         optimizer.build(model.trainable_variables)  # rule 1: never lazily inside tf.function
         global_step = tf.Variable(
             0, dtype=tf.int64, trainable=False, name="global_step",
@@ -124,7 +136,7 @@ def train(
         loop, evaluator = _build_sync_loops(
             dist, source, model, optimizer, global_step, step_fn, eval_step_fn,
             global_batch_size=global_batch_size, seed=seed, start_step=start_step,
-            distribute_method=distribute_method, shard_policy=shard_policy,
+            distribute_method=distribute_method, shard_policy=shard_policy, jit_compile=jit_compile,
         )
 
     if check_loss_scaling:  # rule 2: a mis-scaled step stops here, before its first update
@@ -138,12 +150,12 @@ def train(
         model_dir=model_dir, is_chief=info.is_chief, total_steps=total_steps,
         start_step=start_step, global_batch_size=global_batch_size, strategy=dist,
         model=model, optimizer=optimizer, saver=saver, evaluator=evaluator,
-        metrics_log=metrics_log, print_fn=print_fn,
+        metrics_log=metrics_log, print_fn=print_fn, loop=loop,
     )
     print_fn(
         f"training {type(model).__name__} with strategy '{strategy}' on {replicas} replica(s) "
         f"({max(info.num_workers, 1)} worker(s)), global batch {global_batch_size}, "
-        f"steps {start_step}->{total_steps}, model_dir {model_dir}"
+        f"steps {start_step}->{total_steps}, {policy}{' with XLA' if jit_compile else ''}, model_dir {model_dir}"
     )
 
     all_hooks = [
@@ -161,7 +173,7 @@ def train(
 
 def _build_sync_loops(
     dist, source, model, optimizer, global_step, step_fn, eval_step_fn, *,
-    global_batch_size, seed, start_step, distribute_method, shard_policy,
+    global_batch_size, seed, start_step, distribute_method, shard_policy, jit_compile=False,
 ) -> tuple[TrainLoop, Evaluator]:
     """The compiled train loop and evaluator of the synchronous strategies."""
     train_data = data.distribute_train(
@@ -172,7 +184,8 @@ def _build_sync_loops(
         dist, source, global_batch_size, method=distribute_method, shard_policy=shard_policy
     )
     num_eval_batches = -(-source.num_examples("eval") // global_batch_size)
-    loop = TrainLoop(dist, model, optimizer, step_fn, global_batch_size, train_data, global_step)
+    loop = TrainLoop(dist, model, optimizer, step_fn, global_batch_size, train_data, global_step,
+                     jit_compile=jit_compile)
     return loop, Evaluator(dist, model, eval_step_fn, eval_data, num_eval_batches)
 
 
