@@ -133,7 +133,8 @@ class PSTrainLoop:
         def train_steps(iterator, num_steps):
             totals = one_step(iterator)  # peeled: the loop variables take the step's keys
             for _ in tf.range(num_steps - 1):
-                totals = {k: v + w for (k, v), w in zip(totals.items(), one_step(iterator).values())}
+                outputs = one_step(iterator)
+                totals = {k: totals[k] + outputs[k] for k in totals}
             return totals  # sums over the closure's steps
 
         self._train_steps = tf.function(train_steps)
@@ -231,10 +232,10 @@ def build_ps_loops(
     check_partitioner(model, config.variable_partitioner)
     if config.variable_partitioner is not None:
         print_fn(f"variable placement: {describe_placement(model)}")
+    if config.steps_per_closure is not None and config.steps_per_closure <= 0:
+        raise UserError(f"parameter_server.steps_per_closure must be positive, got {config.steps_per_closure}")
     workers = data.num_workers(dist)
     steps_per_closure = config.steps_per_closure or max(1, -(-steps_per_loop // (2 * workers)))
-    if steps_per_closure <= 0:
-        raise UserError(f"parameter_server.steps_per_closure must be positive, got {steps_per_closure}")
     coordinator = tf.distribute.coordinator.ClusterCoordinator(dist)
     train_data = per_worker_train_data(
         dist, coordinator, source, global_batch_size, seed, start_step=start_step, shard_policy=shard_policy
