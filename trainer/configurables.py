@@ -14,7 +14,7 @@ import tensorflow as tf
 from trainer import data, devices, hooks, models, optimizers, steps
 from trainer import train as train_lib
 from trainer import local_cluster as local_cluster_lib
-from trainer import ps_loop, sidecar
+from trainer import profiler, ps_loop, sidecar
 
 REGISTERED = {
     "train": train_lib.train,
@@ -31,6 +31,7 @@ REGISTERED = {
     "progress_logger": hooks.ProgressLogger,
     "checkpoint_hook": hooks.CheckpointHook,
     "eval_hook": hooks.EvalHook,
+    "profiler_hook": profiler.ProfilerHook,
     "parameter_server": ps_loop.ParameterServerConfig,
     "local_cluster": local_cluster_lib.LocalClusterConfig,
     "min_size_partitioner": tf.distribute.experimental.partitioners.MinSizePartitioner,
