@@ -28,7 +28,6 @@ REGISTERED = {
     "tfrecord_files": data.TFRecordFiles,
     "synthetic": data.Synthetic,
     "devices": devices.DeviceConfig,
-    "progress_logger": hooks.ProgressLogger,
     "checkpoint_hook": hooks.CheckpointHook,
     "eval_hook": hooks.EvalHook,
     "profiler_hook": profiler.ProfilerHook,
@@ -43,6 +42,10 @@ REGISTERED = {
 input_shape and num_classes), data sources and devices as instances (`@digits()`)."""
 
 CONFIGURABLES = {name: gin.external_configurable(target, name) for name, target in REGISTERED.items()}
+# `train` builds its progress logger itself, so that class is registered in place: the class
+# reads its own bindings (`progress_logger.live = False`); every_steps is train.log_every_steps.
+CONFIGURABLES["progress_logger"] = gin.configurable(
+    "progress_logger", denylist=["every_steps", "stream"])(hooks.ProgressLogger)
 train = CONFIGURABLES["train"]
 local_cluster = CONFIGURABLES["local_cluster"]
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import sys
 import time
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import keras
+import tensorflow as tf
 
 from trainer.metrics_log import MetricsLog
+from trainer.progress import LiveBar, is_terminal
 from trainer.run_files import write_text_atomic
 
 OPERATIVE_CONFIG_FILE = "operative_config.gin"
@@ -75,28 +78,98 @@ def format_duration(seconds: float) -> str:
 
 
 class ProgressLogger(Hook):
-    """Every N steps: a progress line (step, loss, steps/s, ETA) and a train record in metrics."""
+    """Progress on stdout, and every N steps a train record in metrics (loss, ..., steps/s).
 
-    def __init__(self, every_steps: int):
+    On a terminal (the chief's stdout is a tty) a live bar (step/total, loss, steps/s, ETA)
+    redraws in place after loop calls, at most every `refresh_secs`; on a single worker the
+    driver also ends loop calls about every `refresh_secs` so the bar moves. Lines printed by
+    other hooks (eval) appear above it. Elsewhere (CI, log files) a plain line every N steps.
+    Non-chief workers print only a finish line (train prints the start), unless `all_workers`.
+
+    Args:
+      every_steps: steps between train records and plain lines (train.log_every_steps).
+      live: True/False forces the bar on/off; None (default): on when stdout is a terminal.
+      refresh_secs: least time between two redraws of the bar (0: after every loop call).
+      all_workers: non-chief workers print plain progress lines too.
+      stream: where the bar is drawn (default: sys.stdout).
+    """
+
+    def __init__(self, every_steps: int, *, live: bool | None = None, refresh_secs: float = 0.5,
+                 all_workers: bool = False, stream: IO[str] | None = None):
         self.every_steps = every_steps
+        self.live, self.refresh_secs, self.all_workers = live, refresh_secs, all_workers
+        self._stream = stream
         self._sums: dict[str, float] = {}
         self._count = 0
         self._last_step = 0
         self._last_train_seconds = 0.0
+        self._bar: LiveBar | None = None
+        self._print: Callable[[str], None] = print
+        self._split = False  # may the driver cut loop calls short for the bar?
+        self._chunk: int | None = None  # loop-call length that takes about refresh_secs
+        self._call_step, self._call_train_seconds = 0, 0.0
+        self._rate: float | None = None  # recent steps/s, without the first call (tracing)
+        self._paced_from: tuple[int, float] | None = None  # (step, time) after the first call
+        self._drawn_at = 0.0
 
     def begin(self, run: RunContext) -> None:
-        self._last_step = run.start_step
-        self._last_train_seconds = run.train_seconds
-        if not run.is_chief or run.start_step:
+        self._last_step = self._call_step = run.start_step
+        self._last_train_seconds = self._call_train_seconds = run.train_seconds
+        stream = self._stream or sys.stdout
+        if run.is_chief and (is_terminal(stream) if self.live is None else self.live):
+            self._bar = LiveBar(stream)
+            self._print, run.print_fn = run.print_fn, self._print_above_bar
+            # Loop calls must stay alike on every worker (collectives), and a PS call schedules
+            # closures: cut them short only for one synchronous worker.
+            self._split = self.refresh_secs > 0 and not _multi_worker(run.strategy)
+        if run.is_chief and run.start_step:
             run.print_fn(f"starting at step {run.start_step}/{run.total_steps}")
+
+    def steps_to_boundary(self, step: int) -> int | None:
+        to_log = super().steps_to_boundary(step)
+        if self._chunk is None:
+            return to_log
+        return self._chunk if to_log is None else min(to_log, self._chunk)
 
     def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
         steps = step - self._last_step - self._count
         self._count += steps
         for k, v in metrics.items():
             self._sums[k] = self._sums.get(k, 0.0) + v * steps
+        if self._bar is not None:
+            self._update_bar(run, step)
         if self.at_boundary(step) or step >= run.total_steps:
             self._flush(run, step)
+
+    def _update_bar(self, run: RunContext, step: int) -> None:
+        now = time.monotonic()
+        call_seconds = run.train_seconds - self._call_train_seconds
+        steps = step - self._call_step  # not positive after a rewind
+        rate = steps / call_seconds if steps > 0 and call_seconds > 0 else None
+        if rate is not None and self._split:  # the first call's rate is low: safe for this
+            self._chunk = max(1, int(rate * self.refresh_secs))
+        if self._paced_from is None:  # the first call traced the step: no pace to show
+            self._paced_from = (step, now)
+        elif rate is not None:
+            self._rate = rate if self._rate is None else 0.7 * self._rate + 0.3 * rate
+        self._call_step, self._call_train_seconds = step, run.train_seconds
+        if now - self._drawn_at < self.refresh_secs and step < run.total_steps:
+            return
+        paced_step, paced_time = self._paced_from
+        if step > paced_step:  # evals and checkpoints count, tracing does not
+            eta = (run.total_steps - step) * (now - paced_time) / (step - paced_step)
+        else:
+            eta = _eta_secs(run, step)
+        means = {k: v / self._count for k, v in self._sums.items()} if self._count else {}
+        line = self._bar.render(step, run.total_steps, means, steps_per_sec=self._rate,
+                                eta=format_duration(eta))
+        self._bar.draw(line)
+        self._drawn_at = now
+
+    def _print_above_bar(self, line: str) -> None:
+        self._bar.clear()
+        self._print(line)
+        self._bar.redraw()
 
     def _flush(self, run: RunContext, step: int) -> None:
         if not self._count:
@@ -110,22 +183,37 @@ class ProgressLogger(Hook):
             "examples_per_sec": steps_per_sec * run.global_batch_size,
         }
         run.metrics_log.record(step, "train", record)
-        if run.is_chief:
-            wall = time.monotonic() - run.start_time
-            done = step - run.start_step
-            eta = (run.total_steps - step) * wall / max(done, 1)
+        if self._bar is None and (run.is_chief or self.all_workers):
             shown = "  ".join(f"{k} {v:.4f}" for k, v in means.items())
             run.print_fn(
                 f"step {step}/{run.total_steps}  {shown}  {steps_per_sec:.1f} steps/s  "
-                f"{record['examples_per_sec']:.0f} ex/s  ETA {format_duration(eta)}"
+                f"{record['examples_per_sec']:.0f} ex/s  ETA {format_duration(_eta_secs(run, step))}"
             )
         self._sums, self._count = {}, 0
         self._last_step, self._last_train_seconds = step, run.train_seconds
 
     def end(self, run: RunContext, step: int) -> None:
         self._flush(run, step)
+        if self._bar is not None:
+            self._bar.finish()
+            run.print_fn, self._bar, self._chunk = self._print, None, None
         if not run.is_chief:
             run.print_fn(f"finished at step {step}/{run.total_steps}")
+
+
+def _eta_secs(run: RunContext, step: int) -> float:
+    """Wall time left at the run's average pace so far (evals and checkpoints included)."""
+    done = step - run.start_step
+    return (run.total_steps - step) * (time.monotonic() - run.start_time) / max(done, 1)
+
+
+def _multi_worker(strategy) -> bool:
+    """True for strategies whose loop calls involve other processes (MWMS with >1 worker, PS)."""
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        return True
+    extended = getattr(strategy, "extended", None)
+    in_multi_worker_mode = getattr(extended, "_in_multi_worker_mode", None)
+    return bool(in_multi_worker_mode()) if callable(in_multi_worker_mode) else False
 
 
 class CheckpointHook(Hook):
@@ -190,3 +278,4 @@ class ConfigWriter(Hook):
     def _write(self, run: RunContext) -> None:
         if run.is_chief:
             write_text_atomic(os.path.join(run.model_dir, OPERATIVE_CONFIG_FILE), self._describe_config())
+
