@@ -5,7 +5,6 @@ The library stays plain Python; this module gives its functions and classes gin 
 """
 from __future__ import annotations
 
-import inspect
 import sys
 
 import gin
@@ -14,7 +13,7 @@ import tensorflow as tf
 from trainer import data, devices, hooks, models, optimizers, steps
 from trainer import train as train_lib
 from trainer import local_cluster as local_cluster_lib
-from trainer import profiler, ps_loop, sidecar
+from trainer import gin_config, profiler, ps_loop, sidecar
 
 REGISTERED = {
     "train": train_lib.train,
@@ -57,21 +56,10 @@ def evaluate_continuously(*, model_dir: str, print_fn=print) -> dict[str, float]
     return CONFIGURABLES["eval_continuous"](model_dir=model_dir, print_fn=print_fn, **settings)
 
 
-def describe(name: str, target) -> str:
-    """`name(param=default, ...)` and the first line of the docstring."""
-    signature = inspect.signature(target)
-    params = ", ".join(
-        p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
-        for p in signature.parameters.values()
-        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    )
-    doc = (inspect.getdoc(target) or "").splitlines()
-    return f"{name}({params})\n    {doc[0] if doc else ''}"
-
-
 def main() -> None:
-    for name, target in REGISTERED.items():
-        print(describe(name, target))
+    """Lists what gin knows, not a hand list, so every registered name shows up."""
+    for configurable in gin_config.registered_configurables():
+        print(gin_config.describe(configurable))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,11 @@ flags.DEFINE_enum(
     "train: train and evaluate inline. eval_continuous: a sidecar evaluator that evaluates every new "
     "checkpoint in --model_dir as it appears, until the one at train.total_steps.",
 )
+flags.DEFINE_bool(
+    "print_config", False,
+    "Print the resolved config (every configurable, each value and where it came from: gin "
+    "file:line, --gin_bindings or default) and exit without training.",
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,7 +74,11 @@ def run(argv: list[str]) -> None:
 
     try:
         parse_gin(FLAGS.gin_file, FLAGS.gin_bindings)
-        from trainer import configurables
+        from trainer import configurables, gin_config
+
+        if FLAGS.print_config:
+            print(gin_config.describe_config(FLAGS.gin_file, FLAGS.gin_bindings, [REPO_ROOT]), end="", flush=True)
+            return
 
         print_fn = lambda line: print(line, flush=True)  # noqa: E731
         if FLAGS.mode == "eval_continuous":
