@@ -90,3 +90,14 @@ def test_user_mistake_exits_2_with_one_line():
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "3 does not divide train.global_batch_size 64" in errors[0]
+
+
+@pytest.mark.timeout(200)
+def test_parameter_server_with_one_worker_matches_tf_keras_fit_step_by_step():
+    proc = run_parity("--gin_file=gin/ps.gin", "--steps=3", "--gin_bindings=local_cluster.num_workers=1",
+                      "--gin_bindings=cnn.l2=1e-3", timeout=190)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "parameter_server, 1 worker(s), global batch 64: TrainLoop vs tf_keras fit" in proc.stdout
+    word, dw, dloss = verdict(proc)
+    assert word == "PASS" and dw <= 1e-6 and dloss <= 1e-6
+    assert len(step_losses(proc, 0)) == 3
