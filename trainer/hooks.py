@@ -279,3 +279,13 @@ class ConfigWriter(Hook):
         if run.is_chief:
             write_text_atomic(os.path.join(run.model_dir, OPERATIVE_CONFIG_FILE), self._describe_config())
 
+
+class HParamsWriter(Hook):
+    """Writes the run's hyperparameters (e.g. its flattened gin bindings) at start as a
+    TensorBoard hparams summary (chief), so sibling run directories compare in the HParams tab."""
+
+    def __init__(self, hparams: dict[str, bool | int | float | str]):
+        self._hparams = dict(hparams)
+
+    def begin(self, run: RunContext) -> None:
+        run.metrics_log.hparams(self._hparams, trial_id=os.path.basename(os.path.normpath(run.model_dir)))

@@ -91,7 +91,10 @@ def run(argv: list[str]) -> None:
             print(f"model_dir: {model_dir}", flush=True)
         strategy = gin.get_bindings("train", resolve_references=False).get("strategy", "default")
         with local_cluster.cluster_for(strategy, configurables.local_cluster, print_fn=print_fn):
-            configurables.train(model_dir=model_dir, describe_config=gin.operative_config_str, print_fn=print_fn)
+            configurables.train(
+                model_dir=model_dir, describe_config=gin.operative_config_str,
+                hparams=gin_config.hparams(FLAGS.gin_file, FLAGS.gin_bindings, [REPO_ROOT]), print_fn=print_fn,
+            )
     except UserError as e:
         fail(str(e))
     except RunFailure as e:

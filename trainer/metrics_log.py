@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Mapping
 
 import tensorflow as tf
 
@@ -45,6 +46,24 @@ class MetricsLog:
         with self._writers["train"].as_default(step=step):
             tf.summary.text(name, markdown)
         self._writers["train"].flush()
+
+    def hparams(self, values: Mapping[str, bool | int | float | str], trial_id: str) -> None:
+        """The run's hyperparameters as an hparams summary in `model_dir` itself, the parent of
+        `train/` and `eval/`: TensorBoard's HParams tab shows each run directory as a session,
+        its hparams beside its train and eval scalars (the eval ones at their last value).
+
+        No `hparams_config` is written: TensorBoard takes the first one it finds for the whole
+        logdir, which would hide the hparams of sibling runs bound differently; without one it
+        takes the union of every run's hparams and its scalar tags as the metrics.
+        """
+        if not self.enabled:
+            return
+        from tensorboard.plugins.hparams import api as hp
+
+        writer = tf.summary.create_file_writer(os.path.dirname(self._path))
+        with writer.as_default():
+            hp.hparams(dict(values), trial_id=trial_id)
+        writer.close()
 
     def close(self) -> None:
         for writer in self._writers.values():

@@ -6,7 +6,7 @@ config -> devices -> cluster -> strategy -> (model, optimizer, data) under strat
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
@@ -14,7 +14,7 @@ import tensorflow as tf
 from trainer import cluster, data, devices, guard, models, optimizers, precision, steps, strategies
 from trainer.checkpoints import CheckpointSaver
 from trainer.errors import RunFailure, UserError
-from trainer.hooks import CheckpointHook, ConfigWriter, EvalHook, Hook, ProgressLogger, RunContext
+from trainer.hooks import CheckpointHook, ConfigWriter, EvalHook, HParamsWriter, Hook, ProgressLogger, RunContext
 from trainer.loop import Evaluator, TrainLoop
 from trainer.metrics_log import MetricsLog
 from trainer.preemption import PreemptionHook
@@ -58,6 +58,7 @@ def train(
     preemption_checkpointing: bool = False,
     hooks: Sequence[Hook] = (),
     describe_config: Callable[[], str] | None = None,
+    hparams: Mapping[str, bool | int | float | str] | None = None,
     print_fn: Callable[[str], None] = print,
 ) -> dict[str, float]:
     """Trains until `total_steps`, resuming from the newest checkpoint in `model_dir`.
@@ -163,6 +164,7 @@ def train(
         EvalHook(eval_every_steps),
         CheckpointHook(checkpoint_every_steps),
         *([ConfigWriter(describe_config)] if describe_config else []),
+        *([HParamsWriter(hparams)] if hparams else []),
         *([PreemptionHook(dist, checkpoint, saver, print_fn)] if preemption_checkpointing else []),
         *hooks,
     ]
