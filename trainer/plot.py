@@ -1,0 +1,130 @@
+"""Learning curves from `metrics.jsonl`: `python -m trainer.plot --model_dir=D [--model_dir=E ...] [--out=curves.png]`.
+
+Three panels against the global step: train loss, eval loss, eval accuracy; each run one colour
+in every panel, labelled by its directory name. Needs matplotlib (`pip install 'trainer[plot]'`)
+and draws without a display (Agg). Exit codes as trainer.main: 2 for a user mistake (a missing
+run, no matplotlib), with one line on stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Sequence
+
+from absl import app, flags
+
+from trainer.errors import UserError
+
+METRICS_FILE = "metrics.jsonl"  # the model_dir contract (DESIGN.md); read without TensorFlow
+PANELS = (("train", "loss", "train loss"), ("eval", "loss", "eval loss"), ("eval", "accuracy", "eval accuracy"))
+
+FLAGS = flags.FLAGS
+flags.DEFINE_multi_string("model_dir", [], "A run's model_dir (repeat to overlay several runs).")
+flags.DEFINE_string("out", "curves.png", "Where to write the PNG.")
+flags.DEFINE_string("title", None, "Figure title (default: none).")
+
+
+def read_run(model_dir: str) -> list[dict]:
+    """The records of `model_dir/metrics.jsonl`; UserError if there is none."""
+    path = os.path.join(model_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        raise UserError(f"no {METRICS_FILE} in {model_dir}; pass the --model_dir of a trainer.main run")
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    if number > 1 and not line.endswith("\n"):
+                        break  # a line a running job is still writing
+                    raise UserError(f"{path}:{number} is not a JSON line") from None
+    return records
+
+
+def run_labels(model_dirs: Sequence[str]) -> list[str]:
+    """Directory names; where two are equal, enough parent directories to tell them apart."""
+    parts = [os.path.normpath(os.path.abspath(d)).split(os.sep) for d in model_dirs]
+    depth = 1
+    while True:
+        labels = [os.sep.join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels) or depth >= max(len(p) for p in parts):
+            return labels
+        depth += 1
+
+
+def build_figure(runs: dict[str, list[dict]], title: str | None = None):
+    """A matplotlib Figure of the runs' curves (label -> records) and its legend labels."""
+    from matplotlib.figure import Figure  # no pyplot: no display, no global state
+
+    figure = Figure(figsize=(15, 4.5), layout="constrained")
+    axes = figure.subplots(1, len(PANELS))
+    colours = [f"C{i % 10}" for i in range(len(runs))]
+    handles = {}
+    for ax, (split, metric, name) in zip(axes, PANELS):
+        for colour, (label, records) in zip(colours, runs.items()):
+            points = sorted((r["step"], r[metric]) for r in records if r.get("split") == split and metric in r)
+            if points:
+                steps, values = zip(*points)
+                (line,) = ax.plot(steps, values, color=colour, label=label, markersize=3,
+                                  marker="o" if split == "eval" or len(points) < 50 else None)
+                handles.setdefault(label, line)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        if not ax.lines:
+            ax.text(0.5, 0.5, f"no {split} records", ha="center", va="center", transform=ax.transAxes)
+    labels = [label for label in runs if label in handles]
+    figure.legend([handles[label] for label in labels], labels, loc="outside lower center",
+                  ncols=min(len(labels), 4) or 1)
+    if title:
+        figure.suptitle(title)
+    return figure, labels
+
+
+def plot(model_dirs: Sequence[str], out: str, title: str | None = None) -> list[str]:
+    """Writes the PNG of the runs' curves to `out`; returns the legend labels."""
+    if not model_dirs:
+        raise UserError("no --model_dir given; pass one or more run directories")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("trainer.plot needs matplotlib: pip install 'trainer[plot]' (or pip install matplotlib)") from None
+    runs = dict(zip(run_labels(model_dirs), (read_run(d) for d in model_dirs)))
+    figure, labels = build_figure(runs, title)
+    directory = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(directory):
+        raise UserError(f"--out {out}: directory {directory} does not exist")
+    figure.savefig(out, format="png", dpi=100)
+    return labels
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def run(argv: list[str]) -> None:
+    if len(argv) > 1:
+        fail(f"unexpected arguments {' '.join(argv[1:])}; use --model_dir=DIR (repeated) and --out=FILE")
+    try:
+        labels = plot(FLAGS.model_dir, FLAGS.out, FLAGS.title)
+    except UserError as e:
+        fail(str(e))
+    print(f"wrote {FLAGS.out}: {', '.join(labels)}")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        fail(f"{e}; see --helpfull")
+
+
+def main() -> None:
+    app.run(run, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    main()
