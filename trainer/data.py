@@ -16,7 +16,7 @@ import dataclasses
 import gzip
 import os
 from functools import cached_property
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -220,13 +220,23 @@ def _shard(context: tf.distribute.InputContext | None) -> Shard | None:
 
 
 def train_dataset(source: DataSource, batch_size: int, seed: int, *, shard_policy: str = "AUTO",
-                  skip_batches: int = 0, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
-    """Endless shuffled batches, deterministic by seed, starting at batch `skip_batches`."""
+                  skip_batches: int = 0, drop_batches: Sequence[int] = (),
+                  input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+    """Endless shuffled batches, deterministic by seed, starting at batch `skip_batches`.
+
+    `drop_batches` are indices (in the unskipped stream) of batches never to train on, such as
+    one that made the loss non-finite; `skip_batches` counts the batches that remain.
+    """
     options = _options(shard_policy)
     buffer = min(source.num_examples("train"), MAX_SHUFFLE_BUFFER)
     dataset = source.examples("train", _shard(input_context))
     dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).repeat()
-    dataset = dataset.batch(batch_size, drop_remainder=True).skip(skip_batches)
+    dataset = dataset.batch(batch_size, drop_remainder=True)
+    if drop_batches:
+        dropped = tf.constant(sorted(drop_batches), tf.int64)
+        dataset = dataset.enumerate().filter(lambda i, _: tf.reduce_all(tf.not_equal(i, dropped)))
+        dataset = dataset.map(lambda _, batch: batch)
+    dataset = dataset.skip(skip_batches)
     return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
 
 
@@ -302,12 +312,17 @@ def replica_slices(dataset: tf.data.Dataset, context: tf.distribute.InputContext
 
 
 def distribute_train(strategy: tf.distribute.Strategy, source: DataSource, global_batch_size: int, seed: int, *,
-                     method: str = "dataset", shard_policy: str = "AUTO", skip_steps: int = 0
+                     method: str = "dataset", shard_policy: str = "AUTO", skip_steps: int = 0,
+                     drop_batches: Sequence[int] = ()
                      ) -> tf.distribute.DistributedDataset:
-    """The training data for `strategy`, resumed after `skip_steps` global steps."""
+    """The training data for `strategy`, resumed after `skip_steps` global steps.
+
+    `drop_batches` are global batch indices never trained on (see `train_dataset`).
+    """
     _check(strategy, source, "train", method, shard_policy)
     if method == "dataset":
-        dataset = train_dataset(source, global_batch_size, seed, shard_policy=shard_policy, skip_batches=skip_steps)
+        dataset = train_dataset(source, global_batch_size, seed, shard_policy=shard_policy, skip_batches=skip_steps,
+                                drop_batches=drop_batches)
         return strategy.experimental_distribute_dataset(dataset)
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -315,8 +330,11 @@ def distribute_train(strategy: tf.distribute.Strategy, source: DataSource, globa
             batches_per_step = context.num_replicas_in_sync // context.num_input_pipelines
             return train_dataset(source, context.get_per_replica_batch_size(global_batch_size), seed,
                                  shard_policy=shard_policy, skip_batches=skip_steps * batches_per_step,
+                                 drop_batches=[s * batches_per_step + k for s in drop_batches
+                                               for k in range(batches_per_step)],
                                  input_context=context)
-        dataset = train_dataset(source, global_batch_size, seed, shard_policy="OFF", skip_batches=skip_steps)
+        dataset = train_dataset(source, global_batch_size, seed, shard_policy="OFF", skip_batches=skip_steps,
+                                drop_batches=drop_batches)
         return replica_slices(dataset, context)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
@@ -335,3 +353,13 @@ def distribute_eval(strategy: tf.distribute.Strategy, source: DataSource, global
                             pad_to_multiple_of=global_batch_size, shard_policy=shard_policy, input_context=context)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def check_sizes(source: DataSource, global_batch_size: int) -> None:
+    """Refuses data that cannot make one training batch or has nothing to evaluate."""
+    num_train, num_eval = source.num_examples("train"), source.num_examples("eval")
+    if num_train < global_batch_size:
+        raise UserError(f"the train split has {num_train} examples, fewer than one global batch of "
+                        f"{global_batch_size}: add data or lower train.global_batch_size")
+    if num_eval == 0:
+        raise UserError("the eval split has no examples: add eval data (e.g. the eval files of tfrecord_files)")

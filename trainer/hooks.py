@@ -59,6 +59,9 @@ class Hook:
     def end(self, run: RunContext, step: int) -> None:
         pass
 
+    def rewind(self, run: RunContext, step: int) -> None:
+        """Training went back to `step` (a roll-back after a non-finite loss)."""
+
     def steps_to_boundary(self, step: int) -> int | None:
         if self.every_steps <= 0:
             return None
@@ -130,6 +133,10 @@ class ProgressLogger(Hook):
         if self._chunk is None:
             return to_log
         return self._chunk if to_log is None else min(to_log, self._chunk)
+
+    def rewind(self, run: RunContext, step: int) -> None:
+        self._sums, self._count = {}, 0
+        self._last_step, self._last_train_seconds = step, run.train_seconds
 
     def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
         steps = step - self._last_step - self._count

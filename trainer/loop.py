@@ -20,6 +20,10 @@ def _reduce(strategy: tf.distribute.Strategy, outputs) -> dict[str, tf.Tensor]:
     return {k: tf.cast(strategy.reduce(SUM, v, axis=None), tf.float32) for k, v in outputs.items()}
 
 
+def _all_finite(outputs: dict[str, tf.Tensor]) -> tf.Tensor:
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in outputs.values()])
+
+
 def _add(a: dict[str, tf.Tensor], b: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
     return {k: a[k] + b[k] for k in a}
 
@@ -53,17 +57,32 @@ class TrainLoop:
         def train_steps(iterator, num_steps):
             # The first step is peeled so the loop variables take the step's own output keys.
             totals = one_step(iterator)
-            for _ in tf.range(num_steps - 1):
-                totals = _add(totals, one_step(iterator))
+            first_nonfinite = tf.where(_all_finite(totals), -1, 0)
+            for i in tf.range(1, num_steps):
+                outputs = one_step(iterator)
+                first_nonfinite = tf.where((first_nonfinite < 0) & ~_all_finite(outputs), i, first_nonfinite)
+                totals = _add(totals, outputs)
             global_step.assign_add(tf.cast(num_steps, global_step.dtype))
-            return {k: v / tf.cast(num_steps, tf.float32) for k, v in totals.items()}
+            means = {k: v / tf.cast(num_steps, tf.float32) for k, v in totals.items()}
+            return means, first_nonfinite
 
         self._train_steps = tf.function(train_steps)
+        self.last_nonfinite_offset: int | None = None
 
     def run(self, num_steps: int) -> dict[str, float]:
-        """Trains `num_steps` steps; returns each output's mean over them as Python floats."""
-        outputs = self._train_steps(self._iterator, tf.constant(num_steps, tf.int32))
-        return {k: float(v) for k, v in outputs.items()}
+        """Trains `num_steps` steps; returns each output's mean over them as Python floats.
+
+        Afterwards `last_nonfinite_offset` is the 0-based index within this call of the
+        first step with a non-finite output (None if every step was finite).
+        """
+        means, first_nonfinite = self._train_steps(self._iterator, tf.constant(num_steps, tf.int32))
+        offset = int(first_nonfinite)
+        self.last_nonfinite_offset = offset if offset >= 0 else None
+        return {k: float(v) for k, v in means.items()}
+
+    def set_dataset(self, dataset) -> None:
+        """Continues from a new distributed dataset (after a roll-back); no retracing."""
+        self._iterator = iter(dataset)
 
     @property
     def trace_count(self) -> int:

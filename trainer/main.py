@@ -36,6 +36,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def fail(message: str, exit_code: int = 2) -> None:
     """Prints a one-line error and exits (2: a user mistake, 1: a run that could not go on)."""
     first_line = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    # TensorFlow warns at shutdown about objects it half-restored; the error must stay the last line.
+    logging.set_verbosity(logging.ERROR)
+    if "tensorflow" in sys.modules:
+        sys.modules["tensorflow"].get_logger().setLevel("ERROR")
     print(f"error: {first_line}", file=sys.stderr, flush=True)
     sys.exit(exit_code)
 

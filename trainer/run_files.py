@@ -14,14 +14,25 @@ def check_model_dir(model_dir: str) -> None:
     if os.path.exists(model_dir):
         if not os.path.isdir(model_dir):
             raise UserError(f"model_dir {model_dir} exists and is not a directory; pick another --model_dir")
-        if not os.access(model_dir, os.W_OK | os.X_OK):
+        if not _can_write_in(model_dir):
             raise UserError(f"model_dir {model_dir} is not writable; fix its permissions or pick another --model_dir")
         return
     parent = os.path.dirname(os.path.abspath(model_dir))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+    if not os.path.isdir(parent) or not _can_write_in(parent):
         raise UserError(f"model_dir {model_dir} cannot be created: {parent} is not a writable directory")
+
+
+def _can_write_in(directory: str) -> bool:
+    """Tries it (permission bits say nothing for root or read-only mounts); leaves nothing."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".trainer-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.remove(probe)
+    return True
 
 
 def prepare_model_dir(model_dir: str) -> None:

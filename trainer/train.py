@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from trainer import cluster, data, devices, guard, models, optimizers, precision, steps, strategies
+from trainer import nonfinite as nonfinite_lib, run_record
 from trainer.checkpoints import CheckpointSaver
 from trainer.errors import RunFailure, UserError
 from trainer.hooks import CheckpointHook, ConfigWriter, EvalHook, HParamsWriter, Hook, ProgressLogger, RunContext
@@ -55,6 +56,9 @@ def train(
     shard_policy: str = "AUTO",
     parameter_server: ParameterServerConfig | None = None,
     keep_checkpoints: int = 3,
+    nonfinite: str = "stop",
+    max_rollbacks: int = 3,
+    allow_resume_changes: bool = False,
     preemption_checkpointing: bool = False,
     hooks: Sequence[Hook] = (),
     describe_config: Callable[[], str] | None = None,
@@ -80,11 +84,15 @@ def train(
         eval_every_steps=eval_every_steps,
     )
     check_model_dir(model_dir)
+    nonfinite_lib.check_options(nonfinite, max_rollbacks)
+    if nonfinite == "rollback" and strategy == "parameter_server":
+        raise UserError("train.nonfinite = 'rollback' is not supported with parameter_server; use 'stop'")
     policy = precision.check(mixed_precision)
     if jit_compile and strategy == "parameter_server":
         raise UserError("train.jit_compile works with the synchronous strategies only, not 'parameter_server'")
     source = data_source if data_source is not None else data.Digits()
     source.validate()
+    data.check_sizes(source, global_batch_size)
 
     devices.configure_devices(device_config or devices.DeviceConfig())
     info = cluster.resolve(strategy, cluster_resolver, **(cluster_resolver_options or {}))
@@ -112,13 +120,23 @@ def train(
             0, dtype=tf.int64, trainable=False, name="global_step",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
-        checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, global_step=global_step)
+        dropped = nonfinite_lib.dropped_batches_variable()
+        checkpoint = tf.train.Checkpoint(
+            model=model, optimizer=optimizer, global_step=global_step, dropped_batches=dropped,
+            random_state=_random_states(model),
+        )
+    config_text = describe_config() if describe_config else ""
+    record = run_record.make_record(
+        strategy=strategy, num_replicas=replicas, num_workers=max(info.num_workers, 1),
+        global_batch_size=global_batch_size, model=model, config_text=config_text,
+    )
+    run_record.check_resume(model_dir, record, allow_changes=allow_resume_changes)
 
     saver = CheckpointSaver(
         checkpoint, model_dir, is_chief=info.is_chief, task_name=info.task_name,
         max_to_keep=keep_checkpoints,
     )
-    restored = saver.restore_latest()
+    restored = saver.restore_latest(print_fn)
     start_step = int(global_step.numpy())
     if start_step >= total_steps:
         print_fn(f"already trained: {restored} is at step {start_step} >= train.total_steps {total_steps}; nothing to do")
@@ -126,6 +144,13 @@ def train(
     if restored:
         print_fn(f"restored {restored}; continuing from step {start_step}")
 
+    guard_nonfinite = nonfinite_lib.NonFiniteGuard(
+        nonfinite, max_rollbacks, saver, global_step, dropped,
+        rebuild_data=lambda step, drop: loop.set_dataset(data.distribute_train(
+            dist, source, global_batch_size, seed, method=distribute_method, shard_policy=shard_policy,
+            skip_steps=step, drop_batches=drop)),
+        print_fn=print_fn,
+    )
     if strategy == "parameter_server":
         loop, evaluator = build_ps_loops(
             dist, source, model, optimizer, global_step, step_fn, eval_step_fn,
@@ -138,6 +163,7 @@ def train(
             dist, source, model, optimizer, global_step, step_fn, eval_step_fn,
             global_batch_size=global_batch_size, seed=seed, start_step=start_step,
             distribute_method=distribute_method, shard_policy=shard_policy, jit_compile=jit_compile,
+            drop_batches=guard_nonfinite.dropped,
         )
 
     if check_loss_scaling:  # rule 2: a mis-scaled step stops here, before its first update
@@ -146,6 +172,10 @@ def train(
 
     if info.is_chief:
         prepare_model_dir(model_dir)
+        if start_step == 0 and run_record.read_record(model_dir) is None:
+            run_record.write_record(model_dir, record)
+    if nonfinite == "rollback" and not restored:
+        saver.save(0)  # something to roll back to before the first periodic checkpoint
     metrics_log = MetricsLog(model_dir, enabled=info.is_chief)
     run = RunContext(
         model_dir=model_dir, is_chief=info.is_chief, total_steps=total_steps,
@@ -168,19 +198,20 @@ def train(
         *([PreemptionHook(dist, checkpoint, saver, print_fn)] if preemption_checkpointing else []),
         *hooks,
     ]
-    _drive(loop, run, all_hooks, steps_per_loop)
+    _drive(loop, run, all_hooks, steps_per_loop, guard_nonfinite)
     metrics_log.close()
     return run.last_eval
 
 
 def _build_sync_loops(
     dist, source, model, optimizer, global_step, step_fn, eval_step_fn, *,
-    global_batch_size, seed, start_step, distribute_method, shard_policy, jit_compile=False,
+    global_batch_size, seed, start_step, distribute_method, shard_policy, jit_compile=False, drop_batches=(),
 ) -> tuple[TrainLoop, Evaluator]:
     """The compiled train loop and evaluator of the synchronous strategies."""
     train_data = data.distribute_train(
         dist, source, global_batch_size, seed,
         method=distribute_method, shard_policy=shard_policy, skip_steps=start_step,
+        drop_batches=drop_batches,
     )
     eval_data = data.distribute_eval(
         dist, source, global_batch_size, method=distribute_method, shard_policy=shard_policy
@@ -211,7 +242,17 @@ def _peer_failure(error: Exception, step: int, num_steps: int, saver: Checkpoint
     )
 
 
-def _drive(loop: TrainLoop, run: RunContext, hooks: Sequence[Hook], steps_per_loop: int) -> None:
+def _random_states(model) -> list:
+    """Keras seed-generator states (dropout and other random layers): checkpointed so that a
+    resumed run draws the same random numbers as one that never stopped."""
+    variables = getattr(model, "non_trainable_variables", [])
+    return [v for v in variables if getattr(v, "path", "").endswith("seed_generator_state")]
+
+
+def _drive(
+    loop: TrainLoop, run: RunContext, hooks: Sequence[Hook], steps_per_loop: int,
+    guard_nonfinite: nonfinite_lib.NonFiniteGuard,
+) -> None:
     """The outer loop: compiled calls that end on the nearest hook boundary, hooks in between."""
     for hook in hooks:
         hook.begin(run)
@@ -226,6 +267,12 @@ def _drive(loop: TrainLoop, run: RunContext, hooks: Sequence[Hook], steps_per_lo
                 tf.errors.CancelledError, tf.errors.InternalError) as e:
             raise _peer_failure(e, step, num_steps, run.saver) from e
         run.train_seconds += time.monotonic() - started
+        bad_step = guard_nonfinite.first_bad_step(loop, metrics, step)
+        if bad_step is not None:
+            step = guard_nonfinite.recover(bad_step, metrics)
+            for hook in hooks:
+                hook.rewind(run, step)
+            continue
         step += num_steps
         for hook in hooks:
             hook.after_loop(run, step, metrics)
