@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import subprocess
 import sys
 
-from tests.support import REPO, run_python, subprocess_env
+from tests.support import REPO, run_main, subprocess_env
 
 GIN_FILES = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "gin", "*.gin")))
 EXTRA = {"gin/mirrored.gin": ["--gin_bindings=train.total_steps=7", "--gin_bindings=make_optimizer.name='sgd'"]}
@@ -28,49 +29,71 @@ def expected_bindings(path: str, found: dict[str, tuple[str, str]] | None = None
     return found
 
 
+# Runs trainer.main's own entry point once per gin file in one fresh interpreter (TensorFlow's
+# import dominates, so once, not once per file), then reports each exit code and output, and
+# whether TensorFlow's runtime (the eager context) was ever started.
+PRINT_EVERY_FILE = """
+import contextlib, io, json, sys
+from absl import flags
+from trainer import main
+results = {}
+for path, model_dir, extra in json.loads(sys.argv[1]):
+    flags.FLAGS.unparse_flags()
+    import gin; gin.clear_config()
+    sys.argv = ['trainer.main', '--gin_file=' + path, '--model_dir=' + model_dir, '--print_config', *extra]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main.main()
+        except SystemExit as e:
+            code = e.code or 0
+    results[path] = {'code': code, 'out': out.getvalue()}
+from tensorflow.python.eager import context
+print(json.dumps({'files': results, 'tf_started': context.context()._initialized}))
+"""
+
+
+def _check_output(path: str, out: str, extra: list[str]) -> None:
+    assert not re.search(r"^(training |step \d|model_dir:)", out, re.M), path  # nothing ran
+    expected = expected_bindings(path)
+    for flag in extra:
+        key, value = flag.removeprefix("--gin_bindings=").split("=", 1)
+        expected[key] = (value, "--gin_bindings")
+    assert expected, path
+    for key, (value, source) in expected.items():
+        line = rf"^{re.escape(key)} = {re.escape(value)}\s+# {re.escape(source)}$"
+        assert re.search(line, out, re.M), (path, key, value, source)
+    # Parameters nobody bound show their defaults, and every registered name has a section.
+    assert re.search(r"^train\.keep_checkpoints = 3\s+# default$", out, re.M)
+    for name in ("train", "cnn", "digits", "make_optimizer", "progress_logger", "profiler_hook", "eval_continuous"):
+        assert re.search(rf"^# {name}: ", out, re.M), (path, name)
+
+
 def test_print_config_of_every_gin_file_shows_each_bound_value_and_trains_nothing(tmp_path):
     assert len(GIN_FILES) >= 5, GIN_FILES
-    procs = {}
-    for path in GIN_FILES:  # all at once: each is mostly TensorFlow's import
-        model_dir = tmp_path / os.path.basename(path)
-        procs[path] = (model_dir, subprocess.Popen(
-            [sys.executable, "-m", "trainer.main", f"--gin_file={path}", f"--model_dir={model_dir}",
-             "--print_config", *EXTRA.get(path, [])],
-            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
-    for path, (model_dir, proc) in procs.items():
-        try:
-            out, err = proc.communicate(timeout=180)
-        finally:
-            proc.kill()
-        assert proc.returncode == 0, (path, err[-3000:])
-        assert not model_dir.exists(), path
-        assert not re.search(r"^(training |step \d|model_dir:)", out, re.M), path  # nothing ran
-        expected = expected_bindings(path)
-        for flag in EXTRA.get(path, []):
-            key, value = flag.removeprefix("--gin_bindings=").split("=", 1)
-            expected[key] = (value, "--gin_bindings")
-        assert expected, path
-        for key, (value, source) in expected.items():
-            line = rf"^{re.escape(key)} = {re.escape(value)}\s+# {re.escape(source)}$"
-            assert re.search(line, out, re.M), (path, key, value, source)
-        # Parameters nobody bound show their defaults, and every registered name has a section.
-        assert re.search(r"^train\.keep_checkpoints = 3\s+# default$", out, re.M)
-        for name in ("train", "cnn", "digits", "make_optimizer", "progress_logger", "profiler_hook", "eval_continuous"):
-            assert re.search(rf"^# {name}: ", out, re.M), (path, name)
-
-
-def test_print_config_does_not_start_tensorflow():
-    result = run_python(
-        "import json, sys\n"
-        "sys.argv = ['main', '--gin_file=gin/ps.gin', '--print_config']\n"
-        "from trainer import main\n"
-        "try:\n    main.main()\nexcept SystemExit as e:\n    code = e.code or 0\n"
-        "from tensorflow.python.eager import context\n"
-        "print(json.dumps({'code': code, 'started': context.context()._initialized}))\n",
-        timeout=180,
+    jobs = [(path, str(tmp_path / os.path.basename(path)), EXTRA.get(path, [])) for path in GIN_FILES]
+    proc = subprocess.run(
+        [sys.executable, "-c", PRINT_EVERY_FILE, json.dumps(jobs)], cwd=REPO, env=subprocess_env(),
+        capture_output=True, text=True, timeout=240,
     )
-    assert result == {"code": 0, "started": False}
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["tf_started"] is False  # not for the PS config either: no local cluster, no devices
+    assert sorted(report["files"]) == GIN_FILES
+    for path, model_dir, extra in jobs:
+        result = report["files"][path]
+        assert result["code"] == 0, (path, result["out"][-2000:])
+        assert not os.path.exists(model_dir), path
+        _check_output(path, result["out"], extra)
+
+
+def test_print_config_from_the_command_line(tmp_path):
+    model_dir = tmp_path / "never"
+    extra = EXTRA["gin/mirrored.gin"]
+    proc = run_main("--gin_file=gin/mirrored.gin", f"--model_dir={model_dir}", "--print_config", *extra, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not model_dir.exists()
+    _check_output("gin/mirrored.gin", proc.stdout, extra)
 
 
 def test_configurables_lists_every_registered_name_with_parameters_and_doc(capsys):
