@@ -136,7 +136,8 @@ class ProgressLogger(Hook):
 
     def rewind(self, run: RunContext, step: int) -> None:
         self._sums, self._count = {}, 0
-        self._last_step, self._last_train_seconds = step, run.train_seconds
+        self._last_step = self._call_step = step
+        self._last_train_seconds = self._call_train_seconds = run.train_seconds
 
     def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
         steps = step - self._last_step - self._count

@@ -46,6 +46,9 @@ def write_text_atomic(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temp, 0o666 & ~umask)  # mkstemp makes it 0600; give it a plain file's mode
         os.replace(temp, path)
     except BaseException:
         if os.path.exists(temp):
