@@ -109,7 +109,7 @@ def test_parameter_server_cluster_with_unlisted_evaluator():
     spec = {"chief": ["h0:1"], "worker": ["h1:1", "h1:2"], "ps": ["h2:1"]}
     for task_type, index in [("chief", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)]:
         info = parse_tf_config(tf_config(spec, task_type, index), allowed_task_types=PS)
-        assert info.has_ps and info.num_workers == 3
+        assert info.has_ps and info.num_workers == 2  # the chief coordinates, the 2 workers train
         assert info.is_chief == (task_type == "chief")
 
 

@@ -44,8 +44,10 @@ class ClusterInfo:
 
     @property
     def num_workers(self) -> int:
-        """Tasks that run the training step: the chief and the workers."""
-        return len(self.cluster.get("chief", [])) + len(self.cluster.get("worker", []))
+        """Tasks that run the training step: the chief and the workers (with parameter
+        servers the chief only coordinates, so only the workers)."""
+        workers = len(self.cluster.get("worker", []))
+        return workers if self.cluster.get("ps") else workers + len(self.cluster.get("chief", []))
 
     @property
     def is_chief(self) -> bool:
