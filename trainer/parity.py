@@ -23,7 +23,10 @@ verdict with its figures.
   workers, one ps). With one worker, exact, step by step as above. With more, updates
   are asynchronous and their order differs on every run, so weights cannot match: each
   side trains `--metric_steps` steps and the final eval accuracy of both (computed here,
-  with the configured eval step) must agree within `--metric_atol`.
+  with the configured eval step) must agree within `--metric_atol`. The table also shows
+  each side's `optimizer.iterations`: Keras 3 increments it with a separate read and
+  write, so concurrent workers lose increments (246 of 300 measured with 2 workers),
+  which shifts Adam's bias correction and any schedule; tf_keras counts every step.
 
 `--report=FILE` appends the table and verdict to a markdown file
 (experiments/parity/run.sh regenerates experiments/parity/README.md that way).
@@ -233,8 +236,10 @@ def compare_parameter_server(settings, steps: int, atol: float, gin_args: list[s
         )
     return MetricOutcome(
         title=f"{title}, by final eval metrics", steps=steps, tolerance=FLAGS.metric_atol,
-        ours={"last train loss": ours["losses"][-1], **runs.evaluate(settings, ours_arrays["final"])},
-        fit={"last train loss": fit["losses"][-1], **runs.evaluate(settings, fit_arrays["final"])},
+        ours={"optimizer iterations": ours["iterations"], "last train loss": ours["losses"][-1],
+              **runs.evaluate(settings, ours_arrays["final"])},
+        fit={"optimizer iterations": fit["iterations"], "last train loss": fit["losses"][-1],
+             **runs.evaluate(settings, fit_arrays["final"])},
     )
 
 
@@ -261,10 +266,15 @@ class MetricOutcome:
         return self.accuracy_difference <= self.tolerance
 
     def rows(self) -> list[list[str]]:
-        keys = ["last train loss", "loss", "accuracy"]
-        names = {"loss": "eval loss", "accuracy": "eval accuracy"}
-        return [[names.get(k, k), f"{self.ours[k]:.4f}", f"{self.fit[k]:.4f}", f"{self.fit[k] - self.ours[k]:+.4f}"]
-                for k in keys]
+        names = {"optimizer iterations": "optimizer iterations", "last train loss": "train loss (last loop)",
+                 "loss": "eval loss", "accuracy": "eval accuracy"}
+
+        def cell(value) -> str:
+            return str(value) if isinstance(value, int) else f"{value:.4f}"
+
+        return [[name, cell(self.ours[k]), cell(self.fit[k]),
+                 f"{self.fit[k] - self.ours[k]:+d}" if isinstance(self.ours[k], int) else f"{self.fit[k] - self.ours[k]:+.4f}"]
+                for k, name in names.items()]
 
     def verdict(self) -> str:
         word, relation = ("PASS", "<=") if self.passed else ("FAIL", "exceeds")
@@ -305,6 +315,7 @@ def worker_ours(settings, steps: int, work_dir: str) -> None:
             losses = runs.run_ours(settings, dist, model, optimizer, steps)
         if is_chief:
             runs.save(os.path.join(work_dir, "ours"), losses=losses, replicas=dist.num_replicas_in_sync,
+                      iterations=int(optimizer.iterations.numpy()),
                       arrays={"initial": initial, "final": runs.weights(model)})
     print(f"ours: {steps} steps on {dist.num_replicas_in_sync} replicas, last loss {losses[-1]:.6f}", flush=True)
 
@@ -325,7 +336,7 @@ def worker_tf_keras_fit(settings, steps: int, work_dir: str) -> None:
             losses = runs.run_fit(settings, dist, model, optimizer, steps)
         if is_chief:
             runs.save(os.path.join(work_dir, "tf_keras_fit"), losses=losses, replicas=dist.num_replicas_in_sync,
-                      arrays={"final": runs.weights(model)})
+                      iterations=int(optimizer.iterations.numpy()), arrays={"final": runs.weights(model)})
     print(f"tf_keras fit: {steps} steps on {dist.num_replicas_in_sync} replicas, last loss {losses[-1]:.6f}",
           flush=True)
 

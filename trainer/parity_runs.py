@@ -147,21 +147,34 @@ def run_fit_ps(settings: Settings, dist: tf.distribute.Strategy, model, optimize
                chunk: int) -> list[float]:
     """tf_keras fit under ParameterServerStrategy: `steps` steps as epochs of `chunk` steps.
 
-    One step per epoch (chunk 1) on the stored batches of `fit_input`: the epoch's loss is
-    the step's loss. With more workers, every worker reads the training pipeline itself.
+    One worker: one step per epoch (chunk 1) on the stored first batches, so the epoch's
+    loss is the step's loss. More workers: each reads its own stream, as in ps_loop.
     """
     with dist.scope():
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       steps_per_execution=1)
     if hasattr(model, "distribute_reduction_method"):
         model.distribute_reduction_method = "first"
-    source, gb, seed = settings.data_source, settings.global_batch_size, settings.seed
-    pipeline = data.train_dataset(source, gb, seed, shard_policy=settings.shard_policy)
-    if chunk == 1:
-        batches = list(pipeline.take(steps).as_numpy_iterator())
+    source, gb, seed, policy = settings.data_source, settings.global_batch_size, settings.seed, settings.shard_policy
+    workers = data.num_workers(dist)
+    if workers == 1:
+        batches = list(data.train_dataset(source, gb, seed, shard_policy=policy).take(steps).as_numpy_iterator())
         pipeline = tf.data.Dataset.from_tensor_slices(tuple(np.stack(parts) for parts in zip(*batches)))
+    else:
+        # As ps_loop feeds our workers: worker k (numbered as it builds its dataset) reads the
+        # training set shuffled with seed + k.
+        with dist.scope():
+            counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+        def dataset_fn(context):
+            size = context.get_per_replica_batch_size(gb)
+            streams = [data.train_dataset(source, size, seed + k, shard_policy=policy) for k in range(workers)]
+            which = (counter.assign_add(1) - 1) % workers
+            return tf.data.Dataset.choose_from_datasets(streams, tf.data.Dataset.from_tensors(which).repeat())
+
+        pipeline = keras.utils.experimental.DatasetCreator(dataset_fn)
     if steps % chunk:
-        raise UserError(f"--steps {steps} must be a multiple of train.steps_per_loop {chunk} here")
+        raise UserError(f"--metric_steps {steps} must be a multiple of train.steps_per_loop {chunk}")
     history = model.fit(pipeline, epochs=steps // chunk, steps_per_epoch=chunk, verbose=0)
     return [float(v) for v in history.history["loss"]]
 
