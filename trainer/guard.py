@@ -199,12 +199,11 @@ def _compare_gradients(d_grads, s_grads, a_grads, n: int, rtol: float = EXACT_RT
 
 def message(finding: Finding, replicas: int) -> str:
     """One line: what differs by how much, the likely mistake, its fix."""
-    what = (f"the gradients summed over {replicas} replicas have {finding.ratio:.4g} times the norm of "
-            f"those on one replica" if finding.name == "gradients" else
+    what = (f"the gradients summed over {replicas} replicas have {finding.ratio:.4g} times the norm of the "
+            f"one-replica gradients" if finding.name == "gradients" else
             f"step output '{finding.name}' summed over {replicas} replicas is {finding.ratio:.4g} times its "
-            f"value on one replica")
-    head = (f"loss scaling: {what} over the same global batch "
-            f"({finding.distributed:.6g} vs {finding.single:.6g})")
+            f"one-replica value")
+    head = f"loss scaling: {what} ({finding.distributed:.6g} vs {finding.single:.6g})"
     if finding.mistake:
         return f"{head}: {FIXES[finding.mistake].format(n=replicas)} {SKIP_HINT}"
     return (f"{head}; the step contract wants each replica's share of the global-batch mean (per-example "
