@@ -392,6 +392,13 @@ def use_tf_keras() -> None:
     sys.modules["keras"] = tf_keras
 
 
+def _shell_quote(arg: str) -> str:
+    """As a person would type it: gin strings in single quotes, so the flag in double quotes."""
+    if shlex.quote(arg) == arg or '"' in arg or "$" in arg or "`" in arg or "\\" in arg:
+        return shlex.quote(arg)
+    return f'"{arg}"'
+
+
 def gin_args() -> list[str]:
     return [*(f"--gin_file={f}" for f in FLAGS.gin_file), *(f"--gin_bindings={b}" for b in FLAGS.gin_bindings)]
 
@@ -441,7 +448,8 @@ def run(argv: list[str]) -> None:
         main_lib.fail(str(e))
     outcome.seconds = time.monotonic() - started
     if FLAGS.report:
-        command = shlex.join(["python", "-m", "trainer.parity", *(a for a in sys.argv[1:] if not a.startswith("--report"))])
+        args = [a for a in sys.argv[1:] if not a.startswith("--report")]
+        command = " ".join(["python -m trainer.parity", *map(_shell_quote, args)])
         with open(FLAGS.report, "a") as f:
             f.write(outcome.markdown(command) + "\n")
     print(outcome.text(), flush=True)

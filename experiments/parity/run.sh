@@ -15,17 +15,25 @@ summary=$(mktemp)
 trap 'rm -f "$sections" "$summary"' EXIT
 status=0
 
+shown() {  # the flags as one would type them
+    local arg out=()
+    for arg in "$@"; do
+        case "$arg" in *[\'\ \(]*) out+=("\"$arg\"") ;; *) out+=("$arg") ;; esac
+    done
+    echo "${out[*]}"
+}
+
 run() {  # run <what it shows> <parity flags...>
     local what=$1
     shift
-    echo "+ python -m trainer.parity $*" >&2
+    echo "+ python -m trainer.parity $(shown "$@")" >&2
     local started=$SECONDS code verdict
     verdict=$("$python" -m trainer.parity "$@" --report="$sections" | tee /dev/stderr | tail -n 1)
     code=${PIPESTATUS[0]}
     [ "$code" -eq 0 ] || status=1
     case "$verdict" in PASS:*|FAIL:*) ;; *) verdict="did not run (exit $code)";; esac
     verdict=${verdict%% (*}
-    printf '| %s | `%s` | %s | %d s |\n' "$what" "$*" "${verdict//|/\\|}" $((SECONDS - started)) >> "$summary"
+    printf '| %s | `%s` | %s | %d s |\n' "$what" "$(shown "$@")" "${verdict//|/\\|}" $((SECONDS - started)) >> "$summary"
 }
 
 run "default strategy, 1 device" --gin_file=gin/single.gin
