@@ -4,10 +4,9 @@ from __future__ import annotations
 import os
 import shutil
 
-import numpy as np
 import pytest
 
-from tests.support import read_jsonl, run_main, tree_digest
+from tests.support import run_main, tree_digest
 
 SHORT = ["--gin_bindings=train.total_steps=20", "--gin_bindings=train.checkpoint_every_steps=10",
          "--gin_bindings=train.eval_every_steps=10", "--gin_bindings=train.log_every_steps=10"]

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
 from trainer import local_cluster  # noqa: E402
+from trainer.cli import fail, parse_flags  # noqa: E402
 from trainer.errors import RunFailure, UserError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -31,17 +31,6 @@ flags.DEFINE_bool(
 )
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def fail(message: str, exit_code: int = 2) -> None:
-    """Prints a one-line error and exits (2: a user mistake, 1: a run that could not go on)."""
-    first_line = message.strip().splitlines()[0] if message.strip() else "unknown error"
-    # TensorFlow warns at shutdown about objects it half-restored; the error must stay the last line.
-    logging.set_verbosity(logging.ERROR)
-    if "tensorflow" in sys.modules:
-        sys.modules["tensorflow"].get_logger().setLevel("ERROR")
-    print(f"error: {first_line}", file=sys.stderr, flush=True)
-    sys.exit(exit_code)
 
 
 def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
@@ -103,14 +92,6 @@ def run(argv: list[str]) -> None:
         fail(str(e))
     except RunFailure as e:
         fail(str(e), exit_code=1)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, but a bad flag is a user mistake: one line and exit 2."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        fail(f"{e}; see --helpfull")
 
 
 def main() -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Sequence
 
 from absl import app, flags
 
+from trainer.cli import fail, parse_flags
 from trainer.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"  # the model_dir contract (DESIGN.md); read without TensorFlow
@@ -100,11 +100,6 @@ def plot(model_dirs: Sequence[str], out: str, title: str | None = None) -> list[
     return labels
 
 
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
 def run(argv: list[str]) -> None:
     if len(argv) > 1:
         fail(f"unexpected arguments {' '.join(argv[1:])}; use --model_dir=DIR (repeated) and --out=FILE")
@@ -113,13 +108,6 @@ def run(argv: list[str]) -> None:
     except UserError as e:
         fail(str(e))
     print(f"wrote {FLAGS.out}: {', '.join(labels)}")
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        fail(f"{e}; see --helpfull")
 
 
 def main() -> None:

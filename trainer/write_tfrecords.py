@@ -8,7 +8,6 @@ one described in `trainer.data`.
 """
 
 import os
-import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,6 +15,7 @@ import tensorflow as tf
 from absl import app, flags
 
 from trainer import data
+from trainer.cli import fail, parse_flags
 from trainer.errors import UserError
 
 _DATASET = flags.DEFINE_enum("dataset", "digits", ["digits", "fashion_mnist", "synthetic"], "Dataset to write.")
@@ -71,27 +71,16 @@ def write(source: data.DataSource, out_dir: str, num_shards: int) -> data.TFReco
     return data.TFRecordFiles(pattern("train"), pattern("eval"), tuple(source.input_shape), source.num_classes)
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    """A bad flag is a user mistake: one line and exit 2 (absl alone exits 1)."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
-        print(f"error: unexpected arguments {argv[1:]}: pass everything as --flags", file=sys.stderr)
-        sys.exit(2)
+        fail(f"unexpected arguments {argv[1:]}: pass everything as --flags")
     try:
         if not _OUT_DIR.value:
             raise UserError("--out_dir is required: pass the directory to write the shards into")
         source = make_source(_DATASET.value, _FASHION_MNIST_DIR.value)
         written = write(source, _OUT_DIR.value, _NUM_SHARDS.value)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(error))
     print(f"train_pattern = '{written.train_pattern}'")
     print(f"eval_pattern = '{written.eval_pattern}'")
     print(f"input_shape = {written.input_shape}")
@@ -99,4 +88,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=parse_flags)
