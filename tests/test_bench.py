@@ -29,6 +29,7 @@ def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
         assert variant["steps_per_sec"] > 0 and variant["peak_rss_mib"] > 0
     # --steps 8 is rounded up to whole calls of 5: chunks of 10 steps.
     assert result["method"]["steps_per_chunk"] == 10
+    assert result["method"]["ours_progress_records_per_chunk"] == 2 and result["method"]["ours_checkpoints_per_chunk"] == 1
     # Our loop ran calls of 1, 5 and 4 steps (the first step alone, then up to hook boundaries): one trace.
     assert result["ours_compile_count"] == 1 and result["limit_compile_count"] == 1
     assert result["variants"]["fit_spe5"]["first_call_steps"] == 5
@@ -51,7 +52,7 @@ def test_table_says_where_fit_cannot_run():
     assert [v.status for v in variants] == ["ok", "ok", "cannot_run", "cannot_run"]
     for v in variants[:2]:
         v.chunks, v.first_step_s, v.compile_count, v.peak_rss_mib = [2.0, 2.2, 2.1], 5.0, 1, 700.0
-    result = bench.results(settings, variants, chunk=100, warmup=100, repeats=3, load_before=(0.5, 0, 0),
+    result = bench.results(settings, variants, chunk=200, warmup=200, repeats=3, load_before=(0.5, 0, 0),
                            load_after=(0.6, 0, 0), command="python -m trainer.bench")
     assert result["ratios"]["ours_over_fit_best"] is None and result["ratios"]["ours_over_limit"] == 1.0
     text = bench.text_table(result)

@@ -40,6 +40,7 @@ import json
 import math
 import os
 import platform
+import re
 import selectors
 import shlex
 import statistics
@@ -57,7 +58,9 @@ from trainer import main as main_lib  # noqa: E402  (defines --gin_file and --gi
 from trainer.errors import UserError  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("steps", 200, "Steps per measured chunk (rounded up to a multiple of every call length).")
+flags.DEFINE_integer("steps", 0, "Steps per measured chunk, rounded up to a multiple of every call length (0: the "
+                     "least multiple of log_every_steps and checkpoint_every_steps, so that every chunk holds the "
+                     "same hook work: one checkpoint and chunk/log_every_steps progress records).")
 flags.DEFINE_integer("repeats", 5, "Measured chunks per variant (interleaved across variants).")
 flags.DEFINE_integer("warmup_steps", 0, "Steps each variant runs after its first call before measuring "
                      "(0: one chunk).")
@@ -176,6 +179,20 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
+def peak_gpu_mib() -> float | None:
+    """Peak memory TensorFlow allocated on the first GPU (None without a GPU)."""
+    import tensorflow as tf
+
+    if not tf.config.list_logical_devices("GPU"):
+        return None
+    return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+
+
+def finished(channel, compile_count) -> None:
+    channel.send(event="finished", compile_count=compile_count, peak_rss_mib=peak_rss_mib(),
+                 peak_gpu_mib=peak_gpu_mib())
+
+
 def run_limit(settings: dict, channel: Channel) -> None:
     """The bare step on one batch already on the device(s), steps_per_loop steps per call."""
     import tensorflow as tf
@@ -219,7 +236,7 @@ def run_limit(settings: dict, channel: Channel) -> None:
         started = time.monotonic()
         run_until(until)
         until = channel.chunk_done(time.monotonic() - started)
-    channel.send(event="finished", compile_count=limit.experimental_get_tracing_count(), peak_rss_mib=peak_rss_mib())
+    finished(channel, limit.experimental_get_tracing_count())
 
 
 def run_ours(settings: dict, channel: Channel) -> None:
@@ -251,7 +268,7 @@ def run_ours(settings: dict, channel: Channel) -> None:
             else:
                 self.until = channel.chunk_done(time.monotonic() - self.started)
             if self.until is None:
-                channel.send(event="finished", compile_count=run.loop.trace_count, peak_rss_mib=peak_rss_mib())
+                finished(channel, run.loop.trace_count)
             self.started = time.monotonic()
 
     if settings["strategy"] == "parameter_server":
@@ -296,6 +313,7 @@ def run_fit(settings: dict, channel: Channel, steps_per_execution: int) -> None:
 
     dist, model, optimizer = setup(settings)
     with dist.scope():
+        optimizer.build(model.trainable_variables)  # as ours (rule 1); fit would build it itself
         model.compile(
             optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"], steps_per_execution=steps_per_execution,
@@ -330,8 +348,7 @@ def run_fit(settings: dict, channel: Channel, steps_per_execution: int) -> None:
     # One call beyond the last chunk, so that its end is the start of a call.
     model.fit(dataset, epochs=1, steps_per_epoch=FLAGS.total_steps + steps_per_execution, verbose=0,
               callbacks=[Pacer()])
-    channel.send(event="finished", compile_count=tracing_count(model.train_function, "multi_step_on_iterator"),
-                 peak_rss_mib=peak_rss_mib())
+    finished(channel, tracing_count(model.train_function, "multi_step_on_iterator"))
 
 
 def run_worker(role: str) -> None:
@@ -351,9 +368,25 @@ def run_worker(role: str) -> None:
         raise
     except BaseException as e:  # the parent reports it; the traceback goes to this worker's log
         traceback.print_exc()
-        channel.send(event="error", message=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
-                     user_error=isinstance(e, UserError))
+        channel.send(event="error", message=error_summary(e, role), user_error=isinstance(e, UserError))
         sys.exit(2 if isinstance(e, UserError) else 1)
+
+
+KNOWN_FIT_FAILURES = {
+    "You must feed a value for placeholder tensor": "keras-team/keras#19246: fit with steps_per_execution > 1 under "
+                                                     "MirroredStrategy",
+}
+
+
+def error_summary(error: BaseException, role: str) -> str:
+    """One line: the TensorFlow status message if there is one, and a known issue it matches."""
+    text = str(error).strip()
+    status = re.search(r"\b(?:INVALID_ARGUMENT|FAILED_PRECONDITION|UNIMPLEMENTED|INTERNAL|NOT_FOUND|UNKNOWN|"
+                       r"RESOURCE_EXHAUSTED|OUT_OF_RANGE|ABORTED|UNAVAILABLE):\s*(.+)", text)
+    detail = status.group(1).strip() if status else (text.splitlines()[0] if text else "")
+    summary = f"{type(error).__name__}: {detail}"
+    known = next((issue for symptom, issue in KNOWN_FIT_FAILURES.items() if symptom in text), None)
+    return f"{summary} ({known})" if known and role == "fit" else summary
 
 
 # --- the parent: start, pace and measure the workers ---------------------------------------------------
@@ -375,6 +408,7 @@ class Variant:
     warmup_s: float | None = None
     compile_count: int | None = None
     peak_rss_mib: float | None = None
+    peak_gpu_mib: float | None = None
     process: subprocess.Popen | None = None
     log_path: str = ""
     machine: dict | None = None
@@ -500,8 +534,8 @@ def measure(settings: dict, variants: list[Variant], gin_args: list[str], *, chu
                     variant.status, variant.reason = "failed", str(e)
                     print_fn(f"{variant.name}: failed in {label}: {e} (log: {variant.log_path})")
                     continue
-                if message["steps"] != until:
-                    raise RuntimeError(f"{variant.name} stopped at step {message['steps']}, not {until}")
+                if message.get("steps") != until:
+                    raise RuntimeError(f"{variant.name} answered {message} when asked to run to step {until}")
                 if label == "warmup":
                     variant.warmup_s = message["seconds"]
                 else:
@@ -518,11 +552,18 @@ def measure(settings: dict, variants: list[Variant], gin_args: list[str], *, chu
                 message = worker.receive()
                 variant.compile_count = message.get("compile_count")
                 variant.peak_rss_mib = message.get("peak_rss_mib")
+                variant.peak_gpu_mib = message.get("peak_gpu_mib")
             except WorkerError as e:
                 variant.status, variant.reason = "failed", str(e)
     finally:
         for worker in workers.values():
             worker.close()
+
+
+def _per_chunk(every: int, warmup: int, chunk: int, repeats: int) -> float:
+    """How many multiples of `every` the measured steps (warmup, warmup + repeats * chunk] hold, per chunk."""
+    end = warmup + repeats * chunk
+    return (end // every - warmup // every) / repeats
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -553,7 +594,11 @@ def results(settings: dict, variants: list[Variant], *, chunk: int, warmup: int,
             "mixed_precision": settings["mixed_precision"] or "float32",
         },
         "method": {"steps_per_chunk": chunk, "warmup_until_step": warmup, "repeats": repeats,
-                   "order": [v.name for v in variants], "statistic": "median over chunks"},
+                   "order": [v.name for v in variants], "statistic": "median over chunks",
+                   # What our loop's hooks did in the measured chunks, per chunk on average.
+                   "ours_progress_records_per_chunk": _per_chunk(settings["log_every_steps"], warmup, chunk, repeats),
+                   "ours_checkpoints_per_chunk": _per_chunk(settings["checkpoint_every_steps"], warmup, chunk,
+                                                            repeats)},
         "machine": mach,
         "load_average": {"before": list(load_before), "after": list(load_after)},
         "variants": {},
@@ -576,7 +621,7 @@ def results(settings: dict, variants: list[Variant], *, chunk: int, warmup: int,
             "steps_per_sec_min_max": list(spread) if spread else None,
             "chunk_seconds": v.chunks, "warmup_seconds": v.warmup_s,
             "time_to_first_step_s": v.first_step_s, "first_call_steps": v.first_call_steps,
-            "compile_count": v.compile_count, "peak_rss_mib": v.peak_rss_mib,
+            "compile_count": v.compile_count, "peak_rss_mib": v.peak_rss_mib, "peak_gpu_mib": v.peak_gpu_mib,
         }
     return out
 
@@ -587,11 +632,13 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 def table_rows(res: dict) -> list[list[str]]:
     limit_rate = (res["variants"].get("limit") or {}).get("steps_per_sec")
+    gpu = any(v.get("peak_gpu_mib") is not None for v in res["variants"].values())
     rows = [["variant", "steps/s", "examples/s", "min-max steps/s", "vs limit", "first step s", "peak RSS MiB",
-             "compiles"]]
+             *(["peak GPU MiB"] if gpu else []), "compiles"]]
     for v in res["variants"].values():
         if v["status"] != "ok":
-            rows.append([v["label"], f"{v['status'].replace('_', ' ')}: {v['reason']}", "", "", "", "", "", ""])
+            reason = f"{v['status'].replace('_', ' ')}: {v['reason']}"
+            rows.append([v["label"], reason, *[""] * (len(rows[0]) - 2)])
             continue
         spread = v["steps_per_sec_min_max"]
         first = _fmt(v["time_to_first_step_s"], ".1f") + (f" ({v['first_call_steps']} steps)"
@@ -599,7 +646,7 @@ def table_rows(res: dict) -> list[list[str]]:
         rows.append([v["label"], _fmt(v["steps_per_sec"], ".2f"), _fmt(v["examples_per_sec"], ".0f"),
                      f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-",
                      _fmt(ratio(v["steps_per_sec"], limit_rate), ".3f"), first, _fmt(v["peak_rss_mib"], ".0f"),
-                     _fmt(v["compile_count"], "d")])
+                     *([_fmt(v.get("peak_gpu_mib"), ".0f")] if gpu else []), _fmt(v["compile_count"], "d")])
     return rows
 
 
@@ -623,8 +670,9 @@ def ratio_line(res: dict) -> str:
 def method_line(res: dict) -> str:
     m, load = res["method"], res["load_average"]
     return (f"{m['repeats']} interleaved chunks of {m['steps_per_chunk']} steps per variant after warm-up to step "
-            f"{m['warmup_until_step']}; medians. Load average (1 min) {load['before'][0]:.2f} before, "
-            f"{load['after'][0]:.2f} after.")
+            f"{m['warmup_until_step']}; medians; our loop's hooks per chunk: "
+            f"{m['ours_progress_records_per_chunk']:g} progress record(s), {m['ours_checkpoints_per_chunk']:g} "
+            f"checkpoint(s). Load average (1 min) {load['before'][0]:.2f} before, {load['after'][0]:.2f} after.")
 
 
 def text_table(res: dict) -> str:
@@ -668,9 +716,10 @@ def compare() -> int:
     variants = plan_variants(settings, FLAGS.variants, fit_spes)
     # Every chunk ends on a call boundary of every variant: a multiple of steps_per_loop and of fit's values.
     unit = math.lcm(settings["steps_per_loop"], *fit_spes)
-    chunk = round_up(FLAGS.steps, unit)
-    warmup = round_up(max(FLAGS.warmup_steps, 1) if FLAGS.warmup_steps else chunk, chunk)
-    warmup = max(warmup, unit)
+    hooks_unit = math.lcm(settings["log_every_steps"], settings["checkpoint_every_steps"])
+    chunk = round_up(FLAGS.steps or (hooks_unit if hooks_unit <= 20_000 else 1000), unit)
+    # Warm-up ends on a chunk boundary beyond every variant's first call (fit's first call is unit steps long).
+    warmup = round_up(max(FLAGS.warmup_steps or chunk, unit + 1), chunk)
     total = warmup + FLAGS.repeats * chunk
     gin_args = [*(f"--gin_file={f}" for f in FLAGS.gin_file), *(f"--gin_bindings={b}" for b in FLAGS.gin_bindings)]
     command = shlex.join(["python", "-m", "trainer.bench", *(a for a in sys.argv[1:]
