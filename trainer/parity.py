@@ -28,6 +28,10 @@ verdict with its figures.
   write, so concurrent workers lose increments (246 of 300 measured with 2 workers),
   which shifts Adam's bias correction and any schedule; tf_keras counts every step.
 
+Both sides follow `train.mixed_precision` (fit's `compile` adds its own loss scaling under
+mixed_float16) and `train.jit_compile` (fit compiled with `jit_compile` too). Against
+tf_keras, mixed precision is refused: tf_keras computes the loss in the compute dtype.
+
 `--report=FILE` appends the table and verdict to a markdown file
 (experiments/parity/run.sh regenerates experiments/parity/README.md that way).
 """
@@ -129,7 +133,10 @@ def max_abs_difference(a: list, b: list) -> float:
 
 
 def describe(settings, replicas: int) -> str:
-    return f"{settings.strategy}, {replicas} replica(s), global batch {settings.global_batch_size}"
+    extras = [e for e in (settings.mixed_precision if settings.mixed_precision not in (None, "float32") else None,
+                          "XLA" if settings.jit_compile else None) if e]
+    return (f"{settings.strategy}, {replicas} replica(s), global batch {settings.global_batch_size}"
+            + "".join(f", {e}" for e in extras))
 
 
 # --- the comparisons ------------------------------------------------------------------------
@@ -141,7 +148,7 @@ def compare_in_process(settings, steps: int, atol: float) -> Outcome:
 
     dist, _ = runs.make_strategy(settings)
     model, optimizer = runs.build(settings, dist)
-    fit_model, fit_optimizer = runs.build(settings, dist, seed=False)
+    fit_model, fit_optimizer = runs.build(settings, dist, seed=False, for_fit=True)
     runs.copy_state(model, fit_model)
     initial = runs.weights(model)
     ours = runs.run_ours(settings, dist, model, optimizer, steps)
@@ -327,7 +334,7 @@ def worker_tf_keras_fit(settings, steps: int, work_dir: str) -> None:
     _, arrays = runs.load(os.path.join(work_dir, "ours"))
     with _embedded_cluster(settings):
         dist, is_chief = runs.make_strategy(settings)
-        model, optimizer = runs.build(settings, dist)
+        model, optimizer = runs.build(settings, dist, for_fit=True)
         with dist.scope():
             model.set_weights(arrays["initial"])
         if settings.strategy == "parameter_server":
@@ -416,6 +423,10 @@ def compare(settings, steps: int, atol: float) -> Outcome | MetricOutcome:
         return compare_replicas(settings, steps, atol, counts, gin_args())
     if settings.strategy in IN_PROCESS:
         return compare_in_process(settings, steps, atol)
+    if settings.mixed_precision not in (None, "float32"):
+        raise UserError(f"parity against tf_keras under {settings.mixed_precision} compares different losses: tf_keras "
+                        "computes the loss in the compute dtype, Keras 3 and our step in float32; check this config "
+                        "with gin/mirrored.gin (against Keras 3 fit) or without train.mixed_precision")
     if settings.strategy == "multi_worker_mirrored":
         return compare_multi_worker(settings, steps, atol, FLAGS.num_workers, gin_args())
     if settings.strategy == "parameter_server":

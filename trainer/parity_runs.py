@@ -45,6 +45,8 @@ class Settings:
     shard_policy: str
     eval_step_fn: Callable
     steps_per_loop: int
+    jit_compile: bool = False
+    mixed_precision: str | None = None
     parameter_server: object = None  # ps_loop.ParameterServerConfig, for strategy 'parameter_server'
 
 
@@ -85,15 +87,25 @@ def make_strategy(settings: Settings) -> tuple[tf.distribute.Strategy, bool]:
     return dist, info.is_chief
 
 
-def build(settings: Settings, dist: tf.distribute.Strategy, *, seed: bool = True):
-    """Model and built optimizer under `dist.scope()` (rule 1), as `train` builds them."""
+def build(settings: Settings, dist: tf.distribute.Strategy, *, seed: bool = True, for_fit: bool = False):
+    """Model and built optimizer under `dist.scope()` (rule 1), as `train` builds them.
+
+    The global dtype policy is `train.mixed_precision` from here on (this process compares
+    one config). Our side gets the optimizer as `train` wraps it (a LossScaleOptimizer under
+    mixed_float16); fit's `compile` wraps its own.
+    """
+    from trainer import precision
+
     if seed:
         keras.utils.set_random_seed(settings.seed)
+    policy = precision.set_global_policy(settings.mixed_precision)
     source = settings.data_source
     with dist.scope():
         model = settings.model_fn(source.input_shape, source.num_classes)
         optimizer = settings.optimizer_fn(global_batch_size=settings.global_batch_size,
                                           total_steps=settings.total_steps)
+        if not for_fit:
+            optimizer = precision.wrap_optimizer(optimizer, policy)
         optimizer.build(model.trainable_variables)
     return model, optimizer
 
@@ -109,7 +121,8 @@ def run_ours(settings: Settings, dist: tf.distribute.Strategy, model, optimizer,
         dist, settings.data_source, settings.global_batch_size, settings.seed,
         method=settings.distribute_method, shard_policy=settings.shard_policy,
     )
-    loop = TrainLoop(dist, model, optimizer, settings.step_fn, settings.global_batch_size, dataset, global_step)
+    loop = TrainLoop(dist, model, optimizer, settings.step_fn, settings.global_batch_size, dataset, global_step,
+                     jit_compile=settings.jit_compile)
     losses = []
     for _ in range(steps):
         outputs = loop.run(1)
@@ -237,7 +250,7 @@ def run_fit(settings: Settings, dist: tf.distribute.Strategy, model, optimizer, 
     """`steps` steps of `model.fit` on `fit_input`; the loss of each."""
     with dist.scope():
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      steps_per_execution=1)
+                      steps_per_execution=1, jit_compile=settings.jit_compile)
     if hasattr(model, "distribute_reduction_method"):
         # tf_keras only: its default ('auto' = 'sum') adds up every replica's copy of a metric
         # that is already global under MultiWorkerMirrored, so fit logs N times the loss.

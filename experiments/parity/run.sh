@@ -48,6 +48,8 @@ run "mirrored: L2, Adam, warm-up + cosine" --gin_file=gin/mirrored.gin --gin_bin
 run "mirrored: L2, dropout, SGD momentum, scaled rate" --gin_file=gin/mirrored.gin --gin_bindings=cnn.l2=1e-3 \
     --gin_bindings=cnn.dropout=0.3 "--gin_bindings=make_optimizer.name='sgd'" --gin_bindings=make_optimizer.momentum=0.9 \
     --gin_bindings=make_optimizer.learning_rate=0.05 --gin_bindings=make_optimizer.reference_batch_size=32
+run "mirrored: mixed_bfloat16" --gin_file=gin/mirrored.gin "--gin_bindings=train.mixed_precision='mixed_bfloat16'"
+run "default strategy: XLA (jit_compile)" --gin_file=gin/single.gin --gin_bindings=train.jit_compile=True
 run "multi_worker_mirrored: per-worker input (function)" --gin_file=gin/mwms.gin --num_workers=2 \
     "--gin_bindings=train.distribute_method='function'" --gin_bindings=cnn.l2=1e-3
 run "replica invariance 1, 2, 4" --gin_file=gin/mirrored.gin --replicas=1,2,4
