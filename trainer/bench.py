@@ -705,8 +705,8 @@ def compare() -> int:
     if settings["strategy"] == "parameter_server":
         raise UserError("trainer.bench does not run parameter_server (asynchronous closures on remote workers); "
                         "Keras 3 fit cannot run there either (DESIGN.md rule 7)")
-    if FLAGS.steps < 1 or FLAGS.repeats < 1 or FLAGS.warmup_steps < 0:
-        raise UserError("--steps and --repeats must be at least 1, --warmup_steps at least 0")
+    if FLAGS.steps < 0 or FLAGS.repeats < 1 or FLAGS.warmup_steps < 0:
+        raise UserError("--repeats must be at least 1, --steps and --warmup_steps at least 0")
     try:
         fit_spes = sorted({int(s) for s in FLAGS.fit_steps_per_execution} or {1, settings["steps_per_loop"]})
     except ValueError:
