@@ -20,9 +20,14 @@ METRICS_FILE = "metrics.jsonl"  # the model_dir contract (DESIGN.md); read witho
 PANELS = (("train", "loss", "train loss"), ("eval", "loss", "eval loss"), ("eval", "accuracy", "eval accuracy"))
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("model_dir", [], "A run's model_dir (repeat to overlay several runs).")
-flags.DEFINE_string("out", "curves.png", "Where to write the PNG.")
-flags.DEFINE_string("title", None, "Figure title (default: none).")
+
+
+def define_flags() -> None:
+    """Only when run as a program: importing this module must not claim flag names
+    (`--model_dir` is trainer.main's too)."""
+    flags.DEFINE_multi_string("model_dir", [], "A run's model_dir (repeat to overlay several runs).")
+    flags.DEFINE_string("out", "curves.png", "Where to write the PNG.")
+    flags.DEFINE_string("title", None, "Figure title (default: none).")
 
 
 def read_run(model_dir: str) -> list[dict]:
@@ -111,6 +116,7 @@ def run(argv: list[str]) -> None:
 
 
 def main() -> None:
+    define_flags()
     app.run(run, flags_parser=parse_flags)
 
 
