@@ -84,17 +84,17 @@ def test_two_launched_workers_train_and_only_the_chief_writes(tmp_path):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     proc = launch("--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
-                  env=subprocess_env(TMPDIR=str(scratch)))
+                  "--gin_bindings=train.total_steps=400", env=subprocess_env(TMPDIR=str(scratch)))
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     assert "[worker 0]" in proc.stdout and "[worker 1]" in proc.stdout
     assert "on 2 replica(s) (2 worker(s))" in proc.stdout
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
     final = [r for r in records if r["split"] == "eval"][-1]
-    assert final["step"] == 600 and final["accuracy"] >= 0.96
-    assert len([r for r in records if r["split"] == "train" and r["step"] == 600]) == 1  # one writer
+    assert final["step"] == 400 and final["accuracy"] >= 0.96
+    assert len([r for r in records if r["split"] == "train" and r["step"] == 400]) == 1  # one writer
     assert len(os.listdir(os.path.join(model_dir, "train"))) == 1
     assert len(os.listdir(os.path.join(model_dir, "eval"))) == 1
-    assert os.path.exists(os.path.join(model_dir, "ckpt-600.index"))
+    assert os.path.exists(os.path.join(model_dir, "ckpt-400.index"))
     leftovers = [p for p in (scratch.rglob("*")) if "trainer" in p.name or "workertemp" in p.name]
     leftovers += [p for p in tmp_path.rglob("*") if "workertemp" in p.name or ".tmp-" in p.name]
     assert not leftovers, leftovers
@@ -124,7 +124,7 @@ def test_two_workers_match_one_process_at_the_same_global_batch(tmp_path, method
 def test_sigterm_to_one_worker_saves_on_all_and_the_restart_finishes(tmp_path):
     model_dir = str(tmp_path / "run")
     args = ["--num_workers=2", "--max_restarts=1", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
-            "--gin_bindings=train.total_steps=1500", "--gin_bindings=train.checkpoint_every_steps=1000",
+            "--gin_bindings=train.total_steps=500", "--gin_bindings=train.checkpoint_every_steps=400",
             "--gin_bindings=train.eval_every_steps=1000", *QUIET]
     launcher = subprocess.Popen([sys.executable, "-m", "trainer.launch", *args], cwd=REPO, env=subprocess_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -144,7 +144,7 @@ def test_sigterm_to_one_worker_saves_on_all_and_the_restart_finishes(tmp_path):
     assert f"continuing from step {saved_step}" in output
     train_steps = [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "train"]
     assert train_steps == sorted(set(train_steps)), "a step was trained (and logged) twice"
-    assert train_steps[-1] == 1500 and 0 < saved_step < 1500
+    assert train_steps[-1] == 500 and 0 < saved_step < 500
     assert not trainer_pids_for(model_dir)
 
 

@@ -28,7 +28,7 @@ GB, K = 32, 8
 strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
 arrays, losses = {{}}, {{}}
 for name in ("sgd", "adam"):
-    for method in ("dataset", "function"):
+    for method in ("dataset",):  # 'function' is checked against one process in test_multiworker
         keras.utils.set_random_seed(1)
         with strategy.scope():
             model = models.cnn(source.input_shape, source.num_classes, filters=(8, 16, 16), dense_units=32, l2=1e-3)
