@@ -56,6 +56,30 @@ def test_train_dataset_shapes_repeat_determinism_and_skip():
     _assert_same(batches[5:], _batches(data.train_dataset(source, 16, seed=3, skip_batches=5), 3))
 
 
+def test_index_batches_are_whole_epoch_permutations_across_batch_boundaries():
+    count, batch = 10, 4  # batches straddle epochs: 4 + 4 + (2 | 2) + ...
+    stream = np.concatenate([b.numpy() for b in data.shuffled_index_batches(count, batch, seed=1).take(15)])
+    epochs = stream.reshape(-1, count)
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(count))
+    assert len({tuple(e) for e in epochs}) > 1  # reshuffled every epoch
+    shard = np.concatenate([b.numpy() for b in data.shuffled_index_batches(count, 2, seed=1, shard=(3, 1)).take(3)])
+    assert sorted(shard[:3]) == sorted(shard[3:]) == [1, 4, 7]
+
+
+def test_skip_and_drop_give_the_batches_of_the_full_stream():
+    source = data.Synthetic(num_train=40, num_eval=8)
+    full = _batches(data.train_dataset(source, 16, seed=3), 20)
+    for skip in (0, 3, 7, 11):  # 7 * 16 = 112 = 2 * 40 + 32: starts mid-epoch
+        _assert_same(full[skip:skip + 4], _batches(data.train_dataset(source, 16, seed=3, skip_batches=skip), 4))
+    drops = [2, 3, 9]
+    kept = [b for i, b in enumerate(full) if i not in drops]
+    _assert_same(kept[:10], _batches(data.train_dataset(source, 16, seed=3, drop_batches=drops), 10))
+    for skip in (1, 2, 6, 7):
+        _assert_same(kept[skip:skip + 5],
+                     _batches(data.train_dataset(source, 16, seed=3, skip_batches=skip, drop_batches=drops), 5))
+
+
 def test_eval_dataset_counts_each_example_once_and_pads_with_zero_weight():
     digits = data.Digits()
     count = digits.num_examples("eval")

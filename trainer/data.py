@@ -231,29 +231,72 @@ def train_dataset(source: DataSource, batch_size: int, seed: int, *, shard_polic
 
     `drop_batches` are indices (in the unskipped stream) of batches never to train on, such as
     one that made the loss non-finite; `skip_batches` counts the batches that remain.
+    Sources held in memory are shuffled a whole epoch at a time (see `shuffled_index_batches`);
+    streamed sources through a shuffle buffer of up to MAX_SHUFFLE_BUFFER examples.
     """
     options = _options(shard_policy)
-    buffer = min(source.num_examples("train"), MAX_SHUFFLE_BUFFER)
+    drop_batches = sorted(set(drop_batches))
+    first = _raw_batch_index(skip_batches, drop_batches)
     in_memory = getattr(source, "arrays", None)
     if in_memory is not None:
-        # Shuffle indices and gather whole batches: the same batches as shuffling the examples
-        # (a shuffle's order does not depend on what it shuffles), for much less CPU per step.
-        images, labels = (tf.constant(a) for a in in_memory("train"))
-        dataset = tf.data.Dataset.range(source.num_examples("train"))
-        if shard := _shard(input_context):
-            dataset = dataset.shard(*shard)
+        dataset = shuffled_index_batches(source.num_examples("train"), batch_size, seed, first_batch=first,
+                                         shard=_shard(input_context))
     else:
+        buffer = min(source.num_examples("train"), MAX_SHUFFLE_BUFFER)
         dataset = source.examples("train", _shard(input_context))
-    dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).repeat()
-    dataset = dataset.batch(batch_size, drop_remainder=True)
-    if drop_batches:
-        dropped = tf.constant(sorted(drop_batches), tf.int64)
-        dataset = dataset.enumerate().filter(lambda i, _: tf.reduce_all(tf.not_equal(i, dropped)))
+        dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).repeat()
+        dataset = dataset.batch(batch_size, drop_remainder=True).skip(first)
+    if dropped := [b for b in drop_batches if b >= first]:
+        dropped = tf.constant(dropped, tf.int64)
+        dataset = dataset.enumerate(start=first).filter(lambda i, _: tf.reduce_all(tf.not_equal(i, dropped)))
         dataset = dataset.map(lambda _, batch: batch)
-    dataset = dataset.skip(skip_batches)
     if in_memory is not None:
+        images, labels = (tf.constant(a) for a in in_memory("train"))
         dataset = dataset.map(lambda index: (tf.gather(images, index), tf.gather(labels, index)))
     return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+
+
+def _raw_batch_index(skip_batches: int, drop_batches: Sequence[int]) -> int:
+    """The index in the unfiltered stream of the first batch after `skip_batches` kept ones."""
+    raw = skip_batches
+    for dropped in drop_batches:  # sorted: each dropped batch at or before the position pushes it on
+        if dropped <= raw:
+            raw += 1
+    return raw
+
+
+def shuffled_index_batches(num_examples: int, batch_size: int, seed: int, *, first_batch: int = 0,
+                           shard: Shard | None = None) -> tf.data.Dataset:
+    """Endless `[batch_size]` int64 batches of example indices, from batch `first_batch` on.
+
+    Epoch e is a permutation of the examples seeded by (seed, e); epochs follow each other
+    and batches run across their boundaries, as in `shuffle().repeat().batch()`. Whole
+    epochs are shuffled at once, so each batch costs the pipeline one slice instead of
+    `batch_size` trips through a shuffle buffer (on a CPU the pipeline's threads take cores
+    from the step), and a resumed run starts at its batch without replaying those before it.
+    `shard` keeps every n-th example (the examples of one input pipeline).
+    """
+    ids = tf.range(num_examples, dtype=tf.int64)
+    if shard:
+        ids = ids[shard[1]::shard[0]]
+    count = int(ids.shape[0])
+    if count == 0:
+        raise UserError(f"input pipeline {shard} of {num_examples} training examples holds none: "
+                        "use fewer workers or more data")
+    epoch, offset = divmod(first_batch * batch_size, count)
+
+    def permutation(epoch):
+        order = tf.random.experimental.stateless_shuffle(
+            tf.range(count, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), tf.cast(epoch, tf.int64)]))
+        return tf.gather(ids, order)
+
+    def cut(leftover, epoch):
+        stream = tf.concat([leftover, permutation(epoch)], 0)
+        whole = tf.size(stream, out_type=tf.int64) // batch_size * batch_size
+        return stream[whole:], tf.reshape(stream[:whole], [-1, batch_size])
+
+    initial = permutation(epoch)[offset:]
+    return tf.data.Dataset.counter(epoch + 1).scan(initial, cut).unbatch()
 
 
 def eval_dataset(source: DataSource, batch_size: int, *, pad_to_multiple_of: int | None = None,

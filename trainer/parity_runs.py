@@ -207,8 +207,8 @@ def evaluate(settings: Settings, weights_list: list[np.ndarray]) -> dict[str, fl
 def fit_input(settings: Settings, dist: tf.distribute.Strategy, steps: int):
     """The batches our loop sees in its first `steps` steps, fixed, split across replicas the same way.
 
-    fit iterates its dataset more than once, and the training pipeline reshuffles on every
-    iteration, so fit gets the batches read once and stored. Our loop trains replica r on
+    fit iterates its dataset more than once, and a streamed source's shuffle buffer reshuffles
+    on every iteration, so fit gets the batches read once and stored. Our loop trains replica r on
     slice r of each global batch, except with per-worker file shards (the 'function' method
     with files sharded across input pipelines), where each pipeline reads its own files.
     """
