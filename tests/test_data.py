@@ -80,6 +80,14 @@ def test_skip_and_drop_give_the_batches_of_the_full_stream():
                      _batches(data.train_dataset(source, 16, seed=3, skip_batches=skip, drop_batches=drops), 5))
 
 
+def test_no_prefetch_thread_where_the_cpu_runs_the_step():
+    dataset = tf.data.Dataset.range(4)
+    if tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"):
+        assert data.prefetch_for_accelerators(dataset) is not dataset
+    else:  # the step already keeps every core busy: the pipeline runs inline
+        assert data.prefetch_for_accelerators(dataset) is dataset
+
+
 def test_eval_dataset_counts_each_example_once_and_pads_with_zero_weight():
     digits = data.Digits()
     count = digits.num_examples("eval")

@@ -253,7 +253,21 @@ def train_dataset(source: DataSource, batch_size: int, seed: int, *, shard_polic
     if in_memory is not None:
         images, labels = (tf.constant(a) for a in in_memory("train"))
         dataset = dataset.map(lambda index: (tf.gather(images, index), tf.gather(labels, index)))
-    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+    return prefetch_for_accelerators(dataset).with_options(options)
+
+
+def prefetch_for_accelerators(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """Prefetches where the steps run on an accelerator; on a CPU-only machine runs the pipeline inline.
+
+    Prefetching overlaps host input with device compute. Where the CPU is the device, the
+    step already keeps every core busy: a prefetch thread only takes cores from it and adds
+    a hand-off per batch (measured with trainer.bench's CNN on 2 cores: 5% more steps/s
+    without it; the MLP and MirroredStrategy, whose distributed iterator buffers per device
+    anyway, no slower).
+    """
+    if any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU")):
+        return dataset.prefetch(tf.data.AUTOTUNE)
+    return dataset
 
 
 def _raw_batch_index(skip_batches: int, drop_batches: Sequence[int]) -> int:
@@ -317,7 +331,7 @@ def eval_dataset(source: DataSource, batch_size: int, *, pad_to_multiple_of: int
     if shard := _shard(input_context):
         dataset = dataset.shard(*shard)
     dataset = dataset.batch(batch_size, drop_remainder=False)
-    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
+    return prefetch_for_accelerators(dataset).with_options(options)
 
 
 def num_workers(strategy: tf.distribute.Strategy) -> int:
@@ -367,7 +381,7 @@ def replica_slices(dataset: tf.data.Dataset, context: tf.distribute.InputContext
         chunks = [tf.reshape(t, [replicas, -1, *t.shape[1:]])[first:first + per_pipeline] for t in batch]
         return tf.data.Dataset.from_tensor_slices(tuple(chunks))
 
-    return dataset.flat_map(split).prefetch(tf.data.AUTOTUNE)
+    return prefetch_for_accelerators(dataset.flat_map(split))
 
 
 def distribute_train(strategy: tf.distribute.Strategy, source: DataSource, global_batch_size: int, seed: int, *,
