@@ -5,6 +5,7 @@
 # (one GPU, batch 1024, mixed_bfloat16, XLA) for both models.
 #
 #   experiments/bench/run.sh                        # everything (~30 min on 2 cores)
+#   CONFIGS="cnn28_mirrored" experiments/bench/run.sh  # the CNN at 28x28 (not in the default set: ~10 min)
 #   CONFIGS="mlp_single" experiments/bench/run.sh   # rerun one config, rebuild the README from all results
 #   REPEATS=3 PYTHON=/path/to/python BENCH_ARGS="--steps=200" experiments/bench/run.sh
 #
@@ -55,7 +56,7 @@ from trainer import bench
 
 here = sys.argv[1]
 results = {os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob(os.path.join(here, "results", "*.json")))}
-order = ["cnn_single", "cnn_mirrored", "mlp_single", "mlp_mirrored", "cnn_gpu", "mlp_gpu"]
+order = ["cnn_single", "cnn_mirrored", "cnn28_single", "cnn28_mirrored", "mlp_single", "mlp_mirrored", "cnn_gpu", "mlp_gpu"]
 names = sorted(results, key=lambda n: (order.index(n) if n in order else len(order), n))
 versions = next((r["machine"] for r in results.values() if r.get("machine")), {})
 print(f"""# Benchmark: our loop against the bare step and against Keras fit
@@ -74,7 +75,8 @@ the command is above each table). How it measures: the docstring of `trainer/ben
 Each variant runs in its own process (its own peak RSS); after a warm-up they run interleaved chunks (limit, ours,
 fit, limit, ...); steps/s is the median over the chunks, min-max shows the spread. Time to first step is from
 process start (Python, TensorFlow, building, tracing) to the end of the first compiled call.
-Configs: [cnn.gin](cnn.gin) (the tutorial CNN on the embedded digits, batch 128) and [mlp.gin](mlp.gin)
+Configs: [cnn.gin](cnn.gin) (the tutorial CNN on the embedded digits, batch 128), [cnn28.gin](cnn28.gin)
+(the same CNN on synthetic 28x28 images, the tutorial's size; run on request) and [mlp.gin](mlp.gin)
 (784-512-512-10 on synthetic 28x28 images, batch 128), each after `gin/single.gin` or `gin/mirrored.gin`;
 [gpu.gin](gpu.gin) on top of either where there is a GPU.
 
@@ -98,6 +100,23 @@ for name in names:
     print(f"| {name} | {fmt(q['ours_over_limit'], '.3f')} | {fmt(q['ours_over_fit_spe1'], '.2f')} | {best} | "
           f"{fmt(q['rss_ours_over_fit'], '.2f')} | {fmt(r['ours_compile_count'], 'd')} | "
           f"{load['before'][0]:.2f} / {load['after'][0]:.2f} |")
+print("""
+## Against the targets
+
+Issue 7's targets: ours/limit >= 0.95 for the CNN and >= 0.90 for the MLP; ours/fit >= 1.0 under single and
+>= 1.3 under mirrored (shown against fit at steps_per_execution 1, fit's default, and against fit's best setting).
+
+| run | ours/limit (target) | ours/fit spe 1 (target) | ours/fit best (target) |
+|---|---:|---:|---:|""")
+mark = lambda x, target: "-" if x is None else f"{x:.3f} {'ok' if x >= target else 'SHORT'} ({target})"  # noqa: E731
+for name in names:
+    q, model, mode = results[name]["ratios"], name.split("_")[0], name.split("_")[-1]
+    limit_target = {"cnn": 0.95, "cnn28": 0.95, "mlp": 0.90}.get(model)
+    fit_target = {"single": 1.0, "mirrored": 1.3}.get(mode)
+    if limit_target is None or fit_target is None:
+        continue
+    print(f"| {name} | {mark(q['ours_over_limit'], limit_target)} | {mark(q['ours_over_fit_spe1'], fit_target)} | "
+          f"{mark(q['ours_over_fit_best'], fit_target)} |")
 print("\n## Results\n")
 for name in names:
     print(bench.markdown(results[name]))
