@@ -14,6 +14,9 @@ import tensorflow as tf
 
 METRICS_FILE = "metrics.jsonl"
 SPLITS = ("train", "eval")
+# Event files reach disk at most this long after a write (and at close). A flush syncs the file:
+# flushing every train record cost ~25 ms each, 2% of the CNN bench's steps/s on 2 cores.
+FLUSH_MILLIS = 5_000
 
 
 class MetricsLog:
@@ -23,7 +26,8 @@ class MetricsLog:
         self.enabled = enabled
         self._path = os.path.join(model_dir, METRICS_FILE)
         self._writers = (
-            {split: tf.summary.create_file_writer(os.path.join(model_dir, split)) for split in SPLITS}
+            {split: tf.summary.create_file_writer(os.path.join(model_dir, split), flush_millis=FLUSH_MILLIS)
+             for split in SPLITS}
             if enabled
             else {}
         )
@@ -37,7 +41,8 @@ class MetricsLog:
         with self._writers[split].as_default(step=step):
             for name, value in metrics.items():
                 tf.summary.scalar(name, value)
-        self._writers[split].flush()
+        if split == "eval":  # rare, and what a reader waits for
+            self._writers[split].flush()
 
     def text(self, step: int, name: str, markdown: str) -> None:
         """A text summary (e.g. the operative gin config) in the train event files."""

@@ -198,8 +198,10 @@ def train(
         *([PreemptionHook(dist, checkpoint, saver, print_fn)] if preemption_checkpointing else []),
         *hooks,
     ]
-    _drive(loop, run, all_hooks, steps_per_loop, guard_nonfinite)
-    metrics_log.close()
+    try:
+        _drive(loop, run, all_hooks, steps_per_loop, guard_nonfinite)
+    finally:  # a run that stops (non-finite loss, preemption, a lost peer) keeps its event records too
+        metrics_log.close()
     return run.last_eval
 
 
