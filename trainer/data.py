@@ -297,7 +297,7 @@ def shuffled_index_batches(num_examples: int, batch_size: int, seed: int, *, fir
     if count == 0:
         raise UserError(f"input pipeline {shard} of {num_examples} training examples holds none: "
                         "use fewer workers or more data")
-    epoch, offset = divmod(first_batch * batch_size, count)
+    first_epoch, offset = divmod(first_batch * batch_size, count)
 
     def permutation(epoch):
         order = tf.random.experimental.stateless_shuffle(
@@ -309,8 +309,8 @@ def shuffled_index_batches(num_examples: int, batch_size: int, seed: int, *, fir
         whole = tf.size(stream, out_type=tf.int64) // batch_size * batch_size
         return stream[whole:], tf.reshape(stream[:whole], [-1, batch_size])
 
-    initial = permutation(epoch)[offset:]
-    return tf.data.Dataset.counter(epoch + 1).scan(initial, cut).unbatch()
+    initial = permutation(first_epoch)[offset:]
+    return tf.data.Dataset.counter(first_epoch + 1).scan(initial, cut).unbatch()
 
 
 def eval_dataset(source: DataSource, batch_size: int, *, pad_to_multiple_of: int | None = None,
