@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from trainer import cluster
-from trainer.cluster import ClusterInfo, parse_tf_config
+from trainer.distribution import cluster
+from trainer.distribution.cluster import ClusterInfo, parse_tf_config
 from trainer.errors import UserError
 
 MWMS = {"chief", "worker"}

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-from trainer import optimizers
+from trainer.core import optimizers
 from trainer.errors import UserError
 
 

@@ -99,7 +99,8 @@ def test_print_config_from_the_command_line(tmp_path):
 def test_configurables_lists_every_registered_name_with_parameters_and_doc(capsys):
     import gin
 
-    from trainer import configurables, gin_config
+    from trainer import configurables
+    from trainer.tools import gin_config
 
     @gin.configurable("listed_by_registry_test")
     def late_addition(alpha=1.5):

@@ -303,7 +303,7 @@ def test_a_partitioner_with_a_keras_model_is_a_user_error():
     """Keras 3 layers fail on ShardedVariable (DESIGN rule 8): refused before the first step.
     (End to end the same config exits 2 with this line; checked here in-process, to keep
     one more cluster start out of the suite.)"""
-    from trainer import models, ps_loop
+    from trainer.core import models, ps_loop
     from trainer.errors import UserError
 
     model = models.cnn((8, 8, 1), 10, filters=(4,), dense_units=8)
@@ -329,7 +329,7 @@ def test_workers_and_ps_tasks_are_refused_by_main_and_servers_check_tf_config(tm
 
 
 def test_split_steps_is_exact_and_even():
-    from trainer.ps_loop import split_steps
+    from trainer.core.ps_loop import split_steps
 
     assert split_steps(50, 13) == [13, 13, 12, 12]
     assert split_steps(7, 50) == [7]

@@ -20,8 +20,9 @@ import tensorflow as tf
 NUM_REPLICAS, OUT = {num_replicas}, {out!r}
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_REPLICAS)
-from trainer import data, models, optimizers, steps
-from trainer.loop import TrainLoop
+from trainer import data
+from trainer.core import models, optimizers, steps
+from trainer.core.loop import TrainLoop
 
 source = data.Digits()
 GB, K = 32, 8

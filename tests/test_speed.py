@@ -10,8 +10,10 @@ from tests.support import run_python
 RUN = textwrap.dedent('''
     import json, math, tempfile
     import keras
-    from trainer import data, devices, models, optimizers, train as train_lib
-    from trainer.hooks import Hook
+    from trainer import data
+    from trainer.distribution import devices
+    from trainer.core import models, optimizers, train as train_lib
+    from trainer.core.hooks import Hook
 
     class Calls(Hook):
         """Records each loop call's length, its outputs and the loop's trace count."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 
 from tests.support import run_python
-from trainer import strategies
+from trainer.distribution import strategies
 from trainer.errors import UserError
 
 SCRIPT = """
 import json
 import tensorflow as tf
-from trainer import devices, strategies
+from trainer.distribution import devices, strategies
 devices.configure_devices(devices.DeviceConfig(logical_cpus_without_gpu=2))
 result = {"cpus": len(tf.config.list_logical_devices("CPU")), "compute": devices.compute_devices()}
 for name in ("default", "one_device", "mirrored", "central_storage", "multi_worker_mirrored"):

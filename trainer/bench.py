@@ -120,8 +120,9 @@ def train_settings() -> dict:
 
     import gin
 
-    from trainer import data, devices
-    from trainer import train as train_lib
+    from trainer import data
+    from trainer.distribution import devices
+    from trainer.core import train as train_lib
 
     settings = {name: p.default for name, p in inspect.signature(train_lib.train).parameters.items()
                 if p.default is not inspect.Parameter.empty}
@@ -136,7 +137,8 @@ def setup(settings: dict):
     """Devices, cluster, strategy, model and built optimizer, the way `train` makes them."""
     import keras
 
-    from trainer import cluster, devices, precision, strategies
+    from trainer.distribution import cluster, devices, strategies
+    from trainer.core import precision
 
     settings["data_source"].validate()
     devices.configure_devices(settings["device_config"])
@@ -197,7 +199,9 @@ def run_limit(settings: dict, channel: Channel) -> None:
     """The bare step on one batch already on the device(s), steps_per_loop steps per call."""
     import tensorflow as tf
 
-    from trainer import data, devices, xla
+    from trainer import data
+    from trainer.distribution import devices
+    from trainer.core import xla
 
     dist, model, optimizer = setup(settings)
     with dist.scope():
@@ -244,7 +248,7 @@ def run_ours(settings: dict, channel: Channel) -> None:
     import gin
 
     from trainer import configurables
-    from trainer.hooks import Hook
+    from trainer.core.hooks import Hook
 
     class Pacer(Hook):
         """Ends a loop call at each step the parent asks for, reports, waits for the next."""
@@ -309,7 +313,8 @@ def run_fit(settings: dict, channel: Channel, steps_per_execution: int) -> None:
     """Keras 3 `fit` on the same model, optimizer, pipeline and strategy, paced by a callback."""
     import keras
 
-    from trainer import data, xla
+    from trainer import data
+    from trainer.core import xla
 
     dist, model, optimizer = setup(settings)
     with dist.scope():

@@ -10,10 +10,13 @@ import sys
 import gin
 import tensorflow as tf
 
-from trainer import data, devices, hooks, models, optimizers, steps
-from trainer import train as train_lib
-from trainer import local_cluster as local_cluster_lib
-from trainer import gin_config, profiler, ps_loop, sidecar
+from trainer import data
+from trainer.distribution import devices
+from trainer.core import hooks, models, optimizers, steps
+from trainer.core import train as train_lib
+from trainer.distribution import local_cluster as local_cluster_lib
+from trainer.tools import gin_config
+from trainer.core import profiler, ps_loop, sidecar
 
 REGISTERED = {
     "train": train_lib.train,

@@ -11,7 +11,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
-from trainer import local_cluster  # noqa: E402
+from trainer.distribution import local_cluster  # noqa: E402
 from trainer.cli import fail, parse_flags  # noqa: E402
 from trainer.errors import RunFailure, UserError  # noqa: E402
 
@@ -67,7 +67,8 @@ def run(argv: list[str]) -> None:
 
     try:
         parse_gin(FLAGS.gin_file, FLAGS.gin_bindings)
-        from trainer import configurables, gin_config
+        from trainer import configurables
+        from trainer.tools import gin_config
 
         if FLAGS.print_config:
             print(gin_config.describe_config(FLAGS.gin_file, FLAGS.gin_bindings, [REPO_ROOT]), end="", flush=True)

@@ -144,7 +144,7 @@ def describe(settings, replicas: int) -> str:
 
 def compare_in_process(settings, steps: int, atol: float) -> Outcome:
     """Ours and Keras 3 fit in this process, on the configured strategy."""
-    from trainer import parity_runs as runs
+    from trainer.tools import parity_runs as runs
 
     dist, _ = runs.make_strategy(settings)
     model, optimizer = runs.build(settings, dist)
@@ -165,7 +165,7 @@ def compare_in_process(settings, steps: int, atol: float) -> Outcome:
 def compare_multi_worker(settings, steps: int, atol: float, num_workers: int, gin_args: list[str]) -> Outcome:
     """Ours on `num_workers` processes, then tf_keras fit on as many, from ours' initial weights."""
     from trainer import launch
-    from trainer import parity_runs as runs
+    from trainer.tools import parity_runs as runs
 
     with tempfile.TemporaryDirectory(prefix="parity-") as work_dir:
         common = [*gin_args, f"--steps={steps}", f"--work_dir={work_dir}"]
@@ -188,7 +188,7 @@ def compare_multi_worker(settings, steps: int, atol: float, num_workers: int, gi
 
 def compare_replicas(settings, steps: int, atol: float, counts: list[int], gin_args: list[str]) -> Outcome:
     """Ours on each replica count in a fresh process, all from the first one's initial weights."""
-    from trainer import parity_runs as runs
+    from trainer.tools import parity_runs as runs
 
     results = []
     with tempfile.TemporaryDirectory(prefix="parity-") as work_dir:
@@ -215,7 +215,7 @@ def compare_replicas(settings, steps: int, atol: float, counts: list[int], gin_a
 def compare_parameter_server(settings, steps: int, atol: float, gin_args: list[str]):
     """Ours, then tf_keras fit, each in a subprocess that runs its own embedded ps cluster."""
     from trainer import configurables
-    from trainer import parity_runs as runs
+    from trainer.tools import parity_runs as runs
 
     if os.environ.get("TF_CONFIG", "").strip():
         raise UserError("parity for parameter_server starts its own local clusters; unset TF_CONFIG")
@@ -310,7 +310,7 @@ def worker_ours(settings, steps: int, work_dir: str) -> None:
 
     parameter_server: this process coordinates its own embedded cluster.
     """
-    from trainer import parity_runs as runs
+    from trainer.tools import parity_runs as runs
 
     with _embedded_cluster(settings):
         dist, is_chief = runs.make_strategy(settings)
@@ -329,7 +329,7 @@ def worker_ours(settings, steps: int, work_dir: str) -> None:
 
 def worker_tf_keras_fit(settings, steps: int, work_dir: str) -> None:
     """tf_keras fit from ours' initial weights, on the same strategy; the chief saves the results."""
-    from trainer import parity_runs as runs
+    from trainer.tools import parity_runs as runs
 
     _, arrays = runs.load(os.path.join(work_dir, "ours"))
     with _embedded_cluster(settings):
@@ -350,7 +350,8 @@ def worker_tf_keras_fit(settings, steps: int, work_dir: str) -> None:
 
 def _embedded_cluster(settings):
     """parameter_server: a local cluster coordinated by this process; otherwise nothing."""
-    from trainer import configurables, local_cluster
+    from trainer import configurables
+    from trainer.distribution import local_cluster
 
     return local_cluster.cluster_for(settings.strategy, configurables.local_cluster, print_fn=print)
 
@@ -366,8 +367,8 @@ def worker_replicas(settings, steps: int, work_dir: str, count: int) -> None:
     """Our loop on `count` logical CPUs under MirroredStrategy, from the first count's initial weights."""
     import tensorflow as tf
 
-    from trainer import devices
-    from trainer import parity_runs as runs
+    from trainer.distribution import devices
+    from trainer.tools import parity_runs as runs
 
     if count < 1 or settings.global_batch_size % count:
         raise UserError(f"--replicas: {count} does not divide train.global_batch_size {settings.global_batch_size}")
@@ -446,7 +447,7 @@ def run(argv: list[str]) -> None:
     started = time.monotonic()
     try:
         main_lib.parse_gin(FLAGS.gin_file, FLAGS.gin_bindings)
-        from trainer import parity_runs as runs
+        from trainer.tools import parity_runs as runs
 
         settings = runs.settings_from_gin()
         if FLAGS.role in ("ours", "tf_keras_fit"):
@@ -468,7 +469,7 @@ def run(argv: list[str]) -> None:
 
 
 def main() -> None:
-    from trainer import local_cluster
+    from trainer.distribution import local_cluster
 
     # A ParameterServer coordinator leaves with os._exit (TensorFlow's teardown would call
     # the stopped servers), as trainer.main does.

@@ -26,7 +26,7 @@ import threading
 os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from trainer import cluster  # noqa: E402  (no TensorFlow import)
+from trainer.distribution import cluster  # noqa: E402  (no TensorFlow import)
 from trainer.errors import UserError  # noqa: E402
 
 SERVER_TASK_TYPES = ("worker", "ps")

@@ -5,7 +5,7 @@ import os
 
 import tensorflow as tf
 
-from trainer import devices
+from trainer.distribution import devices
 from trainer.errors import UserError
 
 STRATEGY_NAMES = (

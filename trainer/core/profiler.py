@@ -13,7 +13,7 @@ import os
 import tensorflow as tf
 
 from trainer.errors import UserError
-from trainer.hooks import Hook, RunContext
+from trainer.core.hooks import Hook, RunContext
 
 PROFILE_SUBDIR = os.path.join("plugins", "profile")
 

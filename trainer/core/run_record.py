@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from trainer.errors import UserError
-from trainer.run_files import write_text_atomic
+from trainer.core.run_files import write_text_atomic
 
 RECORD_FILE = "run_record.json"
 CHECKED = ("global_batch_size", "num_replicas", "model_variables")

@@ -13,8 +13,8 @@ from typing import Callable
 
 import tensorflow as tf
 
-from trainer.checkpoints import CheckpointSaver
-from trainer.hooks import Hook, RunContext
+from trainer.core.checkpoints import CheckpointSaver
+from trainer.core.hooks import Hook, RunContext
 
 PREEMPTED_EXIT_CODE = 42
 

@@ -10,7 +10,7 @@ from typing import Callable, Mapping
 
 import tensorflow as tf
 
-from trainer import xla
+from trainer.core import xla
 
 StepFn = Callable[..., Mapping[str, tf.Tensor]]
 SUM = tf.distribute.ReduceOp.SUM

@@ -16,9 +16,9 @@ from typing import IO, Any, Callable
 import keras
 import tensorflow as tf
 
-from trainer.metrics_log import MetricsLog
-from trainer.progress import LiveBar, is_terminal
-from trainer.run_files import write_text_atomic
+from trainer.core.metrics_log import MetricsLog
+from trainer.core.progress import LiveBar, is_terminal
+from trainer.core.run_files import write_text_atomic
 
 OPERATIVE_CONFIG_FILE = "operative_config.gin"
 

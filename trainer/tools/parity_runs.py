@@ -21,7 +21,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from trainer import cluster, data, devices, strategies
+from trainer.distribution import cluster, devices, strategies
+from trainer import data
 from trainer.errors import UserError
 
 
@@ -54,7 +55,7 @@ def settings_from_gin() -> Settings:
     """The parsed gin config's `train` bindings over `train`'s own defaults."""
     import gin
 
-    from trainer import train as train_lib
+    from trainer.core import train as train_lib
 
     params = {
         name: p.default for name, p in inspect.signature(train_lib.train).parameters.items()
@@ -94,7 +95,7 @@ def build(settings: Settings, dist: tf.distribute.Strategy, *, seed: bool = True
     one config). Our side gets the optimizer as `train` wraps it (a LossScaleOptimizer under
     mixed_float16); fit's `compile` wraps its own.
     """
-    from trainer import precision
+    from trainer.core import precision
 
     if seed:
         keras.utils.set_random_seed(settings.seed)
@@ -112,7 +113,7 @@ def build(settings: Settings, dist: tf.distribute.Strategy, *, seed: bool = True
 
 def run_ours(settings: Settings, dist: tf.distribute.Strategy, model, optimizer, steps: int) -> list[float]:
     """`steps` steps of TrainLoop on the real pipeline, one per call; the loss of each."""
-    from trainer.loop import TrainLoop
+    from trainer.core.loop import TrainLoop
 
     with dist.scope():
         global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -140,7 +141,7 @@ def run_ours_ps(settings: Settings, dist: tf.distribute.Strategy, model, optimiz
     With one step per call a single closure runs at a time, on one worker; with more, the
     steps are spread over the workers as in training (asynchronous updates).
     """
-    from trainer.ps_loop import build_ps_loops
+    from trainer.core.ps_loop import build_ps_loops
 
     with dist.scope():
         global_step = tf.Variable(0, dtype=tf.int64, trainable=False)
@@ -194,7 +195,7 @@ def run_fit_ps(settings: Settings, dist: tf.distribute.Strategy, model, optimize
 
 def evaluate(settings: Settings, weights_list: list[np.ndarray]) -> dict[str, float]:
     """The configured eval step over the whole eval set, on this process's device, with these weights."""
-    from trainer.loop import Evaluator
+    from trainer.core.loop import Evaluator
 
     source, gb = settings.data_source, settings.global_batch_size
     model = settings.model_fn(source.input_shape, source.num_classes)

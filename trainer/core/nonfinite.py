@@ -12,7 +12,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from trainer.checkpoints import CheckpointSaver
+from trainer.core.checkpoints import CheckpointSaver
 from trainer.errors import RunFailure, UserError
 
 MODES = ("stop", "rollback")

@@ -30,10 +30,12 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from trainer import data, devices, models, steps
+from trainer import data
+from trainer.distribution import devices
+from trainer.core import models, steps
 from trainer.errors import UserError
-from trainer.loop import Evaluator
-from trainer.metrics_log import METRICS_FILE
+from trainer.core.loop import Evaluator
+from trainer.core.metrics_log import METRICS_FILE
 
 _CHECKPOINT_NUMBER = re.compile(r"-(\d+)$")
 

@@ -47,7 +47,7 @@ import tensorflow as tf
 
 from trainer import data
 from trainer.errors import RunFailure, UserError
-from trainer.loop import Evaluator, StepFn
+from trainer.core.loop import Evaluator, StepFn
 
 _LOST_TASK_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)
 SUM = tf.distribute.ReduceOp.SUM

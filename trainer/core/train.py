@@ -11,16 +11,18 @@ from typing import Callable, Mapping, Sequence
 import keras
 import tensorflow as tf
 
-from trainer import cluster, data, devices, guard, models, optimizers, precision, steps, strategies
-from trainer import nonfinite as nonfinite_lib, run_record
-from trainer.checkpoints import CheckpointSaver
+from trainer.distribution import cluster, devices, strategies
+from trainer import data
+from trainer.core import guard, models, optimizers, precision, steps
+from trainer.core import nonfinite as nonfinite_lib, run_record
+from trainer.core.checkpoints import CheckpointSaver
 from trainer.errors import RunFailure, UserError
-from trainer.hooks import CheckpointHook, ConfigWriter, EvalHook, HParamsWriter, Hook, ProgressLogger, RunContext
-from trainer.loop import Evaluator, TrainLoop
-from trainer.metrics_log import MetricsLog
-from trainer.preemption import PreemptionHook
-from trainer.ps_loop import ParameterServerConfig, build_ps_loops
-from trainer.run_files import check_model_dir, prepare_model_dir
+from trainer.core.hooks import CheckpointHook, ConfigWriter, EvalHook, HParamsWriter, Hook, ProgressLogger, RunContext
+from trainer.core.loop import Evaluator, TrainLoop
+from trainer.core.metrics_log import MetricsLog
+from trainer.core.preemption import PreemptionHook
+from trainer.core.ps_loop import ParameterServerConfig, build_ps_loops
+from trainer.core.run_files import check_model_dir, prepare_model_dir
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():

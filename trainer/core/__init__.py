@@ -1,0 +1,1 @@
+"""The core: runtime, task, controller, loops, hooks, checkpoints, steps."""

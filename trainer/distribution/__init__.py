@@ -1,0 +1,1 @@
+"""Distribution: devices, clusters, strategies, the local cluster."""

@@ -1,0 +1,1 @@
+"""Tools around the loop: parity, benchmark, gin config descriptions."""
