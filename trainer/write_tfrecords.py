@@ -4,7 +4,7 @@
 
 Examples go round-robin into the shards (example i into shard i % N), so that
 `TFRecordFiles` reads them back in the original order. The record format is the
-one described in `trainer.data`.
+one described in `trainer.data.tfrecord` (the built-in format).
 """
 
 import os

@@ -1,0 +1,123 @@
+"""Training and eval data for a strategy, following its input contract (DESIGN.md, rules 4 and 5).
+
+Global batches for `experimental_distribute_dataset` ('dataset'); per-replica batches
+sharded by `input_pipeline_id` for `distribute_datasets_from_function` ('function'),
+cut from the same global batches unless each pipeline reads its own files.
+"""
+
+from typing import Sequence
+
+import tensorflow as tf
+
+from trainer.data.inputs import Input, InputFunction, as_input
+from trainer.data.pipeline import eval_dataset, prefetch_for_accelerators, train_dataset, whole
+from trainer.errors import UserError
+
+
+def num_workers(strategy: tf.distribute.Strategy) -> int:
+    """How many workers feed this strategy (1 for single-machine strategies)."""
+    if count := getattr(strategy.extended, "_num_workers", None):
+        return int(count)
+    if resolver := getattr(strategy, "cluster_resolver", None):
+        jobs = resolver.cluster_spec().as_dict()
+        return max(1, len(jobs.get("worker", ())) + len(jobs.get("chief", ())))
+    return 1
+
+
+def _check(strategy: tf.distribute.Strategy, inp: Input, split: str, method: str, shard_policy: str) -> None:
+    """Catches, before any step, the input settings that fail or hang later.
+
+    The file checks need the function's `num_files`; functions without it are not checked.
+    """
+    if method not in ("dataset", "function"):
+        raise UserError(f"unknown input method {method!r}: use 'dataset' or 'function'")
+    files = inp.num_files(split)
+    if files is None:
+        return
+    workers, policy = num_workers(strategy), shard_policy.upper()
+    if policy == "FILE" and files < workers:
+        raise UserError(
+            f"FILE sharding needs at least as many files ({files}) as workers ({workers}): write more shards "
+            "with `python -m trainer.write_tfrecords --num_shards=...` or set shard_policy to DATA")
+    # Eval files sharded across workers give them different batch counts; their collectives then hang.
+    if split != "train" and method == "dataset" and workers > 1 and (
+            policy == "FILE" or policy == "AUTO" and files > 1):
+        raise UserError(f"{split} with shard_policy {shard_policy} may shard by file and hang {workers} workers: "
+                        f"set the {split} shard_policy to DATA")
+
+
+def _shards_by_file(source: Input | InputFunction, shard_policy: str, context: tf.distribute.InputContext) -> bool:
+    """Whether each input pipeline reads its own part of the train data ('function' method).
+
+    FILE asks for it; AUTO where the function says it has at least one file per pipeline.
+    Otherwise every pipeline reads all of it and keeps its replicas' slices.
+    """
+    if context.num_input_pipelines <= 1:
+        return False
+    policy, files = shard_policy.upper(), as_input(source).num_files("train")
+    return policy == "FILE" or policy == "AUTO" and files is not None and files >= context.num_input_pipelines
+
+
+def replica_slices(dataset: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.Dataset:
+    """Per-replica batches cut from global batches of any structure: this pipeline's replicas, in order.
+
+    Every pipeline reads the same global batches and keeps its own slices, so replica r
+    trains on slice r of global batch s, exactly as with `experimental_distribute_dataset`
+    and as one device would see it: results do not depend on how work is split.
+    """
+    replicas = context.num_replicas_in_sync
+    per_pipeline = replicas // context.num_input_pipelines
+    first = context.input_pipeline_id * per_pipeline
+
+    def split(batch):
+        chunks = tf.nest.map_structure(
+            lambda t: tf.reshape(t, [replicas, -1, *t.shape[1:]])[first:first + per_pipeline], batch)
+        return tf.data.Dataset.from_tensor_slices(chunks)
+
+    return prefetch_for_accelerators(dataset.flat_map(whole(split, dataset.element_spec)))
+
+
+def distribute_train(strategy: tf.distribute.Strategy, inp: Input | InputFunction, global_batch_size: int,
+                     seed: int, *, method: str = "dataset", shard_policy: str = "AUTO", skip_steps: int = 0,
+                     drop_batches: Sequence[int] = ()) -> tf.distribute.DistributedDataset:
+    """The training data for `strategy`, resumed after `skip_steps` global steps.
+
+    `drop_batches` are global batch indices never trained on (see `train_dataset`).
+    """
+    inp = as_input(inp)
+    _check(strategy, inp, "train", method, shard_policy)
+    if method == "dataset":
+        dataset = train_dataset(inp, global_batch_size, seed, shard_policy=shard_policy, skip_batches=skip_steps,
+                                drop_batches=drop_batches)
+        return strategy.experimental_distribute_dataset(dataset)
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        if _shards_by_file(inp, shard_policy, context):
+            batches_per_step = context.num_replicas_in_sync // context.num_input_pipelines
+            return train_dataset(inp, context.get_per_replica_batch_size(global_batch_size), seed,
+                                 shard_policy=shard_policy, skip_batches=skip_steps * batches_per_step,
+                                 drop_batches=[s * batches_per_step + k for s in drop_batches
+                                               for k in range(batches_per_step)],
+                                 input_context=context)
+        dataset = train_dataset(inp, global_batch_size, seed, shard_policy="OFF", skip_batches=skip_steps,
+                                drop_batches=drop_batches)
+        return replica_slices(dataset, context)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def distribute_eval(strategy: tf.distribute.Strategy, inp: Input | InputFunction, global_batch_size: int, *,
+                    split: str = "eval", method: str = "dataset", shard_policy: str = "AUTO"
+                    ) -> tf.distribute.DistributedDataset:
+    """The `split` data for `strategy`, padded so every replica sees the same number of batches."""
+    inp = as_input(inp)
+    _check(strategy, inp, split, method, shard_policy)
+    if method == "dataset":
+        return strategy.experimental_distribute_dataset(eval_dataset(
+            inp, global_batch_size, split=split, pad_to_multiple_of=global_batch_size, shard_policy=shard_policy))
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        return eval_dataset(inp, context.get_per_replica_batch_size(global_batch_size), split=split,
+                            pad_to_multiple_of=global_batch_size, shard_policy=shard_policy, input_context=context)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)

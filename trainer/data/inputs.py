@@ -1,0 +1,229 @@
+"""The loop's view of an input function: what it yields, how many, and whether it is usable.
+
+An input function is `input_fn(split)` or `input_fn(split, input_context)` returning an
+UNBATCHED `tf.data.Dataset` of examples of any nested structure with fixed shapes. One
+that declares `input_context` gets a `tf.distribute.InputContext` (or None) and must then
+return only that pipeline's shard when `input_context.num_input_pipelines > 1`. Optional
+attributes it may have, all used only when present:
+
+- `num_classes: int`, `splits: tuple[str, ...]` (the splits it can make);
+- `num_examples(split) -> int` (saves counting by iterating), `num_files(split) -> int`
+  (enables the FILE-sharding checks), `validate()` (raises UserError early), and
+  `arrays(split)` (the split as stacked numpy arrays, already in memory).
+
+The built-in sources (trainer.data.sources, trainer.data.tfrecord) are such functions.
+"""
+
+import inspect
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from trainer.errors import UserError
+
+SPLITS = ("train", "eval")
+# Train data whose fixed-shape examples take at most this many bytes in all are held in
+# memory and gathered a whole batch at a time (see pipeline.shuffled_index_batches).
+MAX_IN_MEMORY_BYTES = 2 * 1024**3
+Shard = tuple[int, int]  # (number of shards, this shard's index)
+InputFunction = Callable[..., tf.data.Dataset]
+
+
+class DataSource(Protocol):
+    """A built-in source: an input function with the optional attributes filled in."""
+
+    num_classes: int | None
+    splits: tuple[str, ...]
+
+    def __call__(self, split: str, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+        """Unbatched examples of `split`, only this pipeline's shard under `input_context`."""
+
+    def num_examples(self, split: str) -> int: ...
+
+    def num_files(self, split: str) -> int: ...
+
+    def validate(self) -> None:
+        """Raises UserError early (before anything is written) if the data is unusable."""
+
+
+def shard_of(context: tf.distribute.InputContext | None) -> Shard | None:
+    """The shard an input context asks for, None where there is only one pipeline."""
+    if context is None or context.num_input_pipelines <= 1:
+        return None
+    return context.num_input_pipelines, context.input_pipeline_id
+
+
+def _name(input_fn: InputFunction) -> str:
+    if inspect.isfunction(input_fn) or inspect.ismethod(input_fn):
+        return f"{input_fn.__module__}.{input_fn.__qualname__}"
+    return type(input_fn).__name__
+
+
+def _declares_input_context(input_fn: InputFunction) -> bool:
+    try:
+        return "input_context" in inspect.signature(input_fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+
+
+def _example_bytes(spec: Any) -> int | None:
+    """Bytes of one example from its spec, None where unknown (strings have no fixed size)."""
+    total = 0
+    for leaf in tf.nest.flatten(spec):
+        if not leaf.dtype.size:
+            return None
+        total += int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.size
+    return total
+
+
+class Input:
+    """One input function as the loop sees it; caches counts and in-memory train data.
+
+    Build one per run and pass it around: every pipeline function also accepts a bare
+    input function, but then wraps it anew and counts or materializes it again.
+    """
+
+    def __init__(self, input_fn: InputFunction, *, eval_splits: Sequence[str] = ("eval",)) -> None:
+        if isinstance(input_fn, Input) or not callable(input_fn):
+            raise UserError(f"the input function must be a callable input_fn(split), got {input_fn!r}")
+        self.input_fn = input_fn
+        self.eval_splits = tuple(eval_splits)
+        self.num_classes: int | None = getattr(input_fn, "num_classes", None)
+        self.shards_itself = _declares_input_context(input_fn)
+        self._counts: dict[str, int] = {}
+        self._memory: dict[Shard | None, Any] = {}
+        self._spec: Any = None
+
+    def __repr__(self) -> str:
+        return f"Input({_name(self.input_fn)}, eval_splits={self.eval_splits})"
+
+    @property
+    def element_spec(self) -> Any:
+        """The structure of one train example (`tf.TensorSpec` leaves)."""
+        if self._spec is None:
+            with tf.init_scope():
+                self._spec = self.examples("train").element_spec
+        return self._spec
+
+    @property
+    def input_shape(self) -> tuple[int, ...] | None:
+        """The static shape of the features: `example[0]` of a tuple example, else the whole example."""
+        spec = self.element_spec
+        features = spec[0] if isinstance(spec, (tuple, list)) and len(spec) >= 2 else spec
+        return tuple(features.shape) if isinstance(features, tf.TensorSpec) else None
+
+    def examples(self, split: str, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+        """The function's dataset for `split`, checked to be unbatched fixed-shape examples."""
+        splits = getattr(self.input_fn, "splits", None)
+        if splits is not None and split not in splits:
+            raise UserError(f"input function {_name(self.input_fn)} has no split {split!r} (it has "
+                            f"{', '.join(splits)}): use one of those")
+        if self.shards_itself:
+            dataset = self.input_fn(split, input_context=input_context)
+        else:
+            dataset = self.input_fn(split)
+        self._check(dataset, split)
+        return dataset
+
+    def _check(self, dataset: Any, split: str) -> None:
+        fix = ("return an unbatched tf.data.Dataset of fixed-shape examples (no .batch(); pad variable-length "
+               "features, e.g. with data.Feature('int64_sequence', length=...))")
+        where = f"input function {_name(self.input_fn)} returned"
+        if not isinstance(dataset, tf.data.Dataset):
+            raise UserError(f"{where} a {type(dataset).__name__}, not a tf.data.Dataset, for split {split!r}: {fix}")
+        for path, leaf in _leaves(dataset.element_spec):
+            if not isinstance(leaf, tf.TensorSpec):
+                raise UserError(f"{where} a {type(leaf).__name__} at {path} for split {split!r}: {fix}")
+            if not leaf.shape.is_fully_defined():
+                raise UserError(f"{where} examples of shape {leaf.shape} at {path} for split {split!r} "
+                                f"(batched, or of variable length): {fix}")
+
+    def num_examples(self, split: str) -> int:
+        """How many examples `split` holds: the function's own count, the known cardinality, else counted once."""
+        if split not in self._counts:
+            with tf.init_scope():
+                self._counts[split] = self._count(split)
+        return self._counts[split]
+
+    def _count(self, split: str) -> int:
+        if counter := getattr(self.input_fn, "num_examples", None):
+            return int(counter(split))
+        dataset = self.examples(split)
+        count = int(dataset.cardinality())
+        if count == tf.data.INFINITE_CARDINALITY:
+            raise UserError(f"input function {_name(self.input_fn)} returned an endless dataset for split "
+                            f"{split!r}: return each example once (no .repeat()); the loop repeats it")
+        if count < 0:
+            count = int(dataset.reduce(np.int64(0), lambda n, _: n + 1))
+        return count
+
+    def num_files(self, split: str) -> int | None:
+        """How many files `split` is read from, None where the function does not say."""
+        counter = getattr(self.input_fn, "num_files", None)
+        return None if counter is None else int(counter(split))
+
+    def validate(self) -> None:
+        """Raises UserError now, before anything is written, if any split the run needs is unusable."""
+        if validate := getattr(self.input_fn, "validate", None):
+            validate()
+        for split in ("train", *self.eval_splits):
+            with tf.init_scope():
+                self.examples(split)
+
+    def check_sizes(self, global_batch_size: int) -> None:
+        """Refuses data that cannot make one training batch or has nothing to evaluate."""
+        num_train = self.num_examples("train")
+        if num_train < global_batch_size:
+            raise UserError(f"the train split has {num_train} examples, fewer than one global batch of "
+                            f"{global_batch_size}: add data or lower train.global_batch_size")
+        for split in self.eval_splits:
+            if self.num_examples(split) == 0:
+                raise UserError(f"the {split} split has no examples: add {split} data "
+                                "(e.g. the eval files of tfrecord_files)")
+
+    def train_arrays(self, input_context: tf.distribute.InputContext | None = None) -> tuple[Any, Shard | None] | None:
+        """The train examples stacked as numpy arrays, and the shard still to keep from them by index.
+
+        None where they are too big (MAX_IN_MEMORY_BYTES) or of unknown count: those stream.
+        A function that shards itself is called with the context and its shard held (cached
+        per shard); any other is held whole and sharded by example index.
+        """
+        shard = shard_of(input_context)
+        if arrays := getattr(self.input_fn, "arrays", None):
+            return arrays("train"), shard
+        key = shard if self.shards_itself else None
+        if key not in self._memory:
+            with tf.init_scope():  # materialized eagerly even where a dataset function is traced
+                self._memory[key] = self._materialize(input_context if self.shards_itself else None)
+        held = self._memory[key]
+        return None if held is None else (held, None if self.shards_itself else shard)
+
+    def _materialize(self, input_context: tf.distribute.InputContext | None) -> Any:
+        dataset = self.examples("train", input_context)
+        count, size = int(dataset.cardinality()), _example_bytes(dataset.element_spec)
+        if count < 0 or size is None or size * count > MAX_IN_MEMORY_BYTES:
+            return None
+        if count == 0:
+            return tf.nest.map_structure(lambda s: np.zeros((0, *s.shape), s.dtype.as_numpy_dtype),
+                                         dataset.element_spec)
+        return tf.nest.map_structure(lambda t: t.numpy(), dataset.batch(count).get_single_element())
+
+
+def _leaves(spec: Any, path: str = "") -> list[tuple[str, Any]]:
+    """(where, leaf) of a nested spec, `where` naming the leaf's path (`[0]['ids']`) for error messages."""
+    if isinstance(spec, dict):
+        return [leaf for key in sorted(spec) for leaf in _leaves(spec[key], f"{path}[{key!r}]")]
+    if isinstance(spec, (tuple, list)):
+        return [leaf for i, part in enumerate(spec) for leaf in _leaves(part, f"{path}[{i}]")]
+    return [(path or "the top level", spec)]
+
+
+def as_input(x: "Input | InputFunction", eval_splits: Sequence[str] = ("eval",)) -> Input:
+    """`x` itself if it is an Input, else an Input wrapping the input function or built-in source `x`."""
+    return x if isinstance(x, Input) else Input(x, eval_splits=eval_splits)
+
+
+def check_sizes(source: "Input | InputFunction", global_batch_size: int) -> None:
+    """`as_input(source).check_sizes(global_batch_size)`, for callers holding a bare source."""
+    as_input(source).check_sizes(global_batch_size)

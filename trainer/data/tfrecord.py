@@ -1,0 +1,193 @@
+"""The user's own data in sharded TFRecord files, of the built-in format or any other schema.
+
+Built-in format (written by `trainer.write_tfrecords`): one `tf.train.Example` per record,
+`image` a float list of the flattened float32 image in row-major order (its length must
+equal the product of `input_shape`), `label` an int64; examples `(image float32, label int32)`.
+
+Any other schema: `features` maps each feature name to a `Feature` saying how to parse it,
+or `parse_fn(serialized_record) -> example` parses a record itself.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from trainer.data.inputs import SPLITS, Shard, shard_of
+from trainer.errors import UserError
+
+MAX_OPEN_FILES = 64
+FEATURE_KINDS = ("float", "int64", "bytes", "png", "jpeg", "int64_sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """How to parse one feature of a `tf.train.Example`; every result has a fixed shape.
+
+    - 'float' float32 / 'int64' (returned as int32, like the built-in labels) / 'bytes'
+      (a string tensor): a fixed-length list reshaped to `shape`;
+    - 'png' / 'jpeg': one encoded image decoded to float32 in [0, 1] with `channels`
+      (default `shape[-1]`), of static shape `shape` (height, width, channels);
+    - 'int64_sequence': a list of any length, padded with 0 or truncated to `length`, int32.
+    """
+
+    kind: str
+    shape: tuple[int, ...] = ()
+    length: int | None = None
+    channels: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in FEATURE_KINDS:
+            raise UserError(f"unknown feature kind {self.kind!r}: use one of {', '.join(FEATURE_KINDS)}")
+        if self.kind in ("png", "jpeg") and len(self.shape) != 3:
+            raise UserError(f"a {self.kind} feature needs shape=(height, width, channels), got {self.shape}")
+        if self.kind == "int64_sequence" and not (self.length and self.length > 0):
+            raise UserError(f"an int64_sequence feature needs a positive length to pad to, got {self.length}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    def parse_spec(self) -> tf.io.FixedLenFeature | tf.io.VarLenFeature:
+        """The `tf.io.parse_single_example` spec of the raw feature."""
+        if self.kind == "int64_sequence":
+            return tf.io.VarLenFeature(tf.int64)
+        if self.kind in ("png", "jpeg"):
+            return tf.io.FixedLenFeature([], tf.string)
+        dtype = {"float": tf.float32, "int64": tf.int64, "bytes": tf.string}[self.kind]
+        return tf.io.FixedLenFeature(self.shape, dtype)
+
+    def decode(self, raw: tf.Tensor | tf.SparseTensor) -> tf.Tensor:
+        """The parsed raw feature as the fixed-shape tensor the example holds."""
+        if self.kind == "int64_sequence":
+            values = tf.sparse.to_dense(raw)[:self.length]
+            values = tf.pad(values, [[0, self.length - tf.shape(values)[0]]])
+            return tf.ensure_shape(tf.cast(values, tf.int32), [self.length])
+        if self.kind in ("png", "jpeg"):
+            decode = tf.io.decode_png if self.kind == "png" else tf.io.decode_jpeg
+            image = decode(raw, channels=self.channels or self.shape[-1])
+            return tf.ensure_shape(tf.image.convert_image_dtype(image, tf.float32), self.shape)
+        return tf.cast(raw, tf.int32) if self.kind == "int64" else raw
+
+
+def float_feature(shape: tuple[int, ...] = ()) -> Feature:
+    """A float list of `shape` (gin: `@data.float_feature()`)."""
+    return Feature("float", shape)
+
+
+def int64_feature(shape: tuple[int, ...] = ()) -> Feature:
+    """An int64 list of `shape`, returned as int32 (a class label: the default shape ())."""
+    return Feature("int64", shape)
+
+
+def bytes_feature(shape: tuple[int, ...] = ()) -> Feature:
+    """A bytes list of `shape`, returned as a string tensor."""
+    return Feature("bytes", shape)
+
+
+def png_feature(shape: tuple[int, ...], channels: int | None = None) -> Feature:
+    """A PNG-encoded image decoded to float32 in [0, 1] of `shape` (height, width, channels)."""
+    return Feature("png", shape, channels=channels)
+
+
+def jpeg_feature(shape: tuple[int, ...], channels: int | None = None) -> Feature:
+    """A JPEG-encoded image decoded to float32 in [0, 1] of `shape` (height, width, channels)."""
+    return Feature("jpeg", shape, channels=channels)
+
+
+def int64_sequence_feature(length: int) -> Feature:
+    """A variable-length int64 list (e.g. token ids) padded with 0 or truncated to `length`, int32."""
+    return Feature("int64_sequence", length=length)
+
+
+def _single_or_dict(values: dict[str, tf.Tensor]) -> tf.Tensor | dict[str, tf.Tensor]:
+    return next(iter(values.values())) if len(values) == 1 else values
+
+
+@dataclasses.dataclass(frozen=True)
+class TFRecordFiles:
+    """The user's own data: sharded TFRecord files by glob (see the module docstring).
+
+    With `features`, the example is `(features without the label, label)`, the features a
+    single tensor where only one remains, else a dict; with `label_key` None it is the
+    features alone. `parse_fn` replaces all of that. Without either, `input_shape` is needed.
+    """
+
+    train_pattern: str
+    eval_pattern: str
+    input_shape: tuple[int, ...] | None = None
+    num_classes: int | None = None
+    features: Mapping[str, Feature] | None = None
+    parse_fn: Callable[[tf.Tensor], Any] | None = None
+    label_key: str | None = "label"
+    splits = SPLITS
+
+    def __call__(self, split: str, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+        """The input function: `split`'s examples, this pipeline's files (or examples) under `input_context`."""
+        return self.examples(split, shard_of(input_context))
+
+    def files(self, split: str) -> list[str]:
+        pattern = {"train": self.train_pattern, "eval": self.eval_pattern}[split]
+        files = sorted(tf.io.gfile.glob(pattern))
+        if not files:
+            raise UserError(f"no TFRecord files match {split} pattern {pattern!r}: fix the glob or write files there")
+        return files
+
+    def validate(self) -> None:
+        self._check_schema()
+        for split in SPLITS:
+            self.files(split)
+
+    def _check_schema(self) -> None:
+        if self.parse_fn is not None:
+            return
+        if self.features is None and self.input_shape is None:
+            raise UserError("tfrecord_files needs input_shape for the built-in record format, or features "
+                            "(or parse_fn) for another one")
+        if self.features is not None and self.label_key is not None and self.label_key not in self.features:
+            raise UserError(f"tfrecord_files.label_key {self.label_key!r} is not among the features "
+                            f"({', '.join(self.features)}): add it or set label_key to None")
+
+    def examples(self, split: str, shard: Shard | None = None) -> tf.data.Dataset:
+        """Unbatched examples; `shard` keeps one part, by file where there are enough files, else by record."""
+        self._check_schema()
+        files = self.files(split)
+        by_file = shard is not None and len(files) >= shard[0]
+        dataset = tf.data.Dataset.from_tensor_slices(files)
+        if by_file:
+            dataset = dataset.shard(*shard)
+        # Round-robin over a fixed cycle: reads shards written round-robin back in order.
+        dataset = dataset.interleave(tf.data.TFRecordDataset, cycle_length=min(len(files), MAX_OPEN_FILES),
+                                     block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        if shard is not None and not by_file:
+            dataset = dataset.shard(*shard)
+        return dataset.map(self._parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+    def _parse(self, record: tf.Tensor) -> Any:
+        if self.parse_fn is not None:
+            return self.parse_fn(record)
+        if self.features is None:
+            return self._parse_built_in(record)
+        parsed = tf.io.parse_single_example(record, {name: f.parse_spec() for name, f in self.features.items()})
+        values = {name: feature.decode(parsed[name]) for name, feature in self.features.items()}
+        if self.label_key is None:
+            return _single_or_dict(values)
+        label = values.pop(self.label_key)
+        return _single_or_dict(values), label
+
+    def _parse_built_in(self, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        size = int(np.prod(self.input_shape))
+        spec = {"image": tf.io.FixedLenFeature([size], tf.float32), "label": tf.io.FixedLenFeature([], tf.int64)}
+        features = tf.io.parse_single_example(record, spec)
+        return tf.reshape(features["image"], self.input_shape), tf.cast(features["label"], tf.int32)
+
+    def num_examples(self, split: str) -> int:
+        return self._counts[split]
+
+    @cached_property
+    def _counts(self) -> dict[str, int]:
+        count = lambda files: int(tf.data.TFRecordDataset(files).reduce(0, lambda n, _: n + 1))  # noqa: E731
+        return {split: count(self.files(split)) for split in SPLITS}
+
+    def num_files(self, split: str) -> int:
+        return len(self.files(split))
