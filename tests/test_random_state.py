@@ -15,9 +15,9 @@ from trainer.distribution import devices, strategies
 devices.configure_devices(devices.DeviceConfig(logical_cpus_without_gpu=2))
 from trainer.core import models, random_state, steps
 from trainer.core.loop import TrainLoop
-from trainer.data import pipeline
+from trainer import data
 
-source = pipeline.Digits()
+source = data.Digits()
 result = {}
 for name in ("central_storage", "mirrored"):
     strategy = strategies.make_strategy(name)
@@ -32,8 +32,8 @@ for name in ("central_storage", "mirrored"):
                                   aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     states = random_state.random_states({"model": model, "also": model})
     before = [s.numpy().tolist() for s in states]
-    data = pipeline.distribute_train(strategy, source, 32, seed=0)
-    loop = TrainLoop(strategy, model, optimizer, steps.classification_step, 32, data, global_step)
+    dataset = data.distribute_train(strategy, source, 32, seed=0)
+    loop = TrainLoop(strategy, model, optimizer, steps.classification_step, 32, dataset, global_step)
     losses = [loop.run(3)["loss"], loop.run(2)["loss"]]
 
     # Checkpoint round trip of the states (what train.py saves for exact resume).
