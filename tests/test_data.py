@@ -216,6 +216,19 @@ for method in ("dataset", "function"):
     weights = [local(w) for _, _, w in batches]
     assert all(len(w) == gb // 2 for ws in weights for w in ws), method
     assert sum(w.sum() for ws in weights for w in ws) == 21, method
+def regression(split):  # a user input function: dict features, float targets
+    rng = np.random.RandomState(0 if split == "train" else 1)
+    count = 32 if split == "train" else 13
+    features = {"x": rng.normal(size=(count, 3)).astype(np.float32)}
+    return tf.data.Dataset.from_tensor_slices((features, rng.normal(size=count).astype(np.float32)))
+inp = data.Input(regression)
+expected = next(iter(data.train_dataset(inp, gb, seed=2)))
+for method in ("dataset", "function"):
+    features, target = next(iter(data.distribute_train(strategy, inp, gb, seed=2, method=method)))
+    np.testing.assert_array_equal(np.concatenate(local(features["x"])), expected[0]["x"].numpy())
+    np.testing.assert_array_equal(np.concatenate(local(target)), expected[1].numpy())
+    weights = [w for _, _, ws in data.distribute_eval(strategy, inp, gb, method=method) for w in local(ws)]
+    assert sum(w.sum() for w in weights) == 13 and all(len(w) == gb // 2 for w in weights), method
 try:
     data.distribute_train(strategy, source, gb, seed=1, method="rows")
     raise AssertionError("no UserError")

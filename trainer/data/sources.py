@@ -163,6 +163,6 @@ class FashionMnist(_InMemorySource):
         if self.standardize:
             mean = arrays["train"][0].mean(axis=0, dtype=np.float64)
             std = arrays["train"][0].std(axis=0, dtype=np.float64)
-            std[std == 0] = 1.0
+            std[std < 1e-8] = 1.0  # constant pixels (up to rounding), as StandardScaler does
             arrays = {split: (((x - mean) / std).astype(np.float32), y) for split, (x, y) in arrays.items()}
         return arrays
