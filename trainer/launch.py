@@ -9,6 +9,9 @@ is the usual way that goes wrong. So the launcher treats the tasks as one group:
 one task failing ends them all, a signal to the launcher reaches every task,
 each task runs in its own process group that is killed at the end, and the
 group can be restarted whole on fresh ports (as after a preemption, exit 42).
+The whole group runs in a private network namespace with only loopback
+(trainer/distribution/netns.py), since TensorFlow's servers listen on every
+address; where that is impossible, one `warning:` line says so.
 
 Layout: without ps, N `worker` tasks (worker 0 is the chief, as in
 MultiWorkerMirrored); with ps, one `chief` (the coordinator, which runs the
@@ -28,6 +31,7 @@ from typing import IO, NoReturn
 
 from absl import app, flags
 
+from trainer.distribution import netns
 from trainer.errors import UserError
 
 USER_ERROR_EXIT = 2
@@ -277,6 +281,9 @@ def _define_flags() -> None:
 
 def main(passthrough: list[str]) -> int:
     values = flags.FLAGS
+    # Before any task (and any thread) starts: the tasks, and the ports picked for them,
+    # are then in a network namespace with only loopback (DESIGN.md rule 12).
+    netns.isolate("the local cluster of trainer.launch")
     try:
         return launch(
             values.num_workers,

@@ -9,6 +9,14 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from trainer.distribution import netns  # noqa: E402  (standard library only)
+
+netns.enter_if_requested("the embedded ParameterServer cluster")  # before any thread starts
+
+from trainer import quiet_start  # noqa: E402
+
+quiet_start.import_tensorflow()  # so its load-time C++ notices do not come before our first line
+
 from absl import app, flags, logging  # noqa: E402
 
 from trainer.distribution import local_cluster  # noqa: E402

@@ -61,6 +61,9 @@ def inter_op_threads(info: cluster.ClusterInfo) -> int:
 
 def serve(info: cluster.ClusterInfo, stop: threading.Event) -> None:
     """Starts the server and returns once `stop` is set or the parent process has gone."""
+    from trainer import quiet_start
+
+    quiet_start.import_tensorflow()  # without its load-time C++ notices
     import tensorflow as tf
 
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=inter_op_threads(info))

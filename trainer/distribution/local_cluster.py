@@ -11,6 +11,9 @@ in-process ones would outlive the run (DESIGN.md rule 8). The servers are ended 
 this process; if this process is killed outright, each server notices its parent is
 gone and exits by itself (see trainer/server.py). So no process is left behind.
 
+The whole cluster, this process included, runs in a private network namespace with
+only loopback (see `cluster_for`), since TensorFlow's servers listen on every address.
+
 A worker that dies is restarted on its port (up to `max_worker_restarts` times): the
 coordinator works around it meanwhile and gives it work again once it is back. A ps
 that dies is not restarted: its variables are gone, so the coordinator stops the run
@@ -30,6 +33,7 @@ import time
 import traceback
 from typing import Callable, Iterator
 
+from trainer.distribution import netns
 from trainer.errors import RunFailure, UserError
 
 SERVER_MODULE = "trainer.server"
@@ -280,12 +284,23 @@ def cluster_for(
     make_config: Callable[[], LocalClusterConfig],
     *,
     print_fn: Callable[[str], None] = print,
+    model_dir: str | None = None,
 ) -> contextlib.AbstractContextManager:
-    """What an entry point runs `train` in: an embedded cluster when `needs_local_cluster`."""
+    """What an entry point runs `train` in: an embedded cluster when `needs_local_cluster`.
+
+    The embedded cluster, coordinator included, must not be reachable from the network
+    (DESIGN.md rule 12), so before its servers start (and its ports are picked) this
+    process re-executes itself into a private network namespace (trainer/distribution/
+    netns.py), same pid and flags; `model_dir`, when given, is passed on so the new image
+    uses the one already printed. Where that is impossible it warns once and goes on.
+    """
     global _coordinates_ps_cluster
     _coordinates_ps_cluster = strategy == "parameter_server"
     if not needs_local_cluster(strategy):
         return contextlib.nullcontext()
+    netns.reexec_isolated(
+        "the embedded ParameterServer cluster", [f"--model_dir={model_dir}"] if model_dir else []
+    )
     return embedded_cluster(make_config(), print_fn=print_fn)
 
 

@@ -1,0 +1,183 @@
+"""A private network namespace with only loopback, for clusters that run on this machine.
+
+TensorFlow's gRPC servers listen on `0.0.0.0:<port>` whatever host the cluster spec names,
+unauthenticated, and run any graph sent to them (DESIGN.md rule 12). A local cluster (the
+embedded ParameterServer cluster, `trainer.launch`) only talks over loopback, so it runs in
+a network namespace of its own: there its servers still listen on every address, but the
+only interface is `lo`, invisible from the host's network and from its other processes.
+
+Unprivileged Linux allows this through a user namespace (`unshare -rn` does the same): the
+process unshares a user and a network namespace, maps its own user and group ids onto
+themselves (files keep the invoking user's ownership; root maps every id), and brings `lo`
+up (it starts down) with the capability it holds in its new user namespace. Children
+inherit the namespace; the filesystem, pids and signals are the host's.
+
+A user namespace can only be entered by a single-threaded process, so `enter` runs before
+TensorFlow loads (it starts threads); a process that has loaded it re-executes itself with
+`REQUEST` set, and the new image enters at its first line (`enter_if_requested`). Where
+none of this is possible (not Linux, user namespaces disabled), one `warning:` line says
+what is exposed and how to close it, and the run goes on as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Sequence
+
+# The process's state, in its environment so children and a re-executed image see it:
+# "enter" asks the next image to enter; "net:[inode]" means inside that namespace;
+# "exposed" means entering failed and the warning has been printed.
+STATE_ENV = "TRAINER_PRIVATE_NETWORK"
+REQUEST = "enter"
+EXPOSED = "exposed"
+
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_SIOCGIFFLAGS = 0x8913
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
+_ALL_IDS = 4294967295  # what root may map: every id onto itself
+
+
+class Unavailable(OSError):
+    """This process cannot enter a private network namespace (the message says why)."""
+
+
+def _current_namespace() -> str:
+    return os.readlink("/proc/self/ns/net")
+
+
+def is_private() -> bool:
+    """Whether this process runs in the private namespace its environment records."""
+    state = os.environ.get(STATE_ENV, "")
+    return state.startswith("net:") and sys.platform == "linux" and state == _current_namespace()
+
+
+def enter() -> None:
+    """Moves this (single-threaded) process into a new user + network namespace, `lo` up.
+
+    Raises Unavailable where that cannot be done; the process is then unchanged.
+    """
+    if sys.platform != "linux":
+        raise Unavailable(f"network namespaces are Linux-only (this is {sys.platform})")
+    if len(os.listdir("/proc/self/task")) > 1:
+        raise Unavailable("the process already runs threads, so it cannot enter a user namespace")
+    uid, gid = os.getuid(), os.getgid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+        error = ctypes.get_errno()
+        raise Unavailable(f"unshare(CLONE_NEWUSER|CLONE_NEWNET) failed: {os.strerror(error)}")
+    _map_ids(uid, gid)
+    _bring_loopback_up()
+    os.environ[STATE_ENV] = _current_namespace()
+
+
+def _map_ids(uid: int, gid: int) -> None:
+    """Maps every id onto itself where allowed (root), else just our own uid and gid."""
+    _write("/proc/self/setgroups", "deny")  # required before an unprivileged gid_map
+    for path, own in (("/proc/self/uid_map", uid), ("/proc/self/gid_map", gid)):
+        try:
+            _write(path, f"0 0 {_ALL_IDS}")
+        except OSError:
+            _write(path, f"{own} {own} 1")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _bring_loopback_up() -> None:
+    """`ip link set lo up`, by ioctl (no `ip` binary needed); a new namespace's `lo` is down."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH", fcntl.ioctl(sock, _SIOCGIFFLAGS, request)[:18])[1]
+        fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
+
+
+def warn_exposed(what: str, reason: str) -> None:
+    """The one `warning:` line of a run that stays reachable from the network."""
+    os.environ[STATE_ENV] = EXPOSED
+    print(
+        f"warning: {what} is reachable from the network: its TensorFlow servers listen on all "
+        f"addresses, unauthenticated, and run any graph sent to them (no private network "
+        f"namespace: {reason}); allow unprivileged user namespaces (sysctl "
+        f"user.max_user_namespaces > 0) or block these ports with a firewall",
+        file=sys.stderr, flush=True,
+    )
+
+
+def isolate(what: str) -> bool:
+    """Enters the private namespace now (call before TensorFlow loads), or warns once.
+
+    Returns whether the process (and so every child it starts) is isolated.
+    """
+    if is_private():
+        return True
+    if os.environ.get(STATE_ENV) == EXPOSED:
+        return False
+    try:
+        enter()
+    except (Unavailable, OSError) as error:
+        warn_exposed(what, str(error))
+        return False
+    return True
+
+
+def enter_if_requested(what: str) -> None:
+    """An entry point's first line: enters if the image that exec'd this one asked to.
+
+    Also records whether this process could re-execute itself into a namespace later:
+    only if this ran while the process was still single-threaded (before TensorFlow).
+    """
+    global _can_reexec
+    _can_reexec = len(os.listdir("/proc/self/task")) == 1 if sys.platform == "linux" else False
+    if os.environ.get(STATE_ENV) == REQUEST:
+        del os.environ[STATE_ENV]
+        isolate(what)
+
+
+_can_reexec = False
+
+
+def can_enter() -> str | None:
+    """None if a fresh process here can enter a private namespace, else why not (~0.1 s)."""
+    if sys.platform != "linux":
+        return f"network namespaces are Linux-only (this is {sys.platform})"
+    probe = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)],
+        env={**os.environ, STATE_ENV: ""}, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=60,
+    )
+    if probe.returncode == 0:
+        return None
+    lines = probe.stderr.strip().splitlines()
+    return lines[-1] if lines else f"probe exited with code {probe.returncode}"
+
+
+def reexec_isolated(what: str, extra_args: Sequence[str] = ()) -> None:
+    """Replaces this process (same pid, argv + `extra_args`, environment) by one that enters.
+
+    For a process that has started threads, whose entry point called `enter_if_requested`
+    at its first line. Returns (after the one warning) where entering is impossible.
+    """
+    if is_private() or os.environ.get(STATE_ENV) == EXPOSED:
+        return
+    reason = can_enter() if _can_reexec else (
+        "this entry point does not re-execute itself into one before TensorFlow loads")
+    if reason is not None:
+        warn_exposed(what, reason)
+        return
+    os.environ[STATE_ENV] = REQUEST
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:], *extra_args])
+
+
+if __name__ == "__main__":  # the probe of `can_enter`: exits 0 once inside, else with the reason
+    enter()
