@@ -113,7 +113,7 @@ def _run_context(is_chief: bool, printed: list[str]):
 
     return RunContext(
         model_dir="unused", is_chief=is_chief, total_steps=30, start_step=0, global_batch_size=8,
-        strategy=None, model=None, optimizer=_Optimizer(), saver=None, evaluator=None,
+        strategy=None, model=None, optimizer=_Optimizer(), saver=None, evaluators={},
         metrics_log=_Log(), print_fn=printed.append,
     )
 

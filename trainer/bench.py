@@ -116,44 +116,19 @@ class Channel:
 
 def train_settings() -> dict:
     """The `train` parameters as the parsed gin config binds them, over `train`'s defaults."""
-    import inspect
-
     import gin
 
-    from trainer import data
-    from trainer.distribution import devices
     from trainer.core import train as train_lib
 
-    settings = {name: p.default for name, p in inspect.signature(train_lib.train).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    settings.update(gin.get_bindings("train"))
-    settings["data_source"] = settings.get("data_source") or data.Digits()
-    settings["device_config"] = settings.get("device_config") or devices.DeviceConfig()
-    settings["cluster_resolver_options"] = settings.get("cluster_resolver_options") or {}
-    return settings
+    return train_lib.defaults_with(gin.get_bindings("train"))
 
 
 def setup(settings: dict):
-    """Devices, cluster, strategy, model and built optimizer, the way `train` makes them."""
-    import keras
+    """Runtime, strategy, model and built optimizer, by `train`'s own setup."""
+    from trainer.core import train as train_lib
 
-    from trainer.distribution import cluster, devices, strategies
-    from trainer.core import precision
-
-    settings["data_source"].validate()
-    devices.configure_devices(settings["device_config"])
-    info = cluster.resolve(settings["strategy"], settings["cluster_resolver"], **settings["cluster_resolver_options"])
-    dist = strategies.make_strategy(settings["strategy"], cluster_resolver=info.resolver,
-                                    collective_timeout_secs=settings["collective_timeout_secs"])
-    keras.utils.set_random_seed(settings["seed"])
-    policy = precision.set_global_policy(settings["mixed_precision"])
-    source = settings["data_source"]
-    with dist.scope():
-        model = settings["model_fn"](source.input_shape, source.num_classes)
-        optimizer = precision.wrap_optimizer(
-            settings["optimizer_fn"](global_batch_size=settings["global_batch_size"],
-                                     total_steps=settings["total_steps"]), policy)
-    return dist, model, optimizer
+    runtime, task = train_lib.setup_from(settings)
+    return runtime.strategy, task
 
 
 def machine() -> dict:
@@ -203,11 +178,10 @@ def run_limit(settings: dict, channel: Channel) -> None:
     from trainer.distribution import devices
     from trainer.core import xla
 
-    dist, model, optimizer = setup(settings)
-    with dist.scope():
-        optimizer.build(model.trainable_variables)
-    gb, source = settings["global_batch_size"], settings["data_source"]
-    dataset = data.train_dataset(source, gb, settings["seed"], shard_policy=settings["shard_policy"])
+    dist, task = setup(settings)
+    model, optimizer = task.models, task.optimizers
+    gb = settings["global_batch_size"]
+    dataset = data.train_dataset(task.input, gb, settings["seed"], shard_policy=settings["shard_policy"])
     batch = next(iter(dist.experimental_distribute_dataset(dataset)))
     if dist.num_replicas_in_sync == 1 and not isinstance(dist, tf.distribute.OneDeviceStrategy):
         with tf.device(devices.compute_devices()[0]):  # the default strategy leaves it on the host
@@ -316,16 +290,16 @@ def run_fit(settings: dict, channel: Channel, steps_per_execution: int) -> None:
     from trainer import data
     from trainer.core import xla
 
-    dist, model, optimizer = setup(settings)
+    dist, task = setup(settings)  # the optimizer built as ours (rule 1); fit would build it itself
+    model, optimizer = task.models, task.optimizers
     with dist.scope():
-        optimizer.build(model.trainable_variables)  # as ours (rule 1); fit would build it itself
         model.compile(
             optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"], steps_per_execution=steps_per_execution,
             # XLA where fit can compile the whole step (one device); Keras itself turns it off under a strategy.
             jit_compile=bool(settings["jit_compile"]) and xla.update_inside_xla(dist),
         )
-    dataset = data.train_dataset(settings["data_source"], settings["global_batch_size"], settings["seed"],
+    dataset = data.train_dataset(task.input, settings["global_batch_size"], settings["seed"],
                                  shard_policy=settings["shard_policy"])
 
     class Pacer(keras.callbacks.Callback):
@@ -584,14 +558,15 @@ def results(settings: dict, variants: list[Variant], *, chunk: int, warmup: int,
     fits = [v for v in variants if v.role == "fit" and rate[v.name] is not None]
     best_fit = max(fits, key=lambda v: rate[v.name]) if fits else None
     ours, limit = by_name.get("ours"), by_name.get("limit")
-    source = settings["data_source"]
+    source = settings["input_fn"] or settings["data_source"]
     model_fn = settings["model_fn"]
     mach = next((v.machine for v in variants if v.machine), None)
     out = {
         "command": command,
         "config": {
             "model": getattr(model_fn, "__name__", str(model_fn)),
-            "data": type(source).__name__, "input_shape": list(source.input_shape),
+            "data": type(source).__name__ if source is not None else "Digits",
+            "input_shape": list(getattr(source, "input_shape", None) or (8, 8, 1)),
             "strategy": settings["strategy"], "global_batch_size": gb,
             "steps_per_loop": settings["steps_per_loop"], "log_every_steps": settings["log_every_steps"],
             "checkpoint_every_steps": settings["checkpoint_every_steps"],

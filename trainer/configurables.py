@@ -55,7 +55,7 @@ local_cluster = CONFIGURABLES["local_cluster"]
 def evaluate_continuously(*, model_dir: str, print_fn=print) -> dict[str, float]:
     """--mode=eval_continuous: the sidecar evaluator, set up by the run's own `train.*` bindings
     (`eval_continuous.timeout_secs` and `.poll_secs` are its own)."""
-    settings = sidecar.train_settings(train_lib.train, gin.get_bindings("train"))
+    settings = sidecar.train_settings(train_lib.defaults_with(gin.get_bindings("train")))
     return CONFIGURABLES["eval_continuous"](model_dir=model_dir, print_fn=print_fn, **settings)
 
 

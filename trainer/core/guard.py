@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from trainer import data
+from trainer.core.task import all_variables, flat
 from trainer.errors import UserError
 
 EXACT_RTOL = 1e-4
@@ -82,7 +83,7 @@ def check_loss_scaling(
     model,
     optimizer,
     step_fn: Callable,
-    source: data.DataSource,
+    source,
     *,
     global_batch_size: int,
     seed: int,
@@ -92,6 +93,8 @@ def check_loss_scaling(
 
     Call it after the model and optimizer are built and before the first train step,
     outside `strategy.scope()`. Leaves every model and optimizer variable as it found it.
+    `model` and `optimizer` may be dicts of them (the step gets them as given); `source` is
+    the run's input (a `data.Input` or an input function).
     Does nothing for one replica or for ParameterServerStrategy (whose workers each run
     whole batches).
     """
@@ -102,12 +105,13 @@ def check_loss_scaling(
         raise RuntimeError("check_loss_scaling must be called outside strategy.scope()")
     per_replica = global_batch_size // replicas
     shard = _probe_batch(source, global_batch_size, seed, per_replica)
-    saved = _Snapshot(strategy, [*model.variables, *getattr(optimizer, "variables", [])])
+    saved = _Snapshot(strategy, [*all_variables(model), *all_variables(optimizer)])
 
     def probe(batch, batch_size):
-        catcher = _GradientCatcher(optimizer)
-        outputs = step_fn(model, catcher, batch, batch_size)
-        return {k: tf.cast(v, tf.float32) for k, v in outputs.items()}, catcher.gradients
+        catchers = ({k: _GradientCatcher(o) for k, o in optimizer.items()} if isinstance(optimizer, Mapping)
+                    else _GradientCatcher(optimizer))
+        outputs = step_fn(model, catchers, batch, batch_size)
+        return {k: tf.cast(v, tf.float32) for k, v in outputs.items()}, [g for c in flat(catchers) for g in c.gradients]
 
     try:
         distributed = _run_distributed(strategy, lambda batch: probe(batch, global_batch_size), shard)
@@ -118,7 +122,8 @@ def check_loss_scaling(
     finally:
         saved.restore()
 
-    rtol = EXACT_RTOL if getattr(model, "compute_dtype", "float32") in ("float32", "float64") else LOW_PRECISION_RTOL
+    full_precision = all(getattr(m, "compute_dtype", "float32") in ("float32", "float64") for m in flat(model))
+    rtol = EXACT_RTOL if full_precision else LOW_PRECISION_RTOL
     findings = compare(distributed, _numpy(single), _numpy(again), replicas, regularization, rtol=rtol)
     if findings:
         raise UserError(message(findings[0], replicas))
@@ -259,9 +264,9 @@ def _norm(arrays) -> float:
     return math.sqrt(sum(float(np.sum(np.square(a))) for a in arrays))
 
 
-def _regularization(model) -> float:
-    """sum(model.losses) in the one-replica world (0 for a model without `losses`)."""
-    losses = list(getattr(model, "losses", []))
+def _regularization(models) -> float:
+    """sum(model.losses) of every model in the one-replica world (0 for models without `losses`)."""
+    losses = [loss for m in flat(models) for loss in getattr(m, "losses", [])]
     return float(tf.add_n([tf.cast(l, tf.float64) for l in losses])) if losses else 0.0
 
 

@@ -36,12 +36,12 @@ class RunContext:
     model: Any
     optimizer: Any
     saver: Any
-    evaluator: Any
+    evaluators: Any  # {split: evaluator}, in the order the splits are evaluated
     metrics_log: MetricsLog
     print_fn: Callable[[str], None] = print
     train_seconds: float = 0.0
     start_time: float = dataclasses.field(default_factory=time.monotonic)
-    last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_eval: dict[str, float] = dataclasses.field(default_factory=dict)  # of the first eval split
     loop: Any = None  # the compiled train loop (e.g. its `trace_count`)
 
 
@@ -74,6 +74,14 @@ class Hook:
 def current_learning_rate(optimizer) -> float:
     """The rate the next step uses, for a float, a schedule or a distributed variable."""
     return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+def learning_rates(optimizers) -> dict[str, float]:
+    """`{"learning_rate": r}` of one optimizer, `{"learning_rate/<key>": r}` of a dict of them
+    (optimizers without a `learning_rate` are left out)."""
+    named = optimizers.items() if isinstance(optimizers, dict) else [(None, optimizers)]
+    return {("learning_rate" if key is None else f"learning_rate/{key}"): current_learning_rate(o)
+            for key, o in named if hasattr(o, "learning_rate")}
 
 
 def format_duration(seconds: float) -> str:
@@ -185,8 +193,7 @@ class ProgressLogger(Hook):
         means = {k: v / self._count for k, v in self._sums.items()}
         seconds = max(run.train_seconds - self._last_train_seconds, 1e-9)
         steps_per_sec = self._count / seconds
-        record = means | {
-            "learning_rate": current_learning_rate(run.optimizer),
+        record = means | learning_rates(run.optimizer) | {
             "steps_per_sec": steps_per_sec,
             "examples_per_sec": steps_per_sec * run.global_batch_size,
         }
@@ -240,7 +247,7 @@ class CheckpointHook(Hook):
 
 
 class EvalHook(Hook):
-    """Evaluates over the whole eval set every N steps and at the end."""
+    """Evaluates every eval split over all of its examples every N steps and at the end."""
 
     def __init__(self, every_steps: int):
         self.every_steps = every_steps
@@ -255,13 +262,16 @@ class EvalHook(Hook):
             self._evaluate(run, step)
 
     def _evaluate(self, run: RunContext, step: int) -> None:
-        results = run.evaluator.evaluate()
-        num_examples = results.pop("num_examples")
-        run.last_eval = results
-        run.metrics_log.record(step, "eval", results)
-        if run.is_chief:
-            shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
-            run.print_fn(f"eval at step {step}: {shown}  ({int(num_examples)} examples)")
+        for index, (split, evaluator) in enumerate(run.evaluators.items()):
+            results = evaluator.evaluate()
+            num_examples = results.pop("num_examples")
+            if index == 0:
+                run.last_eval = results
+            run.metrics_log.record(step, split, results)
+            if run.is_chief:
+                shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
+                where = "" if split == "eval" else f" on {split}"
+                run.print_fn(f"eval{where} at step {step}: {shown}  ({int(num_examples)} examples)")
         self._last_step = step
 
 

@@ -6,17 +6,32 @@ outputs with SUM in cross-replica context (DESIGN.md rule 3). Hooks run between 
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Mapping
 
+import keras
 import tensorflow as tf
 
 from trainer.core import xla
+from trainer.errors import UserError
 
 StepFn = Callable[..., Mapping[str, tf.Tensor]]
 SUM = tf.distribute.ReduceOp.SUM
+WEIGHT_KEY = "__weight__"  # the real examples of a batch, counted by the loop itself
 
 
-def _reduce(strategy: tf.distribute.Strategy, outputs) -> dict[str, tf.Tensor]:
+def reduce_outputs(strategy: tf.distribute.Strategy, outputs, what: str = "train.step_fn") -> dict[str, tf.Tensor]:
+    """SUM across replicas of a step's `{name: scalar}` outputs (refused in one line otherwise)."""
+    if not isinstance(outputs, Mapping):
+        raise UserError(f"{what} returned {type(outputs).__name__}; return a dict of scalar tensors, "
+                        "e.g. {'loss': loss}")
+    for name, value in outputs.items():
+        local = strategy.experimental_local_results(value)[0]
+        if not isinstance(name, str) or not hasattr(local, "shape") or local.shape.rank != 0 \
+                or not (local.dtype.is_floating or local.dtype.is_integer):
+            shown = getattr(local, "shape", type(local).__name__)
+            raise UserError(f"{what} output {name!r} is {shown} of {getattr(local, 'dtype', '?')}; each output must "
+                            "be a scalar number (reduce a per-example vector with a sum or mean first)")
     return {k: tf.cast(strategy.reduce(SUM, v, axis=None), tf.float32) for k, v in outputs.items()}
 
 
@@ -52,7 +67,7 @@ class TrainLoop:
                                         jit_compile=jit_compile)
 
         def one_step(iterator):
-            return _reduce(strategy, strategy.run(replica_step, args=(next(iterator),)))
+            return reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)))
 
         def train_steps(iterator, num_steps):
             # The first step is peeled so the loop variables take the step's own output keys.
@@ -90,8 +105,34 @@ class TrainLoop:
         return self._train_steps.experimental_get_tracing_count()
 
 
+def declares(fn: Callable, name: str) -> bool:
+    """True if `fn` has a parameter called `name`."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def metric_results(metrics: Mapping[str, keras.metrics.Metric]) -> dict[str, float]:
+    """Each metric's result as a float; a metric returning a dict gives `name/key` entries."""
+    results = {}
+    for name, metric in metrics.items():
+        value = metric.result()
+        if isinstance(value, Mapping):
+            results.update({f"{name}/{k}": float(v) for k, v in value.items()})
+        else:
+            results[name] = float(value)
+    return results
+
+
 class Evaluator:
-    """One pass over the eval set, every example once; returns each output's per-example mean."""
+    """One pass over an eval split, every example once.
+
+    The eval step returns per-replica SUMS (divided here by `num_examples`, its own or, if it
+    returns none, the weight of the batch's real examples), and/or updates the Keras metric
+    objects it gets as `metrics` (if it declares that parameter): they are reset before the
+    pass, updated in replica context, and read once after it.
+    """
 
     def __init__(
         self,
@@ -100,12 +141,29 @@ class Evaluator:
         eval_step_fn: StepFn,
         dataset,
         num_batches: int,
+        *,
+        metrics: Mapping[str, keras.metrics.Metric] | None = None,
     ):
         self._dataset = dataset
         self._num_batches = num_batches
+        self._metrics = dict(metrics or {})
+        takes_metrics = declares(eval_step_fn, "metrics")
+        if self._metrics and not takes_metrics:
+            raise UserError(f"train.eval_metrics_fn gives metrics {sorted(self._metrics)} but train.eval_step_fn "
+                            f"{getattr(eval_step_fn, '__name__', eval_step_fn)} takes no `metrics` parameter; "
+                            "declare eval_step_fn(model, batch, metrics) and update them there")
+        self._step_name = getattr(eval_step_fn, "__name__", type(eval_step_fn).__name__)
+
+        def replica_fn(batch):
+            outputs = eval_step_fn(model, batch, self._metrics) if takes_metrics else eval_step_fn(model, batch)
+            if not isinstance(outputs, Mapping):
+                raise UserError(f"train.eval_step_fn {self._step_name} returned {type(outputs).__name__}; return "
+                                "a dict of per-replica sums with 'num_examples' (or {} when it only updates metrics)")
+            weight = batch[-1]
+            return dict(outputs) | {WEIGHT_KEY: tf.reduce_sum(tf.cast(weight, tf.float32))}
 
         def one_batch(iterator):
-            return _reduce(strategy, strategy.run(lambda b: eval_step_fn(model, b), args=(next(iterator),)))
+            return reduce_outputs(strategy, strategy.run(replica_fn, args=(next(iterator),)), "train.eval_step_fn")
 
         def eval_batches(iterator, num_batches):
             totals = one_batch(iterator)
@@ -116,7 +174,16 @@ class Evaluator:
         self._eval_batches = tf.function(eval_batches)
 
     def evaluate(self) -> dict[str, float]:
+        """Per-example means of the step's sums, each metric's result, and `num_examples`."""
+        for metric in self._metrics.values():
+            metric.reset_state()
         totals = self._eval_batches(iter(self._dataset), tf.constant(self._num_batches, tf.int32))
         totals = {k: float(v) for k, v in totals.items()}
-        count = totals.pop("num_examples")
-        return {k: v / count for k, v in totals.items()} | {"num_examples": count}
+        weight = totals.pop(WEIGHT_KEY)
+        if totals and "num_examples" not in totals:
+            raise UserError(f"train.eval_step_fn {self._step_name} returns {sorted(totals)} but no 'num_examples'; "
+                            "return per-replica sums and 'num_examples' (the sum of the batch weights), so the loop "
+                            "can divide the sums over every replica and batch")
+        count = totals.pop("num_examples", weight)
+        means = {k: v / count for k, v in totals.items()} if count else dict(totals)
+        return means | metric_results(self._metrics) | {"num_examples": count}

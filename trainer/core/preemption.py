@@ -5,6 +5,14 @@ to save at through the coordination service. Saving goes through our CheckpointS
 the chief writes into model_dir and the other workers into temp dirs they delete; exit
 code 42 tells a launcher (`trainer.launch --max_restarts`) to restart the group, which
 then continues from the saved step.
+
+The handler's watcher thread (`PeerTerminationWatcher-<id>`) blocks in a read from the
+chief's coordination service until some worker is preempted. After a run that was not
+preempted TensorFlow only stops it in the handler's `__del__`, which need not run before
+the chief exits; the read then fails and the thread prints a traceback (UnavailableError:
+Connection reset by peer) after a successful run. So the hook's `end` stops it the way
+`__del__` does (private API: TensorFlow has no public one), then waits at a barrier until
+every worker has, so no chief leaves while a peer's watcher still reads from it.
 """
 from __future__ import annotations
 
@@ -12,11 +20,14 @@ import sys
 from typing import Callable
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 from trainer.core.checkpoints import CheckpointSaver
 from trainer.core.hooks import Hook, RunContext
 
 PREEMPTED_EXIT_CODE = 42
+_END_BARRIER = "trainer_preemption_watchers_stopped"
+_END_BARRIER_TIMEOUT_MS = 60_000
 
 
 class PreemptionHook(Hook):
@@ -45,6 +56,18 @@ class PreemptionHook(Hook):
     def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
         self._step = step
         self._handler.save_checkpoint_if_preempted()
+
+    def end(self, run: RunContext, step: int) -> None:
+        """Stops the handler's threads, then waits for every worker to have stopped theirs."""
+        handler = self._handler
+        watched_peers = getattr(handler, "_cluster_wise_termination_watcher_thread", None) is not None
+        handler._stop_cluster_wise_termination_watcher_thread()
+        handler._stop_poll_termination_signal_thread()
+        if watched_peers:
+            try:
+                context.context().wait_at_barrier(_END_BARRIER, _END_BARRIER_TIMEOUT_MS)
+            except tf.errors.OpError:
+                pass  # a peer already gone: this run is done and saved either way
 
     def _save(self) -> None:
         if self._saver.last_saved_step != self._step:

@@ -46,11 +46,13 @@ from typing import Callable
 import tensorflow as tf
 
 from trainer import data
+from trainer.core.loop import Evaluator, StepFn, reduce_outputs
+from trainer.core.options import LoopOptions
+from trainer.core.runtime import Runtime
+from trainer.core.task import Task, flat, trainable_variables
 from trainer.errors import RunFailure, UserError
-from trainer.core.loop import Evaluator, StepFn
 
 _LOST_TASK_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)
-SUM = tf.distribute.ReduceOp.SUM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +83,9 @@ def check_partitioner(model, variable_partitioner) -> None:
         )
 
 
-def describe_placement(model) -> str:
-    """Where the model's variables live, and which are sharded (components named `<v>/part_<i>`)."""
-    variables = model.trainable_variables
+def describe_placement(models) -> str:
+    """Where the models' variables live, and which are sharded (components named `<v>/part_<i>`)."""
+    variables = trainable_variables(models)
     tasks = sorted({v.device.split("/device:")[0].replace("/replica:0", "") for v in variables})
     parts: dict[str, int] = {}
     for v in variables:
@@ -127,8 +129,7 @@ class PSTrainLoop:
             return step_fn(model, optimizer, batch, global_batch_size)
 
         def one_step(iterator):
-            outputs = strategy.run(replica_step, args=(next(iterator),))
-            return {k: tf.cast(strategy.reduce(SUM, v, axis=None), tf.float32) for k, v in outputs.items()}
+            return reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)))
 
         def train_steps(iterator, num_steps):
             totals = one_step(iterator)  # peeled: the loop variables take the step's keys
@@ -193,7 +194,7 @@ def lost_task_failure(error: Exception, when: str) -> RunFailure:
 def per_worker_train_data(
     strategy: tf.distribute.Strategy,
     coordinator: tf.distribute.coordinator.ClusterCoordinator,
-    source: data.DataSource,
+    inp: data.Input,
     global_batch_size: int,
     seed: int,
     *,
@@ -209,9 +210,9 @@ def per_worker_train_data(
         batch_size = context.get_per_replica_batch_size(global_batch_size)
         skip = start_step // workers * context.num_replicas_in_sync
         if workers == 1:
-            return data.train_dataset(source, batch_size, seed, shard_policy=shard_policy, skip_batches=skip)
+            return data.train_dataset(inp, batch_size, seed, shard_policy=shard_policy, skip_batches=skip)
         streams = [
-            data.train_dataset(source, batch_size, seed + k, shard_policy=shard_policy, skip_batches=skip)
+            data.train_dataset(inp, batch_size, seed + k, shard_policy=shard_policy, skip_batches=skip)
             for k in range(workers)
         ]
         which = (stream_counter.assign_add(1) - 1) % workers
@@ -223,29 +224,39 @@ def per_worker_train_data(
 
 
 def build_ps_loops(
-    dist, source, model, optimizer, global_step, step_fn, eval_step_fn, *,
-    global_batch_size: int, seed: int, start_step: int, steps_per_loop: int, shard_policy: str,
-    config: ParameterServerConfig | None = None, print_fn: Callable[[str], None] = print,
-) -> tuple[PSTrainLoop, CoordinatorEvaluator]:
-    """The ParameterServer counterparts of train._build_sync_loops."""
+    runtime: Runtime, task: Task, options: LoopOptions, *, start_step: int,
+    eval_metrics_fn: Callable | None = None, config: ParameterServerConfig | None = None,
+    print_fn: Callable[[str], None] = print,
+) -> tuple[PSTrainLoop, dict[str, CoordinatorEvaluator]]:
+    """The ParameterServer loop and, per eval split, an evaluator on the coordinator."""
     config = config or ParameterServerConfig()
-    check_partitioner(model, config.variable_partitioner)
+    for model in flat(task.models):
+        check_partitioner(model, config.variable_partitioner)
     if config.variable_partitioner is not None:
-        print_fn(f"variable placement: {describe_placement(model)}")
-    if config.steps_per_closure is not None and config.steps_per_closure <= 0:
-        raise UserError(f"parameter_server.steps_per_closure must be positive, got {config.steps_per_closure}")
+        print_fn(f"variable placement: {describe_placement(task.models)}")
+    if config.steps_per_closure is not None and (isinstance(config.steps_per_closure, bool) or not isinstance(
+            config.steps_per_closure, int) or config.steps_per_closure <= 0):
+        raise UserError(f"parameter_server.steps_per_closure must be a positive integer or None, "
+                        f"got {config.steps_per_closure!r}")
+    dist = runtime.strategy
     workers = data.num_workers(dist)
-    steps_per_closure = config.steps_per_closure or max(1, -(-steps_per_loop // (2 * workers)))
+    steps_per_closure = config.steps_per_closure or max(1, -(-options.steps_per_loop // (2 * workers)))
     coordinator = tf.distribute.coordinator.ClusterCoordinator(dist)
     train_data = per_worker_train_data(
-        dist, coordinator, source, global_batch_size, seed, start_step=start_step, shard_policy=shard_policy
+        dist, coordinator, task.input, options.global_batch_size, options.seed, start_step=start_step,
+        shard_policy=options.shard_policy,
     )
     loop = PSTrainLoop(
-        dist, coordinator, model, optimizer, step_fn, global_batch_size, train_data, global_step,
-        steps_per_closure=steps_per_closure,
+        dist, coordinator, task.models, task.optimizers, task.step_fn, options.global_batch_size, train_data,
+        task.global_step, steps_per_closure=steps_per_closure,
     )
-    eval_data = data.eval_dataset(source, global_batch_size, shard_policy=shard_policy)
-    num_eval_batches = -(-source.num_examples("eval") // global_batch_size)
     local = tf.distribute.get_strategy()  # the default strategy: the coordinator's own device
-    evaluator = Evaluator(local, model, eval_step_fn, eval_data, num_eval_batches)
-    return loop, CoordinatorEvaluator(evaluator)
+    metrics = eval_metrics_fn() if eval_metrics_fn else None  # on the coordinator, where eval runs
+    evaluators = {}
+    for split in task.input.eval_splits:
+        eval_data = data.eval_dataset(task.input, options.global_batch_size, split=split,
+                                      shard_policy=options.shard_policy)
+        num_batches = -(-task.input.num_examples(split) // options.global_batch_size)
+        evaluators[split] = CoordinatorEvaluator(
+            Evaluator(local, task.models, task.eval_step_fn, eval_data, num_batches, metrics=metrics))
+    return loop, evaluators

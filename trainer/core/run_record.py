@@ -15,6 +15,7 @@ import platform
 import keras
 import tensorflow as tf
 
+from trainer.core.task import named
 from trainer.errors import UserError
 from trainer.core.run_files import write_text_atomic
 
@@ -22,10 +23,16 @@ RECORD_FILE = "run_record.json"
 CHECKED = ("global_batch_size", "num_replicas", "model_variables")
 
 
-def variable_shapes(model) -> dict[str, list[int]]:
-    """Name -> shape of every model variable (Keras path, or tf.Module variable name)."""
-    variables = list(model.trainable_variables) + list(getattr(model, "non_trainable_variables", []))
-    return {getattr(v, "path", None) or v.name: [int(d) for d in v.shape] for v in variables}
+def variable_shapes(models) -> dict[str, list[int]]:
+    """Name -> shape of every model variable (Keras path, or tf.Module variable name); for a
+    dict of models each name starts with the model's key (`generator/dense/kernel`)."""
+    shapes = {}
+    for key, model in named(models, default="").items():
+        variables = list(model.trainable_variables) + list(getattr(model, "non_trainable_variables", []))
+        for v in variables:
+            name = getattr(v, "path", None) or v.name
+            shapes[f"{key}/{name}" if key else name] = [int(d) for d in v.shape]
+    return shapes
 
 
 def make_record(

@@ -21,33 +21,30 @@ reported and skipped.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
 from trainer import data
-from trainer.distribution import devices
 from trainer.core import models, steps
-from trainer.errors import UserError
 from trainer.core.loop import Evaluator
 from trainer.core.metrics_log import METRICS_FILE
+from trainer.core.runtime import RuntimeConfig, make_runtime
+from trainer.core.task import build_eval_models
+from trainer.distribution import devices
+from trainer.errors import UserError
 
 _CHECKPOINT_NUMBER = re.compile(r"-(\d+)$")
 
 
-def train_settings(train_fn: Callable, bindings: dict[str, Any]) -> dict[str, Any]:
-    """The parameters of `train` the sidecar needs: its gin bindings over its defaults."""
-    defaults = {
-        name: p.default for name, p in inspect.signature(train_fn).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }
-    settings = defaults | bindings
-    needed = ("total_steps", "global_batch_size", "seed", "model_fn", "eval_step_fn", "data_source", "device_config")
+def train_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The parameters of `train` (see `train.defaults_with`) that the sidecar needs."""
+    needed = ("total_steps", "global_batch_size", "seed", "model_fn", "eval_step_fn", "eval_metrics_fn", "input_fn",
+              "data_source", "eval_splits", "device_config", "mixed_precision")
     return {name: settings.get(name) for name in needed}
 
 
@@ -83,31 +80,39 @@ def evaluate_continuously(
     seed: int = 0,
     model_fn: Callable = models.cnn,
     eval_step_fn: Callable = steps.classification_eval_step,
-    data_source: data.DataSource | None = None,
+    eval_metrics_fn: Callable | None = None,
+    input_fn: Callable | None = None,
+    data_source: Callable | None = None,
+    eval_splits: Sequence[str] | None = None,
     device_config: devices.DeviceConfig | None = None,
+    mixed_precision: str | None = None,
     timeout_secs: float = 600.0,
     poll_secs: float = 1.0,
     print_fn: Callable[[str], None] = print,
 ) -> dict[str, float]:
     """Evaluates each new checkpoint in `model_dir` until the one at `total_steps`.
 
-    Returns the eval metrics of the last checkpoint evaluated (empty if none).
+    Returns the eval metrics of the last checkpoint evaluated on the first eval split (empty if none).
     """
+    from trainer.core.train import make_input
+
     if timeout_secs <= 0 or poll_secs <= 0:
         raise UserError(f"eval_continuous timeout_secs and poll_secs must be positive, got {timeout_secs}, {poll_secs}")
-    source = data_source if data_source is not None else data.Digits()
-    source.validate()
-    devices.configure_devices(device_config or devices.DeviceConfig())
+    inp = make_input(input_fn, data_source, eval_splits)
+    runtime = make_runtime(RuntimeConfig(device_config=device_config, mixed_precision=mixed_precision),
+                           standalone=True)
+    inp.validate()
     import keras
 
     keras.utils.set_random_seed(seed)
-    model = model_fn(source.input_shape, source.num_classes)
-    global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-    checkpoint = tf.train.Checkpoint(model=model, global_step=global_step)
-    eval_data = data.eval_dataset(source, global_batch_size)
-    num_batches = -(-source.num_examples("eval") // global_batch_size)
-    evaluator = Evaluator(tf.distribute.get_strategy(), model, eval_step_fn, eval_data, num_batches)
-    writer = None
+    model, global_step, checkpoint = build_eval_models(inp, model_fn)
+    metrics = eval_metrics_fn() if eval_metrics_fn else None
+    evaluators = {
+        split: Evaluator(runtime.strategy, model, eval_step_fn, data.eval_dataset(inp, global_batch_size, split=split),
+                         -(-inp.num_examples(split) // global_batch_size), metrics=metrics)
+        for split in inp.eval_splits
+    }
+    writers: dict = {}
 
     print_fn(f"sidecar evaluator: waiting for checkpoints in {model_dir} (until step {total_steps})")
     last_number, last_results = -1, {}
@@ -131,18 +136,23 @@ def evaluate_continuously(
                 print_fn(f"sidecar evaluator: {path} went away before it was read ({type(e).__name__}); skipped")
                 continue
             step = int(global_step.numpy())
-            results = evaluator.evaluate()
-            if writer is None:
-                writer = tf.summary.create_file_writer(os.path.join(model_dir, "eval"))
-            append_line(os.path.join(model_dir, METRICS_FILE), {"step": step, "split": "eval"} | results)
-            with writer.as_default(step=step):
-                for name, value in results.items():
-                    if name != "num_examples":
-                        tf.summary.scalar(name, value)
-            writer.flush()
-            last_results = results
-            shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "num_examples")
-            print_fn(f"sidecar eval of {os.path.basename(path)} at step {step}: {shown}  ({int(results['num_examples'])} examples)")
+            for index, (split, evaluator) in enumerate(evaluators.items()):
+                results = evaluator.evaluate()
+                if split not in writers:
+                    where = "eval" if split == "eval" else os.path.join("eval", split)
+                    writers[split] = tf.summary.create_file_writer(os.path.join(model_dir, where))
+                append_line(os.path.join(model_dir, METRICS_FILE), {"step": step, "split": split} | results)
+                with writers[split].as_default(step=step):
+                    for name, value in results.items():
+                        if name != "num_examples":
+                            tf.summary.scalar(name, value)
+                writers[split].flush()
+                if index == 0:
+                    last_results = results
+                shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "num_examples")
+                where = "" if split == "eval" else f" on {split}"
+                print_fn(f"sidecar eval{where} of {os.path.basename(path)} at step {step}: {shown}  "
+                         f"({int(results['num_examples'])} examples)")
             if step >= total_steps:
                 print_fn(f"sidecar evaluator: reached train.total_steps {total_steps}; done")
                 return last_results

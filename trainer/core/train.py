@@ -1,33 +1,32 @@
-"""`train`: the whole synchronous run from top to bottom, callable without gin.
+"""`train`: the gin facade over runtime, task and controller, readable top to bottom.
 
-config -> devices -> cluster -> strategy -> (model, optimizer, data) under strategy.scope()
--> restore -> loop (step in replica context, SUM in cross-replica context) -> hooks -> model_dir.
+options (validated) -> runtime: devices -> cluster -> strategy -> precision
+-> task under strategy.scope(): input, model(s), optimizer(s), steps, checkpoint
+-> checks (resume record, loss scaling) -> model_dir (chief) -> controller: loop calls, hooks.
+Nothing in `model_dir` is written before the configuration, data, user functions and
+checkpoint have been checked.
 """
 from __future__ import annotations
 
-import time
-from typing import Callable, Mapping, Sequence
+import inspect
+from typing import Any, Callable, Mapping, Sequence
 
 import keras
-import tensorflow as tf
 
-from trainer.distribution import cluster, devices, strategies
 from trainer import data
-from trainer.core import guard, models, optimizers, precision, steps
-from trainer.core import nonfinite as nonfinite_lib, run_record
+from trainer.core import guard, models, nonfinite as nonfinite_lib, optimizers, precision, run_record, steps
 from trainer.core.checkpoints import CheckpointSaver
-from trainer.errors import RunFailure, UserError
+from trainer.core.controller import build_loops, drive
 from trainer.core.hooks import CheckpointHook, ConfigWriter, EvalHook, HParamsWriter, Hook, ProgressLogger, RunContext
-from trainer.core.loop import Evaluator, TrainLoop
 from trainer.core.metrics_log import MetricsLog
+from trainer.core.options import HookOptions, LoopOptions, RecoveryOptions
 from trainer.core.preemption import PreemptionHook
-from trainer.core.ps_loop import ParameterServerConfig, build_ps_loops
+from trainer.core.ps_loop import ParameterServerConfig
+from trainer.core.runtime import Runtime, RuntimeConfig, make_runtime
 from trainer.core.run_files import check_model_dir, prepare_model_dir
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or value <= 0:
-            raise UserError(f"train.{name} must be a positive integer, got {value!r}")
+from trainer.core.task import Task, build_task, flat
+from trainer.distribution import devices
+from trainer.errors import UserError
 
 
 @precision.keeps_global_policy
@@ -43,11 +42,14 @@ def train(
     seed: int = 0,
     step_fn: Callable = steps.classification_step,
     eval_step_fn: Callable = steps.classification_eval_step,
+    eval_metrics_fn: Callable[[], Mapping[str, keras.metrics.Metric]] | None = None,
     check_loss_scaling: bool = True,
     jit_compile: bool = False,
     mixed_precision: str | None = None,
     model_fn: Callable = models.cnn,
-    data_source: data.DataSource | None = None,
+    input_fn: Callable | None = None,
+    data_source: Callable | None = None,
+    eval_splits: Sequence[str] | None = None,
     optimizer_fn: Callable = optimizers.make_optimizer,
     strategy: str = "default",
     device_config: devices.DeviceConfig | None = None,
@@ -69,77 +71,51 @@ def train(
 ) -> dict[str, float]:
     """Trains until `total_steps`, resuming from the newest checkpoint in `model_dir`.
 
-    Returns the final eval metrics (empty if the run had already finished).
-    Raises UserError for mistakes the user can fix; nothing in `model_dir` is written
-    before the configuration, data and checkpoint have been checked.
+    Returns the final eval metrics of the first eval split (empty if the run had already finished).
+    Raises UserError for mistakes the user can fix, before anything in `model_dir` is written.
 
-    Speed options: `jit_compile` compiles the per-replica step with XLA (synchronous
-    strategies); `mixed_precision` is None/'float32', 'mixed_bfloat16' or 'mixed_float16'
-    (with dynamic loss scaling; see trainer/precision.py for what a custom step must do).
+    Input: `input_fn(split[, input_context])` returns unbatched examples of any structure
+    (`data_source` is its older name; default: the embedded digits); `eval_splits` defaults to
+    the function's `splits` other than 'train', else ('eval',). Models and optimizers: see
+    trainer/core/task.py. Eval: `eval_step_fn(model, batch[, metrics])` returns per-replica sums
+    with `num_examples` and/or updates the Keras metrics that `eval_metrics_fn()` creates.
+    Speed options: `jit_compile` (XLA on the per-replica step, synchronous strategies) and
+    `mixed_precision` (see trainer/core/precision.py).
     """
-    _check_positive(
-        total_steps=total_steps,
-        global_batch_size=global_batch_size,
-        steps_per_loop=steps_per_loop,
-        log_every_steps=log_every_steps,
-        checkpoint_every_steps=checkpoint_every_steps,
-        eval_every_steps=eval_every_steps,
+    loop_options = LoopOptions(total_steps=total_steps, global_batch_size=global_batch_size,
+                               steps_per_loop=steps_per_loop, seed=seed, distribute_method=distribute_method,
+                               shard_policy=shard_policy, jit_compile=jit_compile)
+    hook_options = HookOptions(log_every_steps=log_every_steps, checkpoint_every_steps=checkpoint_every_steps,
+                               eval_every_steps=eval_every_steps, keep_checkpoints=keep_checkpoints)
+    recovery = RecoveryOptions(check_loss_scaling=check_loss_scaling, nonfinite=nonfinite,
+                               max_rollbacks=max_rollbacks, allow_resume_changes=allow_resume_changes,
+                               preemption_checkpointing=preemption_checkpointing)
+    runtime_config = RuntimeConfig(
+        strategy=strategy, device_config=device_config, cluster_resolver=cluster_resolver,
+        cluster_resolver_options=cluster_resolver_options, collective_timeout_secs=collective_timeout_secs,
+        variable_partitioner=parameter_server.variable_partitioner if parameter_server else None,
+        mixed_precision=mixed_precision,
     )
     check_model_dir(model_dir)
-    nonfinite_lib.check_options(nonfinite, max_rollbacks)
     if nonfinite == "rollback" and strategy == "parameter_server":
         raise UserError("train.nonfinite = 'rollback' is not supported with parameter_server; use 'stop'")
-    policy = precision.check(mixed_precision)
     if jit_compile and strategy == "parameter_server":
         raise UserError("train.jit_compile works with the synchronous strategies only, not 'parameter_server'")
-    source = data_source if data_source is not None else data.Digits()
-    source.validate()
-    data.check_sizes(source, global_batch_size)
-
-    devices.configure_devices(device_config or devices.DeviceConfig())
-    info = cluster.resolve(strategy, cluster_resolver, **(cluster_resolver_options or {}))
-    dist = strategies.make_strategy(
-        strategy,
-        cluster_resolver=info.resolver,
-        collective_timeout_secs=collective_timeout_secs,
-        variable_partitioner=parameter_server.variable_partitioner if parameter_server else None,
-    )
-    replicas = dist.num_replicas_in_sync
-    if global_batch_size % replicas:
-        raise UserError(
-            f"train.global_batch_size {global_batch_size} is not divisible by the {replicas} "
-            f"replicas; use a multiple of {replicas}"
-        )
-    keras.utils.set_random_seed(seed)
-    precision.set_global_policy(policy)  # before any layer exists; train's decorator puts it back
-
-    with dist.scope():
-        model = model_fn(source.input_shape, source.num_classes)
-        optimizer = precision.wrap_optimizer(
-            optimizer_fn(global_batch_size=global_batch_size, total_steps=total_steps), policy)
-        optimizer.build(model.trainable_variables)  # rule 1: never lazily inside tf.function
-        global_step = tf.Variable(
-            0, dtype=tf.int64, trainable=False, name="global_step",
-            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-        )
-        dropped = nonfinite_lib.dropped_batches_variable()
-        checkpoint = tf.train.Checkpoint(
-            model=model, optimizer=optimizer, global_step=global_step, dropped_batches=dropped,
-            random_state=_random_states(model),
-        )
+    runtime, task = setup(runtime_config, make_input(input_fn, data_source, eval_splits), model_fn=model_fn,
+                          optimizer_fn=optimizer_fn, step_fn=step_fn, eval_step_fn=eval_step_fn,
+                          global_batch_size=global_batch_size, total_steps=total_steps, seed=seed)
+    inp = task.input
     config_text = describe_config() if describe_config else ""
     record = run_record.make_record(
-        strategy=strategy, num_replicas=replicas, num_workers=max(info.num_workers, 1),
-        global_batch_size=global_batch_size, model=model, config_text=config_text,
+        strategy=strategy, num_replicas=runtime.num_replicas, num_workers=runtime.num_workers,
+        global_batch_size=global_batch_size, model=task.models, config_text=config_text,
     )
     run_record.check_resume(model_dir, record, allow_changes=allow_resume_changes)
 
-    saver = CheckpointSaver(
-        checkpoint, model_dir, is_chief=info.is_chief, task_name=info.task_name,
-        max_to_keep=keep_checkpoints,
-    )
+    saver = CheckpointSaver(task.checkpoint, model_dir, is_chief=runtime.is_chief,
+                            task_name=runtime.cluster.task_name, max_to_keep=keep_checkpoints)
     restored = saver.restore_latest(print_fn)
-    start_step = int(global_step.numpy())
+    start_step = int(task.global_step.numpy())
     if start_step >= total_steps:
         print_fn(f"already trained: {restored} is at step {start_step} >= train.total_steps {total_steps}; nothing to do")
         return {}
@@ -147,138 +123,105 @@ def train(
         print_fn(f"restored {restored}; continuing from step {start_step}")
 
     guard_nonfinite = nonfinite_lib.NonFiniteGuard(
-        nonfinite, max_rollbacks, saver, global_step, dropped,
+        nonfinite, max_rollbacks, saver, task.global_step, task.dropped_batches,
         rebuild_data=lambda step, drop: loop.set_dataset(data.distribute_train(
-            dist, source, global_batch_size, seed, method=distribute_method, shard_policy=shard_policy,
+            runtime.strategy, inp, global_batch_size, seed, method=distribute_method, shard_policy=shard_policy,
             skip_steps=step, drop_batches=drop)),
         print_fn=print_fn,
     )
-    if strategy == "parameter_server":
-        loop, evaluator = build_ps_loops(
-            dist, source, model, optimizer, global_step, step_fn, eval_step_fn,
-            global_batch_size=global_batch_size, seed=seed, start_step=start_step,
-            steps_per_loop=steps_per_loop, shard_policy=shard_policy, config=parameter_server,
-            print_fn=print_fn,
-        )
-    else:
-        loop, evaluator = _build_sync_loops(
-            dist, source, model, optimizer, global_step, step_fn, eval_step_fn,
-            global_batch_size=global_batch_size, seed=seed, start_step=start_step,
-            distribute_method=distribute_method, shard_policy=shard_policy, jit_compile=jit_compile,
-            drop_batches=guard_nonfinite.dropped,
-        )
+    loop, evaluators = build_loops(runtime, task, loop_options, start_step=start_step,
+                                   drop_batches=guard_nonfinite.dropped, eval_metrics_fn=eval_metrics_fn,
+                                   parameter_server=parameter_server, print_fn=print_fn)
+    if recovery.check_loss_scaling:  # rule 2: a mis-scaled step stops here, before its first update
+        guard.check_loss_scaling(runtime.strategy, task.models, task.optimizers, step_fn, inp,
+                                 global_batch_size=global_batch_size, seed=seed, print_fn=print_fn)
 
-    if check_loss_scaling:  # rule 2: a mis-scaled step stops here, before its first update
-        guard.check_loss_scaling(dist, model, optimizer, step_fn, source, global_batch_size=global_batch_size,
-                                 seed=seed, print_fn=print_fn)
-
-    if info.is_chief:
+    if runtime.is_chief:
         prepare_model_dir(model_dir)
         if start_step == 0 and run_record.read_record(model_dir) is None:
             run_record.write_record(model_dir, record)
     if nonfinite == "rollback" and not restored:
         saver.save(0)  # something to roll back to before the first periodic checkpoint
-    metrics_log = MetricsLog(model_dir, enabled=info.is_chief)
+    metrics_log = MetricsLog(model_dir, enabled=runtime.is_chief)
     run = RunContext(
-        model_dir=model_dir, is_chief=info.is_chief, total_steps=total_steps,
-        start_step=start_step, global_batch_size=global_batch_size, strategy=dist,
-        model=model, optimizer=optimizer, saver=saver, evaluator=evaluator,
-        metrics_log=metrics_log, print_fn=print_fn, loop=loop,
+        model_dir=model_dir, is_chief=runtime.is_chief, total_steps=total_steps, start_step=start_step,
+        global_batch_size=global_batch_size, strategy=runtime.strategy, model=task.models,
+        optimizer=task.optimizers, saver=saver, evaluators=evaluators, metrics_log=metrics_log,
+        print_fn=print_fn, loop=loop,
     )
+    names = "+".join(type(m).__name__ for m in flat(task.models))
     print_fn(
-        f"training {type(model).__name__} with strategy '{strategy}' on {replicas} replica(s) "
-        f"({max(info.num_workers, 1)} worker(s)), global batch {global_batch_size}, "
-        f"steps {start_step}->{total_steps}, {policy}{' with XLA' if jit_compile else ''}, model_dir {model_dir}"
+        f"training {names} with strategy '{strategy}' on {runtime.num_replicas} replica(s) "
+        f"({runtime.num_workers} worker(s)), global batch {global_batch_size}, "
+        f"steps {start_step}->{total_steps}, {runtime.policy}{' with XLA' if jit_compile else ''}, "
+        f"model_dir {model_dir}"
     )
-
     all_hooks = [
-        ProgressLogger(log_every_steps),
-        EvalHook(eval_every_steps),
-        CheckpointHook(checkpoint_every_steps),
+        ProgressLogger(hook_options.log_every_steps),
+        EvalHook(hook_options.eval_every_steps),
+        CheckpointHook(hook_options.checkpoint_every_steps),
         *([ConfigWriter(describe_config)] if describe_config else []),
         *([HParamsWriter(hparams)] if hparams else []),
-        *([PreemptionHook(dist, checkpoint, saver, print_fn)] if preemption_checkpointing else []),
+        *([PreemptionHook(runtime.strategy, task.checkpoint, saver, print_fn)] if preemption_checkpointing else []),
         *hooks,
     ]
     try:
-        _drive(loop, run, all_hooks, steps_per_loop, guard_nonfinite)
+        drive(loop, run, all_hooks, steps_per_loop, guard_nonfinite)
     finally:  # a run that stops (non-finite loss, preemption, a lost peer) keeps its event records too
         metrics_log.close()
     return run.last_eval
 
 
-def _build_sync_loops(
-    dist, source, model, optimizer, global_step, step_fn, eval_step_fn, *,
-    global_batch_size, seed, start_step, distribute_method, shard_policy, jit_compile=False, drop_batches=(),
-) -> tuple[TrainLoop, Evaluator]:
-    """The compiled train loop and evaluator of the synchronous strategies."""
-    train_data = data.distribute_train(
-        dist, source, global_batch_size, seed,
-        method=distribute_method, shard_policy=shard_policy, skip_steps=start_step,
-        drop_batches=drop_batches,
+def make_input(input_fn: Callable | None, data_source: Callable | None,
+               eval_splits: Sequence[str] | None) -> data.Input:
+    """The run's input: `train.input_fn` (or its older name `train.data_source`), digits by default."""
+    if input_fn is not None and data_source is not None:
+        raise UserError("both train.input_fn and train.data_source are set; they are the same thing: keep one")
+    fn = input_fn if input_fn is not None else data_source if data_source is not None else data.Digits()
+    if not callable(fn):
+        raise UserError(f"train.input_fn must be a function fn(split) -> tf.data.Dataset, got {fn!r}")
+    if eval_splits is None:
+        splits = tuple(s for s in getattr(fn, "splits", ("train", "eval")) if s != "train") or ("eval",)
+    elif isinstance(eval_splits, str) or not eval_splits or not all(isinstance(s, str) for s in eval_splits):
+        raise UserError(f"train.eval_splits must be a non-empty list of split names, got {eval_splits!r}")
+    else:
+        splits = tuple(eval_splits)
+    return data.as_input(fn, eval_splits=splits)
+
+
+def setup(runtime_config: RuntimeConfig, inp: data.Input, *, model_fn: Callable, optimizer_fn: Callable,
+          step_fn: Callable, eval_step_fn: Callable, global_batch_size: int, total_steps: int, seed: int
+          ) -> tuple[Runtime, Task]:
+    """Input checked, runtime made, task built: what `train` trains, also for trainer.bench and
+    trainer.parity, so that what they measure is built exactly as a run builds it."""
+    runtime = make_runtime(runtime_config)  # first: devices are split before any TensorFlow op runs
+    inp.validate()
+    inp.check_sizes(global_batch_size)
+    runtime.check_batch_size(global_batch_size)
+    keras.utils.set_random_seed(seed)
+    task = build_task(runtime, inp, model_fn=model_fn, optimizer_fn=optimizer_fn, step_fn=step_fn,
+                      eval_step_fn=eval_step_fn, global_batch_size=global_batch_size, total_steps=total_steps)
+    return runtime, task
+
+
+def defaults_with(bindings: Mapping[str, Any]) -> dict[str, Any]:
+    """`train`'s parameters: its defaults with `bindings` (e.g. gin's `train.*` bindings) over them."""
+    defaults = {name: p.default for name, p in inspect.signature(train).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return defaults | dict(bindings)
+
+
+def setup_from(settings: Mapping[str, Any]) -> tuple[Runtime, Task]:
+    """`setup` from `train`'s parameters by name (see `defaults_with`)."""
+    partitioner = getattr(settings.get("parameter_server"), "variable_partitioner", None)
+    runtime_config = RuntimeConfig(
+        strategy=settings["strategy"], device_config=settings["device_config"],
+        cluster_resolver=settings["cluster_resolver"], cluster_resolver_options=settings["cluster_resolver_options"],
+        collective_timeout_secs=settings["collective_timeout_secs"], variable_partitioner=partitioner,
+        mixed_precision=settings["mixed_precision"],
     )
-    eval_data = data.distribute_eval(
-        dist, source, global_batch_size, method=distribute_method, shard_policy=shard_policy
-    )
-    num_eval_batches = -(-source.num_examples("eval") // global_batch_size)
-    loop = TrainLoop(dist, model, optimizer, step_fn, global_batch_size, train_data, global_step,
-                     jit_compile=jit_compile)
-    return loop, Evaluator(dist, model, eval_step_fn, eval_data, num_eval_batches)
-
-
-def _op_error_summary(error: Exception) -> str:
-    """The line of a TensorFlow graph error that says what happened (not where)."""
-    for line in str(error).splitlines():
-        text = line.strip()
-        if text and not line[0].isspace() and not text.startswith(("Graph execution error", "Detected at node", "File ")):
-            return text.rstrip(".:")
-    return "no detail"
-
-
-def _peer_failure(error: Exception, step: int, num_steps: int, saver: CheckpointSaver) -> RunFailure:
-    """A collective or remote call that failed: name the steps and where a rerun continues."""
-    detail = _op_error_summary(error)
-    latest = saver.latest()
-    resume = f"a rerun continues from {latest}" if latest else "no checkpoint yet: a rerun starts over"
-    return RunFailure(
-        f"training failed in steps {step + 1}-{step + num_steps} ({type(error).__name__}: {detail}); "
-        f"a peer task may have died or timed out; {resume}"
-    )
-
-
-def _random_states(model) -> list:
-    """Keras seed-generator states (dropout and other random layers): checkpointed so that a
-    resumed run draws the same random numbers as one that never stopped."""
-    variables = getattr(model, "non_trainable_variables", [])
-    return [v for v in variables if getattr(v, "path", "").endswith("seed_generator_state")]
-
-
-def _drive(
-    loop: TrainLoop, run: RunContext, hooks: Sequence[Hook], steps_per_loop: int,
-    guard_nonfinite: nonfinite_lib.NonFiniteGuard,
-) -> None:
-    """The outer loop: compiled calls that end on the nearest hook boundary, hooks in between."""
-    for hook in hooks:
-        hook.begin(run)
-    step = run.start_step
-    while step < run.total_steps:
-        boundaries = [b for h in hooks if (b := h.steps_to_boundary(step)) is not None]
-        num_steps = min([steps_per_loop, run.total_steps - step, *boundaries])
-        started = time.monotonic()
-        try:
-            metrics = loop.run(num_steps)
-        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError,
-                tf.errors.CancelledError, tf.errors.InternalError) as e:
-            raise _peer_failure(e, step, num_steps, run.saver) from e
-        run.train_seconds += time.monotonic() - started
-        bad_step = guard_nonfinite.first_bad_step(loop, metrics, step)
-        if bad_step is not None:
-            step = guard_nonfinite.recover(bad_step, metrics)
-            for hook in hooks:
-                hook.rewind(run, step)
-            continue
-        step += num_steps
-        for hook in hooks:
-            hook.after_loop(run, step, metrics)
-    for hook in hooks:
-        hook.end(run, step)
+    inp = make_input(settings["input_fn"], settings["data_source"], settings["eval_splits"])
+    return setup(runtime_config, inp, model_fn=settings["model_fn"], optimizer_fn=settings["optimizer_fn"],
+                 step_fn=settings["step_fn"], eval_step_fn=settings["eval_step_fn"],
+                 global_batch_size=settings["global_batch_size"], total_steps=settings["total_steps"],
+                 seed=settings["seed"])

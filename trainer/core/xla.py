@@ -18,6 +18,8 @@ from typing import Callable, Mapping
 
 import tensorflow as tf
 
+from trainer.errors import UserError
+
 ReplicaStep = Callable[[object], Mapping[str, tf.Tensor]]
 
 
@@ -38,6 +40,10 @@ def replica_step(strategy, step_fn: Callable, model, optimizer, global_batch_siz
         return step
     if update_inside_xla(strategy):
         return tf.function(step, jit_compile=True)
+    if isinstance(optimizer, Mapping):
+        raise UserError("train.jit_compile with several optimizers works on one device only (under a multi-device "
+                        "strategy the update runs after the compiled step, for one optimizer); set "
+                        "train.jit_compile = False or use strategy 'default'/'one_device'")
 
     def step_then_update(batch):
         recorder = _GradientRecorder(optimizer)  # one per replica call: replicas trace in parallel threads
