@@ -29,6 +29,13 @@ REGISTERED = {
     "fashion_mnist": data.FashionMnist,
     "tfrecord_files": data.TFRecordFiles,
     "synthetic": data.Synthetic,
+    "feature": data.Feature,
+    "float_feature": data.float_feature,
+    "int64_feature": data.int64_feature,
+    "bytes_feature": data.bytes_feature,
+    "png_feature": data.png_feature,
+    "jpeg_feature": data.jpeg_feature,
+    "int64_sequence_feature": data.int64_sequence_feature,
     "devices": devices.DeviceConfig,
     "checkpoint_hook": hooks.CheckpointHook,
     "eval_hook": hooks.EvalHook,
@@ -40,8 +47,10 @@ REGISTERED = {
     "fixed_shards_partitioner": tf.distribute.experimental.partitioners.FixedShardsPartitioner,
     "eval_continuous": sidecar.evaluate_continuously,
 }
-"""Gin name -> library object. Models are bound as `train.model_fn = @cnn` (called with
-input_shape and num_classes), data sources and devices as instances (`@digits()`)."""
+"""Gin name -> library object. Models are bound as `train.model_fn = @cnn` (called with the
+arguments it declares among input_shape, num_classes and element_spec), input functions
+(`train.input_fn`, or its older name `train.data_source`) and devices as instances (`@digits()`),
+TFRecord features as `@png_feature()` etc. inside `tfrecord_files.features = {...}`."""
 
 CONFIGURABLES = {name: gin.external_configurable(target, name) for name, target in REGISTERED.items()}
 # `train` builds its progress logger itself, so that class is registered in place: the class
