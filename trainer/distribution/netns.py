@@ -8,7 +8,8 @@ only interface is `lo`, invisible from the host's network and from its other pro
 
 Unprivileged Linux allows this through a user namespace (`unshare -rn` does the same): the
 process unshares a user and a network namespace, maps its own user and group ids onto
-themselves (files keep the invoking user's ownership; root maps every id), and brings `lo`
+themselves (files keep the invoking user's ownership; other users' files show as owned by
+`nobody`, and root's override of their permissions does not reach them), and brings `lo`
 up (it starts down) with the capability it holds in its new user namespace. Children
 inherit the namespace; the filesystem, pids and signals are the host's.
 
@@ -41,10 +42,9 @@ _CLONE_NEWNET = 0x40000000
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
-_ALL_IDS = 4294967295  # what root may map: every id onto itself
 
 
-class Unavailable(OSError):
+class Unavailable(Exception):
     """This process cannot enter a private network namespace (the message says why)."""
 
 
@@ -61,7 +61,8 @@ def is_private() -> bool:
 def enter() -> None:
     """Moves this (single-threaded) process into a new user + network namespace, `lo` up.
 
-    Raises Unavailable where that cannot be done; the process is then unchanged.
+    Raises Unavailable, the process unchanged, where the kernel refuses. A failure after
+    that (the process would be in a namespace without a working `lo`) is a RuntimeError.
     """
     if sys.platform != "linux":
         raise Unavailable(f"network namespaces are Linux-only (this is {sys.platform})")
@@ -72,19 +73,22 @@ def enter() -> None:
     if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
         error = ctypes.get_errno()
         raise Unavailable(f"unshare(CLONE_NEWUSER|CLONE_NEWNET) failed: {os.strerror(error)}")
-    _map_ids(uid, gid)
-    _bring_loopback_up()
+    try:
+        _map_ids(uid, gid)
+        _bring_loopback_up()
+    except OSError as error:
+        raise RuntimeError(f"entered a private network namespace but could not set it up: {error}") from error
     os.environ[STATE_ENV] = _current_namespace()
 
 
 def _map_ids(uid: int, gid: int) -> None:
-    """Maps every id onto itself where allowed (root), else just our own uid and gid."""
+    """Maps our own uid and gid onto themselves: files keep the invoking user's ownership.
+
+    Only one id each: mapping more needs a helper in the parent namespace (newuidmap).
+    """
     _write("/proc/self/setgroups", "deny")  # required before an unprivileged gid_map
-    for path, own in (("/proc/self/uid_map", uid), ("/proc/self/gid_map", gid)):
-        try:
-            _write(path, f"0 0 {_ALL_IDS}")
-        except OSError:
-            _write(path, f"{own} {own} 1")
+    _write("/proc/self/uid_map", f"{uid} {uid} 1")
+    _write("/proc/self/gid_map", f"{gid} {gid} 1")
 
 
 def _write(path: str, text: str) -> None:
@@ -123,7 +127,7 @@ def isolate(what: str) -> bool:
         return False
     try:
         enter()
-    except (Unavailable, OSError) as error:
+    except Unavailable as error:
         warn_exposed(what, str(error))
         return False
     return True
