@@ -1,0 +1,53 @@
+"""The parent's main: checks the flags, plans the variants and chunks, measures, prints the
+table, writes `--json` and appends `--report`."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+from trainer.errors import UserError
+from trainer.tools.bench.config import train_settings
+from trainer.tools.bench.measure import measure
+from trainer.tools.bench.plan import plan_variants, schedule
+from trainer.tools.bench.report import markdown, results, text_table
+
+
+def compare(gin_files: list[str], gin_bindings: list[str], *, variants: list[str], steps: int, repeats: int,
+            warmup_steps: int, fit_steps_per_execution: list[str], timeout_secs: float, json_path: str | None,
+            report_path: str | None, argv: list[str]) -> int:
+    """Runs the bench; the exit code: 0 when everything ran, 1 when a variant other than fit failed.
+    `argv` (the command line's arguments) goes into the report as the command to rerun it."""
+    settings = train_settings(gin_files, gin_bindings)
+    if settings["strategy"] == "parameter_server":
+        raise UserError("trainer.bench does not run parameter_server (asynchronous closures on remote workers); "
+                        "Keras 3 fit cannot run there either (DESIGN.md rule 7)")
+    if steps < 0 or repeats < 1 or warmup_steps < 0:
+        raise UserError("--repeats must be at least 1, --steps and --warmup_steps at least 0")
+    try:
+        fit_spes = sorted({int(s) for s in fit_steps_per_execution} or {1, settings["steps_per_loop"]})
+    except ValueError:
+        raise UserError(f"--fit_steps_per_execution takes integers, got {fit_steps_per_execution}") from None
+    if min(fit_spes) < 1:
+        raise UserError("--fit_steps_per_execution values must be at least 1")
+    planned = plan_variants(settings, variants, fit_spes)
+    plan = schedule(settings, fit_spes, steps=steps, warmup_steps=warmup_steps, repeats=repeats)
+    gin_args = [*(f"--gin_file={f}" for f in gin_files), *(f"--gin_bindings={b}" for b in gin_bindings)]
+    command = shlex.join(["python", "-m", "trainer.bench", *(a for a in argv if not a.startswith(("--json",
+                                                                                                  "--report")))])
+    print_fn = lambda line: print(line, flush=True)  # noqa: E731
+    print_fn(f"bench: {', '.join(v.name for v in planned)}; {repeats} x {plan.chunk} steps after warm-up to "
+             f"step {plan.warmup}")
+    load_before = os.getloadavg()
+    measure(planned, gin_args, plan, timeout=timeout_secs, print_fn=print_fn)
+    res = results(settings, planned, chunk=plan.chunk, warmup=plan.warmup, repeats=repeats,
+                  load_before=load_before, load_after=os.getloadavg(), command=command)
+    print_fn("")
+    print_fn(text_table(res))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=2)
+    if report_path:
+        with open(report_path, "a") as f:
+            f.write(markdown(res) + "\n")
+    return 1 if any(v.status == "failed" and v.role != "fit" for v in planned) else 0

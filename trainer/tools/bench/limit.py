@@ -1,0 +1,60 @@
+"""The `limit` worker: the bare step on one batch already on the device(s).
+
+A `tf.function` with the structure of TrainLoop's compiled loop (`steps_per_loop` steps per
+call in a `tf.range` loop, each `strategy.run` of the same replica step with the same XLA and
+precision settings, its outputs reduced by the loop's own `reduce_outputs` and added up), but
+no `next(iterator)`: no input pipeline, no hooks, no Python between steps.
+"""
+from __future__ import annotations
+
+import time
+
+from trainer.tools.bench.config import setup
+from trainer.tools.bench.protocol import Channel
+
+
+def run_limit(settings: dict, channel: Channel) -> None:
+    """Runs to the steps the parent asks for, `steps_per_loop` steps per call."""
+    import tensorflow as tf
+
+    from trainer import data
+    from trainer.core import xla
+    from trainer.core.loop import reduce_outputs
+    from trainer.distribution import devices
+
+    dist, task = setup(settings)
+    gb = settings["global_batch_size"]
+    dataset = data.train_dataset(task.input, gb, settings["seed"], shard_policy=settings["shard_policy"])
+    batch = next(iter(dist.experimental_distribute_dataset(dataset)))
+    if dist.num_replicas_in_sync == 1 and not isinstance(dist, tf.distribute.OneDeviceStrategy):
+        with tf.device(devices.compute_devices()[0]):  # the default strategy leaves it on the host
+            batch = tf.nest.map_structure(tf.identity, batch)
+    del dataset
+    step = xla.replica_step(dist, settings["step_fn"], task.models, task.optimizers, gb,
+                            jit_compile=settings["jit_compile"])
+
+    def one_step(batch):
+        return reduce_outputs(dist, dist.run(step, args=(batch,)))
+
+    @tf.function
+    def limit(batch, num_steps):  # TrainLoop's loop, with the batch in memory instead of next(iterator)
+        totals = one_step(batch)
+        for _ in tf.range(num_steps - 1):
+            outputs = one_step(batch)
+            totals = {k: totals[k] + outputs[k] for k in totals}
+        return totals
+
+    def run_until(until: int) -> None:
+        while channel.done < until:
+            count = min(settings["steps_per_loop"], until - channel.done)
+            outputs = limit(batch, tf.constant(count, tf.int32))
+            {k: float(v) for k, v in outputs.items()}  # noqa: B018  (waits for the call, like ours does)
+            channel.done += count
+
+    run_until(1)
+    until = channel.ready()
+    while until is not None:
+        started = time.monotonic()
+        run_until(until)
+        until = channel.chunk_done(time.monotonic() - started)
+    channel.finished(limit.experimental_get_tracing_count())

@@ -1,0 +1,88 @@
+"""What a bench run measures: the variants, and the chunks every variant runs."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+from trainer.errors import UserError
+
+FIT_CANNOT_RUN = {
+    "multi_worker_mirrored": "Keras 3 fit cannot run under MultiWorkerMirroredStrategy (keras-team/keras 20585)",
+    "parameter_server": "Keras 3 fit cannot run under ParameterServerStrategy (keras-team/keras 18624)",
+}
+
+
+@dataclasses.dataclass
+class Variant:
+    """One measured variant and what came back from its worker."""
+
+    name: str
+    label: str
+    role: str
+    fit_spe: int = 0
+    status: str = "ok"  # ok | cannot_run | failed
+    reason: str = ""
+    first_step_s: float | None = None
+    first_call_steps: int = 1
+    chunks: list[float] = dataclasses.field(default_factory=list)  # seconds per measured chunk
+    warmup_s: float | None = None
+    compile_count: int | None = None
+    peak_rss_mib: float | None = None
+    peak_gpu_mib: float | None = None
+    log_path: str = ""
+    machine: dict | None = None
+
+    def steps_per_sec(self, steps: int) -> float | None:
+        return steps / statistics.median(self.chunks) if self.chunks else None
+
+    def spread(self, steps: int) -> tuple[float, float] | None:
+        return (steps / max(self.chunks), steps / min(self.chunks)) if self.chunks else None
+
+
+def plan_variants(settings: dict, names: list[str], fit_spes: list[int]) -> list[Variant]:
+    """The variants `names` ask for (fit once per steps_per_execution), fit marked where it cannot run."""
+    variants = []
+    for name in names:
+        if name == "limit":
+            variants.append(Variant("limit", "limit (bare step, batch in memory)", "limit"))
+        elif name == "ours":
+            variants.append(Variant("ours", "ours (trainer.train + hooks)", "ours"))
+        elif name == "fit":
+            for spe in fit_spes:
+                variant = Variant(f"fit_spe{spe}", f"Keras fit, steps_per_execution {spe}", "fit", fit_spe=spe,
+                                  first_call_steps=spe)
+                if settings["strategy"] in FIT_CANNOT_RUN:
+                    variant.status, variant.reason = "cannot_run", FIT_CANNOT_RUN[settings["strategy"]]
+                variants.append(variant)
+        else:
+            raise UserError(f"unknown --variants entry {name!r}: use limit, ours, fit")
+    return variants
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Measured chunks of `chunk` steps after a warm-up to step `warmup`; `total` steps in all."""
+
+    chunk: int
+    warmup: int
+    repeats: int
+
+    @property
+    def total(self) -> int:
+        return self.warmup + self.repeats * self.chunk
+
+
+def schedule(settings: dict, fit_spes: list[int], *, steps: int, warmup_steps: int, repeats: int) -> Schedule:
+    """Chunks that end on a call boundary of every variant (a multiple of steps_per_loop and of fit's
+    values) and, by default, hold the same hook work: the least multiple of both hook intervals."""
+    unit = math.lcm(settings["steps_per_loop"], *fit_spes)
+    hooks_unit = math.lcm(settings["log_every_steps"], settings["checkpoint_every_steps"])
+    chunk = round_up(steps or (hooks_unit if hooks_unit <= 20_000 else 1000), unit)
+    # Warm-up ends on a chunk boundary beyond every variant's first call (fit's first call is unit steps long).
+    warmup = round_up(max(warmup_steps or chunk, unit + 1), chunk)
+    return Schedule(chunk, warmup, repeats)

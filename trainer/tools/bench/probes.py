@@ -1,0 +1,39 @@
+"""What a worker reports about where it ran: the machine, and its own peak memory."""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+
+
+def machine() -> dict:
+    """What this process runs on: CPU, cores, accelerators, versions."""
+    import keras
+    import tensorflow as tf
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpus = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(gpu)
+        gpus.append(details.get("device_name", gpu.name))
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpus": gpus, "platform": platform.platform(),
+            "python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__}
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (each variant runs in its own process, so it is the variant's)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def peak_gpu_mib() -> float | None:
+    """Peak memory TensorFlow allocated on the first GPU (None without a GPU)."""
+    import tensorflow as tf
+
+    if not tf.config.list_logical_devices("GPU"):
+        return None
+    return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20

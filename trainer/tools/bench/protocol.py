@@ -1,0 +1,106 @@
+"""The conversation between the parent and a worker: JSON lines with a prefix on the worker's
+stdout (everything else it prints goes to its log), commands as JSON lines on its stdin.
+
+The parent asks "run until step N" (`{"until": N}`) or "finish" (`{"until": null}`); the worker
+answers `ready` after its first call, `chunk` (with the chunk's seconds) after each request,
+`finished` (compile count, peak memory) or `error` (one line).
+"""
+from __future__ import annotations
+
+import json
+import selectors
+import subprocess
+import sys
+import time
+
+from trainer import main as main_lib
+from trainer.tools.bench import probes
+
+PREFIX = "@bench "
+
+
+class Channel:
+    """A worker's side of the conversation; `done` counts the steps run so far."""
+
+    def __init__(self):
+        self.done = 0
+
+    @staticmethod
+    def send(**message) -> None:
+        sys.stdout.write(PREFIX + json.dumps(message) + "\n")
+        sys.stdout.flush()
+
+    @staticmethod
+    def receive() -> dict:
+        line = sys.stdin.readline()
+        if not line:
+            raise SystemExit("bench: the parent went away")
+        return json.loads(line)
+
+    def ready(self) -> int:
+        """Reports the first call (and the machine) and returns the step to run to next."""
+        self.send(event="ready", steps=self.done, machine=probes.machine())
+        return self.receive()["until"]
+
+    def chunk_done(self, seconds: float) -> int | None:
+        """Reports a chunk; returns the step to run to next, or None when told to finish."""
+        self.send(event="chunk", steps=self.done, seconds=seconds)
+        return self.receive().get("until")
+
+    def finished(self, compile_count: int | None) -> None:
+        self.send(event="finished", compile_count=compile_count, peak_rss_mib=probes.peak_rss_mib(),
+                  peak_gpu_mib=probes.peak_gpu_mib())
+
+
+class WorkerError(Exception):
+    """A worker that failed, exited or did not answer in time (the message says which)."""
+
+
+class Worker:
+    """The parent's side: one `python -m trainer.bench --role=...` process, its stderr in `log_path`."""
+
+    def __init__(self, args: list[str], log_path: str, timeout: float):
+        self.log_path, self.timeout = log_path, timeout
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "trainer.bench", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, text=True, bufsize=1, cwd=main_lib.REPO_ROOT,
+        )
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.process.stdout, selectors.EVENT_READ)
+
+    def receive(self) -> dict:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if not self.selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                raise WorkerError(f"no answer within {self.timeout:.0f} s")
+            line = self.process.stdout.readline()
+            if not line:
+                code = self.process.wait()
+                raise WorkerError(f"exited with code {code} ({self.log_tail()})")
+            if line.startswith(PREFIX):
+                message = json.loads(line[len(PREFIX):])
+                if message["event"] == "error":
+                    raise WorkerError(message["message"])
+                return message
+
+    def send(self, **command) -> None:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def log_tail(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            lines = [line.strip() for line in f if line.strip()]
+        return lines[-1] if lines else "no output"
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.close()
+                self.process.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
