@@ -7,7 +7,7 @@ scope with the model, so they are in every checkpoint and an evaluation restored
 sees exactly what the run's own eval saw.
 
 `momentum` is 0.9 here, not Keras' 0.99: the moving variance starts at 1 and after n steps
-still holds 0.99**n of it (5% after 300 steps, five times the true variance of these
+still holds 0.99**n of it (5% after 300 steps, several times the true variance of these
 activations), so a short run evaluated at 0.99 normalises by stale statistics and predicts
 one class (7.5% eval accuracy against 94% in training, measured); at 0.9 the start is
 forgotten after a few dozen steps.
