@@ -1,7 +1,7 @@
 """`python -m trainer.parity`: our loop trains like Keras fit, and says so in its exit code.
 
-Real runs of the tool in fresh processes on small models (the CNN with 8 filters), a few
-steps each; the full-size runs of every mode are in experiments/parity/.
+Real runs of the tool in fresh processes on small models (the CNN with 8 filters, the worked
+examples of a dict-input model and of a regression), a few steps each; the full-size runs of every mode are in experiments/parity/.
 """
 from __future__ import annotations
 
@@ -82,6 +82,31 @@ def test_multi_worker_parity_against_tf_keras_fit_in_two_worker_processes():
     assert "in 2 worker processes: TrainLoop vs tf_keras fit" in proc.stdout
     word, dw, dloss = verdict(proc)
     assert word == "PASS" and dw <= 1e-6 and dloss <= 1e-6
+
+
+@pytest.mark.timeout(90)
+def test_dict_input_model_matches_keras_3_fit_under_mirrored():
+    """fit gets our batches as they are: ({'image', 'stats'}, label) into a two-input functional model."""
+    proc = run_module("trainer.parity", "--gin_file=gin/mirrored.gin",
+                      "--gin_file=experiments/two_inputs/two_inputs.gin", "--steps=3", timeout=85)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mirrored, 2 replica(s), global batch 64: TrainLoop vs Keras 3 fit" in proc.stdout
+    word, dw, dloss = verdict(proc)
+    assert word == "PASS" and dw == 0 and dloss == 0
+    ours = step_losses(proc, 0)
+    assert len(ours) == 3 and ours[0] != ours[-1]
+
+
+@pytest.mark.timeout(90)
+def test_regression_with_fit_loss_from_gin_matches_keras_3_fit_under_mirrored():
+    """parity.loss names the step's loss for fit; the regression step's MSE trains like fit's."""
+    proc = run_module("trainer.parity", "--gin_file=gin/mirrored.gin",
+                      "--gin_file=experiments/regression/regression.gin",
+                      "--gin_bindings=parity.loss='mean_squared_error'", "--steps=3", timeout=85)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mirrored, 2 replica(s), global batch 32: TrainLoop vs Keras 3 fit" in proc.stdout
+    word, dw, dloss = verdict(proc)
+    assert word == "PASS" and dw == 0 and dloss == 0
 
 
 @pytest.mark.timeout(60)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Regenerates experiments/parity/README.md: `python -m trainer.parity` on every mode's gin file,
-# plus regularisation/optimizer/schedule variants and the replica-invariance check.
+# plus regularisation/optimizer/schedule variants, the worked examples of other tasks (a dict-input
+# model, a regression with fit's loss from gin) and the replica-invariance check.
 #
 #   experiments/parity/run.sh            # from anywhere, with the project's Python on PATH
 #   PYTHON=/path/to/python experiments/parity/run.sh
 #
-# About 7 minutes on 2 CPU cores. Exits 1 if any comparison failed or did not run.
+# About 8 minutes on 2 CPU cores. Exits 1 if any comparison failed or did not run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 python=${PYTHON:-python}
@@ -52,6 +53,10 @@ run "mirrored: mixed_bfloat16" --gin_file=gin/mirrored.gin "--gin_bindings=train
 run "default strategy: XLA (jit_compile)" --gin_file=gin/single.gin --gin_bindings=train.jit_compile=True
 run "multi_worker_mirrored: per-worker input (function)" --gin_file=gin/mwms.gin --num_workers=2 \
     "--gin_bindings=train.distribute_method='function'" --gin_bindings=cnn.l2=1e-3
+run "mirrored: dict-input model (experiments/two_inputs)" --gin_file=gin/mirrored.gin \
+    --gin_file=experiments/two_inputs/two_inputs.gin
+run "mirrored: regression, fit loss from gin (experiments/regression)" --gin_file=gin/mirrored.gin \
+    --gin_file=experiments/regression/regression.gin "--gin_bindings=parity.loss='mean_squared_error'"
 run "replica invariance 1, 2, 4" --gin_file=gin/mirrored.gin --replicas=1,2,4
 
 versions=$("$python" -c 'import tensorflow as tf, keras, tf_keras; print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, tf_keras {tf_keras.__version__}")' 2>/dev/null)
