@@ -8,6 +8,10 @@ class UserError(Exception):
     The message names the problem and the fix.
     """
 
+    # Raised while a tf.function traces user code (a step returning a list, say): AutoGraph
+    # re-raises errors with its own multi-line "in user code" trace unless they carry this.
+    ag_pass_through = True
+
 
 class RunFailure(Exception):
     """A run that cannot go on for a reason outside the code: a dead peer, a lost ps task.

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import tokenize
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -41,8 +43,11 @@ flags.DEFINE_bool(
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+_GIN_LOCATION = re.compile(r'In file "([^"]+)", line (\d+)')
+
+
 def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
-    """Parses gin files and bindings; any gin mistake becomes a UserError naming it."""
+    """Parses gin files and bindings; any gin mistake becomes one UserError line with file:line."""
     import gin
 
     from trainer import configurables  # noqa: F401  (registers the gin names)
@@ -53,12 +58,30 @@ def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
     for path in gin_files:
         if not os.path.isfile(path) and not os.path.isfile(os.path.join(REPO_ROOT, path)):
             raise UserError(f"gin file {path} not found; check the path (configs live in gin/)")
+    source = "--gin_bindings"
     try:
-        gin.parse_config_files_and_bindings(gin_files, bindings, finalize_config=False)
-    except (SyntaxError, ValueError, TypeError, ImportError, KeyError) as e:
-        where = f" ({e.filename}:{e.lineno})" if isinstance(e, SyntaxError) and e.filename else ""
-        detail = (e.msg if isinstance(e, SyntaxError) else str(e)).strip().splitlines()[0].rstrip(".")
-        raise UserError(f"bad gin config{where}: {detail}; fix the gin file or --gin_bindings") from e
+        for source in gin_files:
+            gin.parse_config_file(source, skip_unknown=False)
+        source = "--gin_bindings"
+        gin.parse_config(bindings)
+    except Exception as e:  # noqa: BLE001  (gin raises whatever its parser or an import raised)
+        raise UserError(gin_error_line(e, source)) from e
+
+
+def gin_error_line(error: Exception, source: str) -> str:
+    """One line for a gin parse error: where (file:line) and what."""
+    text = str(error)
+    if isinstance(error, SyntaxError) and error.filename:
+        where, detail = f"{error.filename}:{error.lineno}", error.msg
+    elif isinstance(error, tokenize.TokenError):  # an unclosed bracket: the tokenizer ran off the end
+        message, (line, _) = error.args
+        where, detail = f"{source}:{line}", f"{message} (an unclosed parenthesis or bracket?)"
+    elif match := _GIN_LOCATION.search(text):
+        where, detail = f"{match.group(1)}:{match.group(2)}", text
+    else:
+        where, detail = source, text
+    detail = detail.strip().splitlines()[0].rstrip(".") if detail.strip() else type(error).__name__
+    return f"bad gin config ({where}): {detail}; fix the gin file or --gin_bindings"
 
 
 def default_model_dir() -> str:

@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 import keras
 import tensorflow as tf
 
-from trainer.core import xla
+from trainer.core import checks, xla
 from trainer.errors import UserError
 
 StepFn = Callable[..., Mapping[str, tf.Tensor]]
@@ -95,6 +95,12 @@ class TrainLoop:
         self.last_nonfinite_offset = offset if offset >= 0 else None
         return {k: float(v) for k, v in means.items()}
 
+    def trace(self, step_name: str) -> None:
+        """Traces the compiled loop on the real batch spec now (the trace the first call reuses), so
+        that a step or model that cannot take the batch is one UserError line before anything is written."""
+        checks.traced("train.step_fn", step_name, lambda: self._train_steps.get_concrete_function(
+            self._iterator, tf.TensorSpec([], tf.int32)))
+
     def set_dataset(self, dataset) -> None:
         """Continues from a new distributed dataset (after a roll-back); no retracing."""
         self._iterator = iter(dataset)
@@ -173,17 +179,28 @@ class Evaluator:
 
         self._eval_batches = tf.function(eval_batches)
 
+    def trace(self) -> None:
+        """Traces the eval pass on the real batch spec now (the trace `evaluate` reuses) and checks
+        what the eval step returns, before anything is written."""
+        concrete = checks.traced("train.eval_step_fn", self._step_name, lambda: self._eval_batches.get_concrete_function(
+            iter(self._dataset), tf.TensorSpec([], tf.int32)))
+        self._check_keys(concrete.structured_outputs)
+
+    def _check_keys(self, outputs: Mapping) -> None:
+        keys = set(outputs) - {WEIGHT_KEY}
+        if keys and "num_examples" not in keys:
+            raise UserError(f"train.eval_step_fn {self._step_name} returns {sorted(keys)} but no 'num_examples'; "
+                            "return per-replica sums and 'num_examples' (the sum of the batch weights), so the loop "
+                            "can divide the sums over every replica and batch")
+
     def evaluate(self) -> dict[str, float]:
         """Per-example means of the step's sums, each metric's result, and `num_examples`."""
         for metric in self._metrics.values():
             metric.reset_state()
         totals = self._eval_batches(iter(self._dataset), tf.constant(self._num_batches, tf.int32))
+        self._check_keys(totals)
         totals = {k: float(v) for k, v in totals.items()}
         weight = totals.pop(WEIGHT_KEY)
-        if totals and "num_examples" not in totals:
-            raise UserError(f"train.eval_step_fn {self._step_name} returns {sorted(totals)} but no 'num_examples'; "
-                            "return per-replica sums and 'num_examples' (the sum of the batch weights), so the loop "
-                            "can divide the sums over every replica and batch")
         count = totals.pop("num_examples", weight)
         means = {k: v / count for k, v in totals.items()} if count else dict(totals)
         return means | metric_results(self._metrics) | {"num_examples": count}

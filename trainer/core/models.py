@@ -5,9 +5,17 @@ import math
 
 import keras
 
+from trainer.validation import check_int, check_ints, check_number
 
-def _regularizer(l2: float):
+
+def _regularizer(name: str, l2: float):
+    check_number(f"{name}.l2", l2, strictly=False)
     return keras.regularizers.L2(l2) if l2 else None
+
+
+def _check(name: str, widths, width_name: str, dropout: float) -> None:
+    check_ints(f"{name}.{width_name}", widths)
+    check_number(f"{name}.dropout", dropout, strictly=False, below=1.0)
 
 
 def cnn(
@@ -24,9 +32,11 @@ def cnn(
     Pooling uses 'same' padding so the model fits any image of at least 1x1 (8x8 digits
     shrink to 4, 2, 1); the last layer returns logits.
     """
+    _check("cnn", filters, "filters", dropout)
+    check_int("cnn.dense_units", dense_units)
     if len(input_shape) == 2:
         input_shape = (*input_shape, 1)
-    reg = _regularizer(l2)
+    reg = _regularizer("cnn", l2)
     layers = [keras.Input(shape=tuple(input_shape))]
     for width in filters:
         layers += [
@@ -53,7 +63,8 @@ def mlp(
     l2: float = 0.0,
 ) -> keras.Model:
     """A multi-layer perceptron over the flattened input; returns logits."""
-    reg = _regularizer(l2)
+    _check("mlp", hidden, "hidden", dropout)
+    reg = _regularizer("mlp", l2)
     layers = [keras.Input(shape=tuple(input_shape)), keras.layers.Flatten()]
     for width in hidden:
         layers.append(keras.layers.Dense(width, activation="relu", kernel_regularizer=reg))

@@ -11,6 +11,7 @@ import keras
 import tensorflow as tf
 
 from trainer.errors import UserError
+from trainer.validation import check_int, check_number
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 DECAYS = ("constant", "cosine")
@@ -90,6 +91,11 @@ def make_optimizer(
       warmup_steps: steps of linear warm-up from 0 to the (scaled) rate.
       decay: 'constant' or 'cosine' (to 0 at total_steps).
     """
+    check_number("make_optimizer.learning_rate", learning_rate)
+    check_number("make_optimizer.momentum", momentum, strictly=False, below=1.0)
+    check_number("make_optimizer.weight_decay", weight_decay, strictly=False, optional=True)
+    check_int("make_optimizer.reference_batch_size", reference_batch_size, optional=True)
+    check_int("make_optimizer.warmup_steps", warmup_steps, minimum=0)
     lr = learning_rate_schedule(
         learning_rate,
         global_batch_size=global_batch_size,

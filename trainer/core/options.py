@@ -11,25 +11,9 @@ import dataclasses
 from trainer.core import nonfinite
 from trainer.data import SHARD_POLICIES
 from trainer.errors import UserError
+from trainer.validation import check_bool, check_choice, check_int
 
 DISTRIBUTE_METHODS = ("dataset", "function")
-
-
-def check_int(name: str, value, *, minimum: int = 1) -> None:
-    """`train.<name>` must be an int (not a bool) of at least `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        allowed = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise UserError(f"train.{name} must be {allowed}, got {value!r}")
-
-
-def check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise UserError(f"train.{name} must be True or False, got {value!r}")
-
-
-def check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise UserError(f"unknown train.{name} {value!r}: use one of {', '.join(map(repr, choices))}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +30,13 @@ class LoopOptions:
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "global_batch_size", "steps_per_loop"):
-            check_int(name, getattr(self, name))
-        check_int("seed", self.seed, minimum=0)
-        check_choice("distribute_method", self.distribute_method, DISTRIBUTE_METHODS)
+            check_int(f"train.{name}", getattr(self, name))
+        check_int("train.seed", self.seed, minimum=0)
+        check_choice("train.distribute_method", self.distribute_method, DISTRIBUTE_METHODS)
         if not isinstance(self.shard_policy, str) or self.shard_policy.upper() not in SHARD_POLICIES:
             raise UserError(f"unknown train.shard_policy {self.shard_policy!r}: use one of "
                             f"{', '.join(SHARD_POLICIES)}")
-        check_bool("jit_compile", self.jit_compile)
+        check_bool("train.jit_compile", self.jit_compile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +50,7 @@ class HookOptions:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            check_int(field.name, getattr(self, field.name))
+            check_int(f"train.{field.name}", getattr(self, field.name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +65,6 @@ class RecoveryOptions:
 
     def __post_init__(self) -> None:
         for name in ("check_loss_scaling", "allow_resume_changes", "preemption_checkpointing"):
-            check_bool(name, getattr(self, name))
-        check_int("max_rollbacks", self.max_rollbacks, minimum=0)
-        nonfinite.check_options(self.nonfinite, self.max_rollbacks)
+            check_bool(f"train.{name}", getattr(self, name))
+        check_choice("train.nonfinite", self.nonfinite, nonfinite.MODES)
+        check_int("train.max_rollbacks", self.max_rollbacks, minimum=0, maximum=nonfinite.CAPACITY)

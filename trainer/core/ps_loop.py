@@ -171,6 +171,9 @@ class CoordinatorEvaluator:
     def __init__(self, evaluator: Evaluator):
         self._evaluator = evaluator
 
+    def trace(self) -> None:
+        self._evaluator.trace()
+
     def evaluate(self) -> dict[str, float]:
         try:
             return self._evaluator.evaluate()

@@ -17,6 +17,7 @@ from trainer.core import precision
 from trainer.distribution import cluster, devices, strategies
 from trainer.distribution.cluster import ClusterInfo
 from trainer.errors import UserError
+from trainer.validation import check_choice, check_number
 
 RESOLVERS = ("tf_config", "slurm")
 
@@ -44,21 +45,15 @@ class RuntimeConfig:
     mixed_precision: str | None = None
 
     def __post_init__(self) -> None:
-        if self.strategy not in strategies.STRATEGY_NAMES:
-            raise UserError(f"unknown train.strategy {self.strategy!r}: use one of "
-                            f"{', '.join(strategies.STRATEGY_NAMES)}")
-        if self.cluster_resolver not in RESOLVERS:
-            raise UserError(f"unknown train.cluster_resolver {self.cluster_resolver!r}: use one of "
-                            f"{', '.join(RESOLVERS)}")
+        check_choice("train.strategy", self.strategy, strategies.STRATEGY_NAMES)
+        check_choice("train.cluster_resolver", self.cluster_resolver, RESOLVERS)
         if self.device_config is not None and not isinstance(self.device_config, devices.DeviceConfig):
             raise UserError(f"train.device_config must be @devices(), got {self.device_config!r}")
         if self.cluster_resolver_options is not None and not isinstance(self.cluster_resolver_options, Mapping):
             raise UserError(f"train.cluster_resolver_options must be a dict, got {self.cluster_resolver_options!r}")
-        timeout = self.collective_timeout_secs
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or timeout <= 0):
-            raise UserError(f"train.collective_timeout_secs must be a positive number of seconds or None, "
-                            f"got {timeout!r}")
+        check_number("train.collective_timeout_secs", self.collective_timeout_secs, optional=True)
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, str):
+            raise UserError(f"train.mixed_precision must be a policy name or None, got {self.mixed_precision!r}")
         precision.check(self.mixed_precision)
 
 

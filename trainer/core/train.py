@@ -8,6 +8,7 @@ checkpoint have been checked.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Mapping, Sequence
 
@@ -27,6 +28,7 @@ from trainer.core.run_files import check_model_dir, prepare_model_dir
 from trainer.core.task import Task, build_task, flat
 from trainer.distribution import devices
 from trainer.errors import UserError
+from trainer.validation import check_callable
 
 
 @precision.keeps_global_policy
@@ -97,6 +99,8 @@ def train(
         mixed_precision=mixed_precision,
     )
     check_model_dir(model_dir)
+    check_user_functions(step_fn=step_fn, eval_step_fn=eval_step_fn, model_fn=model_fn, optimizer_fn=optimizer_fn,
+                         eval_metrics_fn=eval_metrics_fn, hooks=hooks, parameter_server=parameter_server)
     if nonfinite == "rollback" and strategy == "parameter_server":
         raise UserError("train.nonfinite = 'rollback' is not supported with parameter_server; use 'stop'")
     if jit_compile and strategy == "parameter_server":
@@ -132,6 +136,7 @@ def train(
     loop, evaluators = build_loops(runtime, task, loop_options, start_step=start_step,
                                    drop_batches=guard_nonfinite.dropped, eval_metrics_fn=eval_metrics_fn,
                                    parameter_server=parameter_server, print_fn=print_fn)
+    check_functions(loop, evaluators, step_fn)
     if recovery.check_loss_scaling:  # rule 2: a mis-scaled step stops here, before its first update
         guard.check_loss_scaling(runtime.strategy, task.models, task.optimizers, step_fn, inp,
                                  global_batch_size=global_batch_size, seed=seed, print_fn=print_fn)
@@ -170,6 +175,29 @@ def train(
     finally:  # a run that stops (non-finite loss, preemption, a lost peer) keeps its event records too
         metrics_log.close()
     return run.last_eval
+
+
+def check_user_functions(*, step_fn, eval_step_fn, model_fn, optimizer_fn, eval_metrics_fn, hooks,
+                         parameter_server) -> None:
+    """What gin binds to `train` is of the kind the loop calls: functions, hooks, settings objects."""
+    for name, fn in (("step_fn", step_fn), ("eval_step_fn", eval_step_fn), ("model_fn", model_fn),
+                     ("optimizer_fn", optimizer_fn), ("eval_metrics_fn", eval_metrics_fn)):
+        check_callable(f"train.{name}", fn, what="a function (bind it as @name, without parentheses)",
+                       optional=name == "eval_metrics_fn")
+    if not isinstance(hooks, (list, tuple)) or not all(isinstance(h, Hook) for h in hooks):
+        raise UserError(f"train.hooks must be a list of hooks (instances of trainer.core.hooks.Hook, bound as "
+                        f"@my_hook()), got {hooks!r}")
+    if parameter_server is not None and not isinstance(parameter_server, ParameterServerConfig):
+        raise UserError(f"train.parameter_server must be @parameter_server(), got {parameter_server!r}")
+
+
+def check_functions(loop, evaluators: Mapping, step_fn: Callable) -> None:
+    """Traces the train and eval steps on the real batch specs before anything is written (the
+    traces their first calls reuse); the asynchronous loop traces its closures where it schedules them."""
+    if hasattr(loop, "trace"):
+        loop.trace(getattr(step_fn, "__name__", type(step_fn).__name__))
+    for evaluator in evaluators.values():
+        evaluator.trace()
 
 
 def make_input(input_fn: Callable | None, data_source: Callable | None,
@@ -212,7 +240,8 @@ def defaults_with(bindings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def setup_from(settings: Mapping[str, Any]) -> tuple[Runtime, Task]:
-    """`setup` from `train`'s parameters by name (see `defaults_with`)."""
+    """`setup` from `train`'s parameters by name (see `defaults_with`), checked as `train` checks them."""
+    LoopOptions(**{f.name: settings[f.name] for f in dataclasses.fields(LoopOptions)})
     partitioner = getattr(settings.get("parameter_server"), "variable_partitioner", None)
     runtime_config = RuntimeConfig(
         strategy=settings["strategy"], device_config=settings["device_config"],

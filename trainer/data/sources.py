@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from trainer.data.inputs import SPLITS, Shard, shard_of
 from trainer.errors import UserError
+from trainer.validation import check_bool, check_int, check_ints, check_number
 
 Arrays = tuple[np.ndarray, np.ndarray]
 
@@ -65,6 +66,10 @@ class Digits(_InMemorySource):
     input_shape = (8, 8, 1)
     num_classes = 10
 
+    def __post_init__(self) -> None:
+        check_number("digits.eval_fraction", self.eval_fraction, below=1.0)
+        check_int("digits.seed", self.seed, minimum=0)
+
     @cached_property
     def _arrays(self) -> dict[str, Arrays]:
         from sklearn.datasets import load_digits
@@ -86,6 +91,13 @@ class Synthetic(_InMemorySource):
     num_train: int = 1024
     num_eval: int = 256
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_ints("synthetic.input_shape", self.input_shape)
+        check_int("synthetic.num_classes", self.num_classes)
+        check_int("synthetic.num_train", self.num_train, minimum=0)
+        check_int("synthetic.num_eval", self.num_eval, minimum=0)
+        check_int("synthetic.seed", self.seed, minimum=0)
 
     @cached_property
     def _arrays(self) -> dict[str, Arrays]:
@@ -124,6 +136,12 @@ class FashionMnist(_InMemorySource):
     standardize: bool = False
     input_shape = (28, 28, 1)
     num_classes = 10
+
+    def __post_init__(self) -> None:
+        if self.data_dir is not None and not isinstance(self.data_dir, str):
+            raise UserError(f"fashion_mnist.data_dir must be a directory path or None, got {self.data_dir!r}")
+        check_int("fashion_mnist.validation_size", self.validation_size, minimum=0)
+        check_bool("fashion_mnist.standardize", self.standardize)
 
     @property
     def splits(self) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ import dataclasses
 import tensorflow as tf
 
 from trainer.errors import UserError
+from trainer.validation import check_bool, check_int, check_ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,14 @@ class DeviceConfig:
     logical_cpus_without_gpu: int = 0
     log_device_placement: bool = False
     soft_placement: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_memory_growth", "log_device_placement", "soft_placement"):
+            check_bool(f"devices.{name}", getattr(self, name))
+        check_ints("devices.visible_gpus", self.visible_gpus, minimum=0, optional=True, allow_empty=True)
+        for name in ("logical_gpus_per_gpu", "logical_cpus", "logical_cpus_without_gpu"):
+            check_int(f"devices.{name}", getattr(self, name), minimum=0)
+        check_int("devices.logical_gpu_memory_mb", self.logical_gpu_memory_mb, optional=True)
 
 
 def configure_devices(config: DeviceConfig) -> None:
