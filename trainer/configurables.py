@@ -11,11 +11,12 @@ import gin
 import tensorflow as tf
 
 from trainer import data
-from trainer.distribution import devices
 from trainer.core import hooks, models, optimizers, steps
 from trainer.core import train as train_lib
+from trainer.distribution import devices
 from trainer.distribution import local_cluster as local_cluster_lib
 from trainer.tools import gin_config
+from trainer.tools.parity import config as parity_config
 from trainer.core import profiler, ps_loop, sidecar
 
 REGISTERED = {
@@ -46,6 +47,7 @@ REGISTERED = {
     "max_size_partitioner": tf.distribute.experimental.partitioners.MaxSizePartitioner,
     "fixed_shards_partitioner": tf.distribute.experimental.partitioners.FixedShardsPartitioner,
     "eval_continuous": sidecar.evaluate_continuously,
+    "parity": parity_config.ParityConfig,  # read by trainer.parity only; other entry points accept it
 }
 """Gin name -> library object. Models are bound as `train.model_fn = @cnn` (called with the
 arguments it declares among input_shape, num_classes and element_spec), input functions

@@ -54,7 +54,6 @@ if "--role=tf_keras_fit" in sys.argv[1:]:
     # Before trainer.main imports TensorFlow, which imports Keras 3 unless told otherwise.
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
-import gin  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from trainer import main as main_lib  # noqa: E402  (defines --gin_file and --gin_bindings)
@@ -77,8 +76,6 @@ flags.DEFINE_string("work_dir", None, "Internal: where worker processes leave th
 flags.DEFINE_integer("num_replicas", 0, "Internal: the replica count of a --role=replicas process.")
 
 IN_PROCESS = ("default", "one_device", "mirrored", "central_storage")
-# `parity.loss`, `parity.metric`: registered by this entry point, which alone reads them.
-gin.external_configurable(parity_config.ParityConfig, "parity")
 
 
 def use_tf_keras() -> None:
