@@ -11,9 +11,11 @@ import tokenize
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from trainer.distribution import netns  # noqa: E402  (standard library only)
+import sys  # noqa: E402
 
-netns.enter_if_requested("the embedded ParameterServer cluster")  # before any thread starts
+from trainer.distribution import local_cluster  # noqa: E402  (no TensorFlow: nothing runs threads yet)
+
+local_cluster.isolate_early(sys.argv[1:])  # an embedded cluster's private network (DESIGN.md rule 12)
 
 from trainer import quiet_start  # noqa: E402
 
@@ -122,6 +124,13 @@ def run(argv: list[str]) -> None:
             )
     except UserError as e:
         fail(str(e))
+    except TypeError as e:  # gin calling `@name()` without the arguments it needs
+        if "No values supplied by Gin or caller" not in str(e):
+            raise
+        configurable = re.findall(r"In call to configurable '(\w+)'", str(e))
+        name = configurable[0] if configurable else "a configurable"
+        fail(f"gin called {name} with missing arguments ({str(e).splitlines()[0]}): bind them "
+             f"({name}.<parameter> = ...), or write @{name} without parentheses where the loop calls it itself")
     except RunFailure as e:
         fail(str(e), exit_code=1)
 

@@ -84,6 +84,8 @@ def train(
     Speed options: `jit_compile` (XLA on the per-replica step, synchronous strategies) and
     `mixed_precision` (see trainer/core/precision.py).
     """
+    check_user_functions(step_fn=step_fn, eval_step_fn=eval_step_fn, model_fn=model_fn, optimizer_fn=optimizer_fn,
+                         eval_metrics_fn=eval_metrics_fn, hooks=hooks, parameter_server=parameter_server)
     loop_options = LoopOptions(total_steps=total_steps, global_batch_size=global_batch_size,
                                steps_per_loop=steps_per_loop, seed=seed, distribute_method=distribute_method,
                                shard_policy=shard_policy, jit_compile=jit_compile)
@@ -99,8 +101,6 @@ def train(
         mixed_precision=mixed_precision,
     )
     check_model_dir(model_dir)
-    check_user_functions(step_fn=step_fn, eval_step_fn=eval_step_fn, model_fn=model_fn, optimizer_fn=optimizer_fn,
-                         eval_metrics_fn=eval_metrics_fn, hooks=hooks, parameter_server=parameter_server)
     if nonfinite == "rollback" and strategy == "parameter_server":
         raise UserError("train.nonfinite = 'rollback' is not supported with parameter_server; use 'stop'")
     if jit_compile and strategy == "parameter_server":

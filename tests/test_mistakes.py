@@ -1,0 +1,201 @@
+"""Every user mistake is refused in one line before anything is written (issue 15).
+
+A table of mistakes a new user makes with `--gin_file=gin/single.gin` plus one wrong thing:
+gin that does not parse, every `train.*` parameter of the wrong type or out of range, the
+other configurables' parameters, broken step, eval and model functions. Each must exit 2 with
+exactly one `error:` line naming the problem, no traceback, and leave `model_dir` byte for byte
+as it was. They run through `trainer.main`'s own flag parsing and `run` in one fresh
+interpreter (one TensorFlow start for the whole table), a few also as real processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from tests.support import REPO, run_main, run_python, tree_digest
+
+GIN = "--gin_file=gin/single.gin"
+IMPORT = "--gin_bindings=import tests.broken_functions"
+UNCLOSED = "include 'gin/single.gin'\ntrain.total_steps = (3\n"
+MISSING_INCLUDE = "include 'gin/nothere.gin'\n"
+SYNTAX = "include 'gin/single.gin'\ntrain.total_steps = = 3\n"
+
+
+def bind(*bindings: str) -> list[str]:
+    return [GIN, *(f"--gin_bindings={b}" for b in bindings)]
+
+
+# name -> (command-line arguments, a piece of the expected error line)
+CASES: dict[str, tuple[list[str], str]] = {
+    # gin that does not parse
+    "gin_unclosed_parenthesis": (["--gin_file={dir}/unclosed.gin"], "unclosed.gin:3"),
+    "gin_missing_include": (["--gin_file={dir}/include.gin"], "include.gin:1"),
+    "gin_syntax_error": (["--gin_file={dir}/syntax.gin"], "syntax.gin:2"),
+    "gin_unknown_configurable": (bind("trainr.total_steps = 3"), "trainr"),
+    "gin_unknown_parameter": (bind("train.total_step = 3"), "total_step"),
+    "gin_unclosed_binding": (bind("train.total_steps = (3"), "--gin_bindings"),
+    "gin_file_missing": (["--gin_file=gin/nothere.gin"], "gin/nothere.gin not found"),
+    "gin_import_missing_module": (bind("import no_such_module"), "no_such_module"),
+    "unknown_flag": ([GIN, "--no_such_flag=1"], "no_such_flag"),
+    # make_optimizer
+    "optimizer_learning_rate_text": (bind("make_optimizer.learning_rate = 'fast'"), "make_optimizer.learning_rate"),
+    "optimizer_learning_rate_negative": (bind("make_optimizer.learning_rate = -0.1"), "make_optimizer.learning_rate"),
+    "optimizer_momentum_text": (bind("make_optimizer.momentum = 'lots'"), "make_optimizer.momentum"),
+    "optimizer_momentum_above_one": (bind("make_optimizer.momentum = 1.5"), "make_optimizer.momentum"),
+    "optimizer_name": (bind("make_optimizer.name = 'adamm'"), "unknown optimizer 'adamm'"),
+    "optimizer_warmup_negative": (bind("make_optimizer.warmup_steps = -5"), "make_optimizer.warmup_steps"),
+    "optimizer_decay": (bind("make_optimizer.decay = 'linear'"), "unknown decay"),
+    "optimizer_reference_batch_zero": (bind("make_optimizer.reference_batch_size = 0"),
+                                       "make_optimizer.reference_batch_size"),
+    # train: integers of the wrong type and out of range
+    **{f"train_{name}_{kind}": (bind(f"train.{name} = {value}"), f"train.{name}")
+       for name in ("total_steps", "global_batch_size", "steps_per_loop", "log_every_steps",
+                    "checkpoint_every_steps", "eval_every_steps", "keep_checkpoints")
+       for kind, value in (("text", "'many'"), ("zero_or_negative", "-1"))},
+    "train_global_batch_size_float": (bind("train.global_batch_size = 1.5"), "train.global_batch_size"),
+    "train_seed_negative": (bind("train.seed = -1"), "train.seed"),
+    "train_max_rollbacks_text": (bind("train.max_rollbacks = 'x'"), "train.max_rollbacks"),
+    "train_max_rollbacks_above_capacity": (bind("train.max_rollbacks = 65"), "train.max_rollbacks"),
+    # train: choices and booleans
+    "train_nonfinite": (bind("train.nonfinite = 'ignore'"), "train.nonfinite"),
+    "train_strategy": (bind("train.strategy = 'mirror'"), "train.strategy"),
+    "train_strategy_number": (bind("train.strategy = 3"), "train.strategy"),
+    "train_distribute_method": (bind("train.distribute_method = 'datasets'"), "train.distribute_method"),
+    "train_shard_policy": (bind("train.shard_policy = 'SOME'"), "train.shard_policy"),
+    "train_cluster_resolver": (bind("train.cluster_resolver = 'k8s'"), "train.cluster_resolver"),
+    "train_mixed_precision": (bind("train.mixed_precision = 'fp16'"), "train.mixed_precision"),
+    "train_mixed_precision_number": (bind("train.mixed_precision = 16"), "train.mixed_precision"),
+    "train_collective_timeout_negative": (bind("train.collective_timeout_secs = -1.0"), "train.collective_timeout_secs"),
+    "train_check_loss_scaling_text": (bind("train.check_loss_scaling = 'yes'"), "train.check_loss_scaling"),
+    "train_jit_compile_text": (bind("train.jit_compile = 'yes'"), "train.jit_compile"),
+    "train_allow_resume_changes_number": (bind("train.allow_resume_changes = 1"), "train.allow_resume_changes"),
+    "train_preemption_text": (bind("train.preemption_checkpointing = 'no'"), "train.preemption_checkpointing"),
+    # train: what must be functions, hooks, settings objects
+    "train_step_fn_number": (bind("train.step_fn = 3"), "train.step_fn"),
+    "train_eval_step_fn_text": (bind("train.eval_step_fn = 'x'"), "train.eval_step_fn"),
+    "train_model_fn_number": (bind("train.model_fn = 5"), "train.model_fn"),
+    "train_model_fn_called": (bind("train.model_fn = @cnn()"), "write @cnn without parentheses"),
+    "train_optimizer_fn_text": (bind("train.optimizer_fn = 'adam'"), "train.optimizer_fn"),
+    "train_eval_metrics_fn_number": (bind("train.eval_metrics_fn = 3"), "train.eval_metrics_fn"),
+    "train_input_fn_text": (bind("train.input_fn = 'digits'"), "train.input_fn"),
+    "train_input_and_data_source": (bind("train.input_fn = @digits()", "train.data_source = @synthetic()"),
+                                    "both train.input_fn and train.data_source"),
+    "train_hooks_text": (bind("train.hooks = 'x'"), "train.hooks"),
+    "train_parameter_server_text": (bind("train.parameter_server = 'x'"), "train.parameter_server"),
+    "train_device_config_text": (bind("train.device_config = 'gpu'"), "train.device_config"),
+    "train_cluster_resolver_options_text": (bind("train.cluster_resolver_options = 'x'"),
+                                            "train.cluster_resolver_options"),
+    "train_eval_splits_text": (bind("train.eval_splits = 'eval'"), "train.eval_splits"),
+    "train_eval_splits_unknown": (bind("train.eval_splits = ['test']"), "test"),
+    # other configurables
+    "devices_logical_cpus_negative": (bind("devices.logical_cpus = -1"), "devices.logical_cpus"),
+    "devices_visible_gpus_text": (bind("devices.visible_gpus = 'all'"), "devices.visible_gpus"),
+    "digits_eval_fraction": (bind("train.input_fn = @digits()", "digits.eval_fraction = 1.5"),
+                             "digits.eval_fraction"),
+    "synthetic_num_train_negative": (bind("train.input_fn = @synthetic()", "synthetic.num_train = -3"),
+                                     "synthetic.num_train"),
+    "fashion_mnist_missing_files": (bind("train.input_fn = @fashion_mnist()",
+                                         "fashion_mnist.data_dir = '/nonexistent/fashion'"), "Fashion-MNIST file"),
+    "cnn_dropout_above_one": (bind("cnn.dropout = 1.5"), "cnn.dropout"),
+    "cnn_filters_text": (bind("cnn.filters = 'abc'"), "cnn.filters"),
+    "cnn_dense_units_zero": (bind("cnn.dense_units = 0"), "cnn.dense_units"),
+    # the user's own functions
+    "step_returns_list": ([IMPORT, *bind("train.step_fn = @list_step")], "returned list"),
+    "step_returns_vector": ([IMPORT, *bind("train.step_fn = @vector_step")], "scalar"),
+    "step_returns_string": ([IMPORT, *bind("train.step_fn = @string_step")], "scalar"),
+    "eval_step_without_num_examples": ([IMPORT, *bind("train.eval_step_fn = @no_count_eval_step")],
+                                       "no 'num_examples'"),
+    "eval_step_returns_list": ([IMPORT, *bind("train.eval_step_fn = @list_eval_step")], "returned list"),
+    "model_fn_parameter_unsuppliable": ([IMPORT, *bind("train.model_fn = @model_with_unknown_parameter")],
+                                        "'vocabulary'"),
+    "model_fn_returns_no_model": ([IMPORT, *bind("train.model_fn = @not_a_model")], "not a Keras model"),
+    "model_cannot_take_the_batch": ([IMPORT, *bind("train.model_fn = @model_of_wrong_input")],
+                                    "cannot run on the batches"),
+    "optimizers_keyed_unlike_models": ([IMPORT, *bind("train.optimizer_fn = @two_optimizers")],
+                                       "key each optimizer like the model"),
+    "input_fn_batched": ([IMPORT, *bind("train.input_fn = @batched_input")], "batched_input"),
+    "input_fn_not_a_dataset": ([IMPORT, *bind("train.input_fn = @list_input")], "list_input"),
+}
+
+DRIVER = textwrap.dedent("""
+    import contextlib, io, json, os, sys, traceback
+    sys.argv = ["trainer.main"]
+    import gin
+    from absl import flags
+    from trainer import main as main_lib
+    from tests.support import tree_digest
+
+    cases = json.loads(os.environ["MISTAKES"])
+    results = {}
+    for name, (args, model_dir) in cases.items():
+        gin.clear_config()
+        flags.FLAGS.unparse_flags()
+        before = tree_digest(model_dir)
+        err, out = io.StringIO(), io.StringIO()
+        code = 0
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                main_lib.run(main_lib.parse_flags(["trainer.main", *args, "--model_dir=" + model_dir]))
+            except SystemExit as e:
+                code = e.code
+            except BaseException:
+                code = "uncaught"
+                traceback.print_exc(file=err)
+        results[name] = {"code": code, "stderr": err.getvalue(), "stdout": out.getvalue()[-2000:],
+                         "unchanged": tree_digest(model_dir) == before}
+    print(json.dumps(results))
+""")
+
+
+def test_the_table_has_at_least_40_mistakes():
+    assert len(CASES) >= 40
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("mistakes")
+    for name, text in (("unclosed", UNCLOSED), ("include", MISSING_INCLUDE), ("syntax", SYNTAX)):
+        (root / f"{name}.gin").write_text(text)
+    cases = {}
+    for name, (args, _) in CASES.items():
+        model_dir = root / name
+        model_dir.mkdir()
+        (model_dir / "notes.txt").write_text("a file the user keeps in model_dir\n")
+        cases[name] = ([a.replace("{dir}", str(root)) for a in args], str(model_dir))
+    os.environ["MISTAKES"] = json.dumps(cases)
+    try:
+        return run_python(DRIVER, timeout=600)
+    finally:
+        del os.environ["MISTAKES"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mistake_is_one_line_exit_2_and_model_dir_unchanged(outcomes, name):
+    outcome, expected = outcomes[name], CASES[name][1]
+    assert "Traceback" not in outcome["stderr"] + outcome["stdout"], outcome["stderr"][-3000:]
+    assert outcome["code"] == 2, outcome["stderr"][-3000:]
+    lines = [line for line in outcome["stderr"].splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], lines
+    assert expected in errors[0], errors[0]
+    assert outcome["unchanged"]
+
+
+@pytest.mark.parametrize("name", ["gin_unclosed_parenthesis", "optimizer_momentum_text", "step_returns_list"])
+def test_the_same_mistakes_from_a_real_process(tmp_path, name):
+    for text_name, text in (("unclosed", UNCLOSED),):
+        (tmp_path / f"{text_name}.gin").write_text(text)
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    (model_dir / "notes.txt").write_text("keep\n")
+    before = tree_digest(str(model_dir))
+    args = [a.replace("{dir}", str(tmp_path)) for a in CASES[name][0]]
+    proc = run_main(*args, f"--model_dir={model_dir}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and proc.stderr.strip().splitlines()[-1] == errors[0]
+    assert CASES[name][1] in errors[0]
+    assert tree_digest(str(model_dir)) == before and os.path.isdir(REPO)
