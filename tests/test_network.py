@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from tests.support import REPO, subprocess_env
 from trainer.distribution import netns
 
 _WHY_NOT = netns.can_enter()
-pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no private network namespace: {_WHY_NOT}")
+needs_namespaces = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no private network namespace: {_WHY_NOT}")
 
 TIMEOUT_SECS = 180
 STEPS = 200
@@ -81,7 +82,7 @@ class Sampler:
         self.seen_pids: set[int] = set()
         self.on_host: set[str] = set()
         self.in_run_namespace: set[str] = set()
-        self.namespaces: set[str] = set()
+        self.listening_namespaces: set[str] = set()  # of the processes seen listening
 
     def sample(self) -> None:
         host = listening("/proc/self/net")
@@ -89,12 +90,14 @@ class Sampler:
             self.seen_pids.add(pid)
             inodes = socket_inodes(pid)
             try:
-                self.namespaces.add(os.readlink(f"/proc/{pid}/ns/net"))
+                namespace = os.readlink(f"/proc/{pid}/ns/net")
                 own = listening(f"/proc/{pid}/net")
             except OSError:
                 continue
             self.on_host |= {f"pid {pid} {host[i]}" for i in inodes if i in host}
-            self.in_run_namespace |= {f"pid {pid} {own[i]}" for i in inodes if i in own}
+            if own_listening := {f"pid {pid} {own[i]}" for i in inodes if i in own}:
+                self.in_run_namespace |= own_listening
+                self.listening_namespaces.add(namespace)
 
 
 def run_sampled(command: list[str]) -> tuple[subprocess.CompletedProcess, Sampler]:
@@ -133,11 +136,12 @@ def assert_closed(result: subprocess.CompletedProcess, sampler: Sampler, model_d
     assert "Traceback" not in result.stdout and "warning:" not in result.stdout, result.stdout[-4000:]
     assert sampler.in_run_namespace, "no server of the run was seen listening"
     assert not sampler.on_host, f"listening in the host's network namespace: {sampler.on_host}"
-    assert os.readlink("/proc/self/ns/net") not in sampler.namespaces
+    assert os.readlink("/proc/self/ns/net") not in sampler.listening_namespaces
     # The files keep the invoking user's ownership (the user namespace maps it onto itself).
     assert (model_dir / "metrics.jsonl").stat().st_uid == os.getuid()
 
 
+@needs_namespaces
 def test_embedded_ps_cluster_listens_only_in_its_own_namespace(tmp_path):
     model_dir = tmp_path / "ps"
     result, sampler = run_sampled([
@@ -150,6 +154,7 @@ def test_embedded_ps_cluster_listens_only_in_its_own_namespace(tmp_path):
     assert len(sampler.in_run_namespace) >= 4, sampler.in_run_namespace  # chief, ps, 2 workers
 
 
+@needs_namespaces
 def test_launched_workers_listen_only_in_their_own_namespace(tmp_path):
     model_dir = tmp_path / "mwms"
     result, sampler = run_sampled([
@@ -159,3 +164,20 @@ def test_launched_workers_listen_only_in_their_own_namespace(tmp_path):
     assert_closed(result, sampler, model_dir)
     assert f"finished at step {STEPS}/{STEPS}" in result.stdout
     assert len(sampler.in_run_namespace) >= 2, sampler.in_run_namespace  # one server per worker
+
+
+def test_a_process_that_cannot_enter_warns_once_and_goes_on():
+    # A process that already runs a thread cannot enter a user namespace: the fallback path.
+    code = textwrap.dedent("""
+        import threading, time
+        from trainer.distribution import netns
+        threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+        print(netns.isolate("the test cluster"), netns.isolate("the test cluster"))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "False"]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: the test cluster is reachable from the network"), lines
+    assert "threads" in lines[0] and "firewall" in lines[0]

@@ -183,5 +183,8 @@ def reexec_isolated(what: str, extra_args: Sequence[str] = ()) -> None:
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:], *extra_args])
 
 
-if __name__ == "__main__":  # the probe of `can_enter`: exits 0 once inside, else with the reason
-    enter()
+if __name__ == "__main__":  # the probe of `can_enter`: exits 0 once inside, else says why
+    try:
+        enter()
+    except Unavailable as refused:
+        sys.exit(str(refused))
