@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 import tensorflow as tf
 
 from trainer import data
-from trainer.core import nonfinite, precision, random_state
+from trainer.core import layer_state, nonfinite, precision
 from trainer.core.runtime import Runtime
 from trainer.errors import UserError
 
@@ -154,7 +154,7 @@ def build_task(
     total_steps: int,
 ) -> Task:
     """Models, built optimizers, the global step and the checkpoint, all under `runtime`'s scope."""
-    with runtime.strategy.scope(), random_state.model_creation_scope(runtime.strategy):
+    with runtime.strategy.scope(), layer_state.model_creation_scope(runtime.strategy):
         models = make_models(model_fn, inp)
     with runtime.strategy.scope():
         optimizers = make_optimizers(optimizer_fn, global_batch_size=global_batch_size, total_steps=total_steps,
@@ -167,7 +167,7 @@ def build_task(
         dropped = nonfinite.dropped_batches_variable()
         checkpoint = tf.train.Checkpoint(
             model=models, optimizer=optimizers, global_step=global_step, dropped_batches=dropped,
-            random_state=random_state.random_states(models),
+            random_state=layer_state.random_states(models),
         )
     return Task(models=models, optimizers=optimizers, step_fn=step_fn, eval_step_fn=eval_step_fn, input=inp,
                 global_step=global_step, dropped_batches=dropped, checkpoint=checkpoint)
