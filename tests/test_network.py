@@ -155,6 +155,21 @@ def test_embedded_ps_cluster_listens_only_in_its_own_namespace(tmp_path):
 
 
 @needs_namespaces
+def test_a_ps_run_its_flags_do_not_reveal_is_reexecuted_into_the_namespace(tmp_path):
+    # trainer.main's first-line check reads --gin_file and --gin_bindings, not an absl
+    # --flagfile: the process has loaded TensorFlow when it learns it coordinates an
+    # embedded cluster, so it re-executes itself (same pid, same flags) into the namespace.
+    flagfile = tmp_path / "ps.flags"
+    flagfile.write_text(f"--gin_file=gin/ps.gin\n--gin_bindings=train.total_steps={STEPS // 2}\n")
+    model_dir = tmp_path / "ps"
+    result, sampler = run_sampled([
+        sys.executable, "-m", "trainer.main", f"--flagfile={flagfile}", f"--model_dir={model_dir}",
+    ])
+    assert_closed(result, sampler, model_dir)
+    assert result.stdout.count("local cluster: ps 0 pid") == 1
+
+
+@needs_namespaces
 def test_launched_workers_listen_only_in_their_own_namespace(tmp_path):
     model_dir = tmp_path / "mwms"
     result, sampler = run_sampled([
