@@ -8,7 +8,7 @@ carries them), and the failed `cuInit` of a machine without a GPU driver is logg
 ERROR when the devices are first listed. So an entry point imports TensorFlow and lists
 its devices here, with file descriptor 2 captured, and replays what TF_CPP_MIN_LOG_LEVEL
 would have let through: lines below the level are dropped, as is the `cuInit` failure
-when the same lines said no CUDA driver exists; everything else (Python warnings, W/E/F
+when the same lines said no CUDA driver exists (unless the level is 0: everything); everything else (Python warnings, W/E/F
 lines, a traceback) is written to stderr as it came. TF_ENABLE_ONEDNN_OPTS is left alone
 (it changes numerics).
 """
@@ -28,6 +28,8 @@ _CUINIT_FAILED = "failed call to cuInit"
 
 def kept_lines(lines: list[str], min_level: int) -> list[str]:
     """The captured lines TF_CPP_MIN_LOG_LEVEL=`min_level` means to show."""
+    if min_level <= 0:
+        return list(lines)  # asked for everything
     no_driver = any(_NO_DRIVER in line for line in lines)
     kept = []
     for line in lines:
@@ -36,7 +38,7 @@ def kept_lines(lines: list[str], min_level: int) -> list[str]:
             continue
         if match and no_driver and _CUINIT_FAILED in line:
             continue  # the missing driver again, not an error of this run
-        if _ABSL_HEADER in line and min_level > 0:
+        if _ABSL_HEADER in line:
             continue
         kept.append(line)
     return kept
