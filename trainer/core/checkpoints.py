@@ -6,6 +6,7 @@ All workers restore from the chief's directory.
 """
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -14,7 +15,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from trainer.errors import UserError
+from trainer.errors import RunFailure, UserError
 
 
 class CheckpointSaver:
@@ -77,9 +78,23 @@ class CheckpointSaver:
         return None
 
     def save(self, step: int) -> str:
-        """Every worker must call this at the same step; returns the path written."""
+        """Every worker must call this at the same step; returns the path written.
+
+        A save that fails (a full disk, a model_dir that vanished) is one RunFailure line: the
+        checkpoint state file still names the previous checkpoint, which stays in charge, and
+        the partial files of this one are removed, so a rerun (after freeing space) continues.
+        """
         if self._is_chief:
-            path = self._manager.save(checkpoint_number=step)
+            try:
+                path = self._manager.save(checkpoint_number=step)
+            except (tf.errors.OpError, OSError) as e:
+                for partial in glob.glob(os.path.join(glob.escape(self.model_dir), f"ckpt-{step}_temp*")):
+                    shutil.rmtree(partial, ignore_errors=True)
+                latest = self.latest()
+                keep = f"{latest} is intact and a rerun continues from it" if latest else \
+                    "there is no earlier checkpoint: a rerun starts over"
+                raise RunFailure(f"saving checkpoint {step} in {self.model_dir} failed ({_first_line(e)}); {keep} "
+                                 "(free disk space or restore the directory first)") from e
         else:
             temp_dir = tempfile.mkdtemp(prefix=f"trainer-{self._task_name}-ckpt-")
             try:

@@ -13,6 +13,8 @@ from typing import Mapping
 
 import tensorflow as tf
 
+from trainer.errors import RunFailure
+
 METRICS_FILE = "metrics.jsonl"
 # Event files reach disk at most this long after a write (and at close). A flush syncs the file:
 # flushing every train record cost ~25 ms each, 2% of the CNN bench's steps/s on 2 cores.
@@ -42,8 +44,12 @@ class MetricsLog:
         if not self.enabled:
             return
         line = {"step": int(step), "split": split} | {k: float(v) for k, v in metrics.items()}
-        with open(self._path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        try:
+            with open(self._path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:  # a full disk, a model_dir that vanished: say so in one line
+            raise RunFailure(f"writing {self._path} failed ({e.strerror or e}); free disk space or restore "
+                             "model_dir, then rerun: it continues from the newest checkpoint") from e
         writer = self._writer(split)
         with writer.as_default(step=step):
             for name, value in metrics.items():
