@@ -46,6 +46,7 @@ from typing import Callable
 import tensorflow as tf
 
 from trainer import data
+from trainer.core import checks
 from trainer.core.loop import Evaluator, StepFn, reduce_outputs
 from trainer.core.options import LoopOptions
 from trainer.core.runtime import Runtime
@@ -118,6 +119,7 @@ class PSTrainLoop:
         global_step: tf.Variable,
         *,
         steps_per_closure: int,
+        batch_spec=None,
     ):
         self._coordinator = coordinator
         self._global_step = global_step
@@ -127,6 +129,9 @@ class PSTrainLoop:
 
         def replica_step(batch):
             return step_fn(model, optimizer, batch, global_batch_size)
+
+        self._replica_step = replica_step
+        self._batch_spec = batch_spec
 
         def one_step(iterator):
             return reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)))
@@ -159,6 +164,14 @@ class PSTrainLoop:
         except _LOST_TASK_ERRORS as error:
             raise lost_task_failure(error, f"in steps {step + 1}-{step + num_steps}") from error
         return {k: v / num_steps for k, v in totals.items()}
+
+    def trace(self, step_name: str) -> None:
+        """Traces the step alone on the coordinator, on a worker's batch spec, before anything is
+        written (the closures themselves are traced where they are first scheduled). Tracing
+        builds a graph and runs nothing, so the real model and optimizer take part unchanged."""
+        checks.traced("train.step_fn", step_name, lambda: tf.function(
+            lambda batch: reduce_outputs(tf.distribute.get_strategy(), self._replica_step(batch))
+        ).get_concrete_function(self._batch_spec))
 
     @property
     def trace_count(self) -> int:
@@ -252,6 +265,7 @@ def build_ps_loops(
     loop = PSTrainLoop(
         dist, coordinator, task.models, task.optimizers, task.step_fn, options.global_batch_size, train_data,
         task.global_step, steps_per_closure=steps_per_closure,
+        batch_spec=tf.nest.map_structure(lambda s: tf.TensorSpec([None, *s.shape], s.dtype), task.input.element_spec),
     )
     local = tf.distribute.get_strategy()  # the default strategy: the coordinator's own device
     metrics = eval_metrics_fn() if eval_metrics_fn else None  # on the coordinator, where eval runs
