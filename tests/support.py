@@ -1,11 +1,14 @@
 """Test helpers: run the real entry points in fresh subprocesses with hard timeouts."""
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
 import subprocess
 import sys
+
+import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,3 +61,10 @@ def tree_digest(root: str) -> dict[str, str]:
             with open(path, "rb") as f:
                 digest[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
     return digest
+
+
+def write_idx(path, magic: int, array: np.ndarray) -> None:
+    """A gzipped idx file as Fashion-MNIST ships them (magic 2051 images, 2049 labels)."""
+    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())

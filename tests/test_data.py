@@ -1,6 +1,5 @@
 """Tests of trainer.data and trainer.write_tfrecords with real TensorFlow: shapes, order, resume, sharding."""
 
-import gzip
 import os
 import re
 import subprocess
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.support import write_idx
 from trainer import data
 from trainer.errors import UserError
 
@@ -113,19 +113,14 @@ def test_synthetic_any_shape():
     np.testing.assert_array_equal(images[0], same[0])
 
 
-def _write_idx(path, magic: int, array: np.ndarray) -> None:
-    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + array.astype(np.uint8).tobytes())
-
 
 def test_fashion_mnist_reads_idx_files(tmp_path):
     rng = np.random.RandomState(0)
     arrays = {}
     for split, (image_file, label_file), count in zip(data.SPLITS, data.FASHION_MNIST_FILES.values(), (20, 7)):
         arrays[split] = rng.randint(0, 256, (count, 28, 28)), rng.randint(0, 10, count)
-        _write_idx(tmp_path / image_file, 2051, arrays[split][0])
-        _write_idx(tmp_path / label_file, 2049, arrays[split][1])
+        write_idx(tmp_path / image_file, 2051, arrays[split][0])
+        write_idx(tmp_path / label_file, 2049, arrays[split][1])
     source = data.FashionMnist(str(tmp_path))
     source.validate()
     for split, (raw_images, raw_labels) in arrays.items():

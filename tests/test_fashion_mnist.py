@@ -3,12 +3,11 @@ written in the Fashion-MNIST layout: its model, optimizer, batch, standardisatio
 validation hold-out as the tutorial has them, both eval splits reported."""
 from __future__ import annotations
 
-import gzip
 import os
 
 import numpy as np
 
-from tests.support import read_jsonl, run_main
+from tests.support import read_jsonl, run_main, write_idx
 
 GIN = "experiments/fashion_mnist/fashion_mnist.gin"
 FILES = {
@@ -16,11 +15,6 @@ FILES = {
     "eval": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", 150),
 }
 
-
-def _write_idx(path: str, magic: int, array: np.ndarray) -> None:
-    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + array.astype(np.uint8).tobytes())
 
 
 def _write_fashion_mnist(directory: str) -> None:
@@ -31,8 +25,8 @@ def _write_fashion_mnist(directory: str) -> None:
         images = rng.randint(0, 60, (count, 28, 28))
         for i, label in enumerate(labels):
             images[i, label * 2:label * 2 + 8, :] += 190
-        _write_idx(os.path.join(directory, images_file), 2051, images)
-        _write_idx(os.path.join(directory, labels_file), 2049, labels)
+        write_idx(os.path.join(directory, images_file), 2051, images)
+        write_idx(os.path.join(directory, labels_file), 2049, labels)
 
 
 def test_tutorial_config_trains_end_to_end_on_fashion_mnist_files(tmp_path):

@@ -1,12 +1,12 @@
 """Tests of user input functions of any structure through trainer.data, with real TensorFlow."""
 
-import gzip
 import re
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.support import write_idx
 from trainer import data
 from trainer.errors import UserError
 
@@ -194,11 +194,6 @@ def test_tfrecord_with_png_images_int64_sequences_and_a_label(tmp_path):
         data.TFRecordFiles("a", "b", features={"image": data.float_feature((2,))}).validate()
 
 
-def _write_idx(path, magic: int, array: np.ndarray) -> None:
-    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + array.astype(np.uint8).tobytes())
-
 
 def test_fashion_mnist_validation_split_and_standardization(tmp_path):
     rng = np.random.RandomState(0)
@@ -206,8 +201,8 @@ def test_fashion_mnist_validation_split_and_standardization(tmp_path):
     for split, (image_file, label_file), count in zip(data.SPLITS, data.FASHION_MNIST_FILES.values(), (20, 7)):
         raw[split] = rng.randint(0, 256, (count, 28, 28)), rng.randint(0, 10, count)
         raw[split][0][:, 0, 0] = 9  # a constant pixel: divided by 1, not 0
-        _write_idx(tmp_path / image_file, 2051, raw[split][0])
-        _write_idx(tmp_path / label_file, 2049, raw[split][1])
+        write_idx(tmp_path / image_file, 2051, raw[split][0])
+        write_idx(tmp_path / label_file, 2049, raw[split][1])
     plain = data.FashionMnist(str(tmp_path))
     assert plain.splits == ("train", "eval")
     source = data.FashionMnist(str(tmp_path), validation_size=5, standardize=True)
