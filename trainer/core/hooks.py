@@ -19,6 +19,7 @@ import tensorflow as tf
 from trainer.core.metrics_log import MetricsLog
 from trainer.core.progress import LiveBar, is_terminal
 from trainer.core.run_files import write_text_atomic
+from trainer.validation import check_bool, check_int, check_number
 
 OPERATIVE_CONFIG_FILE = "operative_config.gin"
 
@@ -107,6 +108,9 @@ class ProgressLogger(Hook):
 
     def __init__(self, every_steps: int, *, live: bool | None = None, refresh_secs: float = 0.5,
                  all_workers: bool = False, stream: IO[str] | None = None):
+        check_bool("progress_logger.live", live, optional=True)
+        check_number("progress_logger.refresh_secs", refresh_secs, strictly=False)
+        check_bool("progress_logger.all_workers", all_workers)
         self.every_steps = every_steps
         self.live, self.refresh_secs, self.all_workers = live, refresh_secs, all_workers
         self._stream = stream
@@ -235,6 +239,7 @@ class CheckpointHook(Hook):
     """Saves every N steps and at the end; every worker takes part (see checkpoints.py)."""
 
     def __init__(self, every_steps: int):
+        check_int("checkpoint_hook.every_steps", every_steps)
         self.every_steps = every_steps
 
     def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
@@ -250,6 +255,7 @@ class EvalHook(Hook):
     """Evaluates every eval split over all of its examples every N steps and at the end."""
 
     def __init__(self, every_steps: int):
+        check_int("eval_hook.every_steps", every_steps)
         self.every_steps = every_steps
         self._last_step: int | None = None
 

@@ -36,6 +36,7 @@ from typing import Callable, Iterator, Sequence
 
 from trainer.distribution import netns
 from trainer.errors import RunFailure, UserError
+from trainer.validation import check_int, check_number
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WHAT = "the embedded ParameterServer cluster"  # as the network warning names it
@@ -63,11 +64,11 @@ class LocalClusterConfig:
     max_worker_restarts: int = 3
 
     def validate(self) -> None:
-        if self.num_workers < 1 or self.num_ps < 1:
-            raise UserError(
-                f"local_cluster needs at least 1 worker and 1 ps, got num_workers="
-                f"{self.num_workers}, num_ps={self.num_ps}"
-            )
+        check_int("local_cluster.num_workers", self.num_workers)
+        check_int("local_cluster.num_ps", self.num_ps)
+        check_number("local_cluster.start_timeout_secs", self.start_timeout_secs)
+        check_number("local_cluster.grace_secs", self.grace_secs, strictly=False)
+        check_int("local_cluster.max_worker_restarts", self.max_worker_restarts, minimum=0)
 
 
 class _Server:
