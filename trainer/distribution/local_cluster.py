@@ -35,7 +35,7 @@ import traceback
 from typing import Callable, Iterator, Sequence
 
 from trainer.distribution import netns
-from trainer.errors import RunFailure, UserError
+from trainer.errors import RunFailure
 from trainer.validation import check_int, check_number
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
