@@ -141,6 +141,11 @@ def train(
         guard.check_loss_scaling(runtime.strategy, task.models, task.optimizers, step_fn, inp,
                                  global_batch_size=global_batch_size, seed=seed, print_fn=print_fn)
 
+    default_hooks = [  # made here: their gin parameters are checked before anything is written
+        ProgressLogger(hook_options.log_every_steps),
+        EvalHook(hook_options.eval_every_steps),
+        CheckpointHook(hook_options.checkpoint_every_steps),
+    ]
     if runtime.is_chief:
         prepare_model_dir(model_dir)
         if start_step == 0 and run_record.read_record(model_dir) is None:
@@ -162,9 +167,7 @@ def train(
         f"model_dir {model_dir}"
     )
     all_hooks = [
-        ProgressLogger(hook_options.log_every_steps),
-        EvalHook(hook_options.eval_every_steps),
-        CheckpointHook(hook_options.checkpoint_every_steps),
+        *default_hooks,
         *([ConfigWriter(describe_config)] if describe_config else []),
         *([HParamsWriter(hparams)] if hparams else []),
         *([PreemptionHook(runtime.strategy, task.checkpoint, saver, print_fn)] if preemption_checkpointing else []),
