@@ -60,3 +60,12 @@ def batched_input(split):
 @gin.configurable
 def list_input(split):
     return [1, 2, 3]
+
+
+@gin.configurable
+def random_input(split):
+    return tf.data.Dataset.range(300).map(lambda i: (tf.random.uniform([8, 8, 1]), tf.cast(i % 10, tf.int32)))
+
+
+random_input.deterministic = False
+random_input.num_classes = 10

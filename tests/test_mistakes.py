@@ -120,6 +120,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "optimizers_keyed_unlike_models": ([IMPORT, *bind("train.optimizer_fn = @two_optimizers")],
                                        "key each optimizer like the model"),
     "input_fn_batched": ([IMPORT, *bind("train.input_fn = @batched_input")], "batched_input"),
+    "rollback_with_nondeterministic_input": ([IMPORT, *bind("train.input_fn = @random_input",
+                                                             "train.nonfinite = 'rollback'")], "deterministic = False"),
     "input_fn_not_a_dataset": ([IMPORT, *bind("train.input_fn = @list_input")], "list_input"),
 }
 

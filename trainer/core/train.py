@@ -109,6 +109,12 @@ def train(
                           optimizer_fn=optimizer_fn, step_fn=step_fn, eval_step_fn=eval_step_fn,
                           global_batch_size=global_batch_size, total_steps=total_steps, seed=seed)
     inp = task.input
+    if not inp.deterministic:
+        if nonfinite == "rollback":
+            raise UserError(f"train.nonfinite = 'rollback' needs a deterministic input function, and {inp!r} declares "
+                            "deterministic = False (a roll-back must find the offending batch again); use 'stop'")
+        print_fn(f"warning: {inp!r} declares deterministic = False: a resumed run does not see exactly the batches "
+                 "an uninterrupted one would, and eval counts are only as exact as its output")
     config_text = describe_config() if describe_config else ""
     record = run_record.make_record(
         strategy=strategy, num_replicas=runtime.num_replicas, num_workers=runtime.num_workers,

@@ -90,6 +90,9 @@ class Input:
         self.input_fn = input_fn
         self.eval_splits = tuple(eval_splits)
         self.num_classes: int | None = getattr(input_fn, "num_classes", None)
+        # An input function that cannot give the same examples in the same order twice says so
+        # (`fn.deterministic = False`): exact resume and roll-back need them again.
+        self.deterministic: bool = getattr(input_fn, "deterministic", True) is not False
         self.shards_itself = _declares_input_context(input_fn)
         self._counts: dict[str, int] = {}
         self._memory: dict[Shard | None, Any] = {}
