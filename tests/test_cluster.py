@@ -150,7 +150,7 @@ def test_temp_dir_for_non_chief_is_outside_model_dir_and_removed(tmp_path):
 
 
 def test_checking_tf_config_does_not_import_tensorflow():
-    code = ("import sys; from trainer import cluster; cluster.cluster_from_env({'worker'}); "
+    code = ("import sys; from trainer.distribution import cluster; cluster.cluster_from_env({'worker'}); "
             "assert 'tensorflow' not in sys.modules")
     env = {**os.environ, "TF_CONFIG": tf_config(TWO_WORKERS)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60,

@@ -136,7 +136,7 @@ def test_killed_dict_model_resumes_exactly_mirrored(tmp_path, mirrored_dirs):
     code, output = run_in_group(args, 120)
     assert code == 0, output[-3000:]
     restored = int(output.split("continuing from step ")[1].split()[0])
-    assert 20 <= restored <= kill_at
+    assert restored >= 20  # the first checkpoint, or a later one the run reached before the kill landed
 
     expected, got = per_step_losses(mirrored_dirs["two_inputs"]), per_step_losses(model_dir)
     assert sorted(expected) == list(range(1, STEPS + 1)) and sorted(got) == sorted(expected)
