@@ -107,7 +107,7 @@ def drive(
     for hook in hooks:
         hook.begin(run)
     step = run.start_step
-    while step < run.total_steps:
+    while step < run.total_steps and not run.stop_requested:  # a hook may end the run early (every worker alike)
         boundaries = [b for h in hooks if (b := h.steps_to_boundary(step)) is not None]
         num_steps = min([steps_per_loop, run.total_steps - step, *boundaries])
         started = time.monotonic()
