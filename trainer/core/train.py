@@ -16,6 +16,7 @@ import keras
 
 from trainer import data
 from trainer.core import guard, models, nonfinite as nonfinite_lib, optimizers, precision, run_record, steps
+from trainer.core import ema as ema_lib, export as export_lib, warm_start as warm_start_lib
 from trainer.core.checkpoints import CheckpointSaver
 from trainer.core.controller import build_loops, drive
 from trainer.core.hooks import CheckpointHook, ConfigWriter, EvalHook, HParamsWriter, Hook, ProgressLogger, RunContext
@@ -66,6 +67,9 @@ def train(
     max_rollbacks: int = 3,
     allow_resume_changes: bool = False,
     preemption_checkpointing: bool = False,
+    ema_decay: float | None = None,
+    export_saved_model: bool = False,
+    warm_start: str | None = None,
     hooks: Sequence[Hook] = (),
     describe_config: Callable[[], str] | None = None,
     hparams: Mapping[str, bool | int | float | str] | None = None,
@@ -101,6 +105,9 @@ def train(
         mixed_precision=mixed_precision,
     )
     check_model_dir(model_dir)
+    ema_lib.check_ema_decay(ema_decay, strategy)
+    export_lib.check_export(export_saved_model, strategy)
+    warm_start_lib.check_warm_start(warm_start)
     if nonfinite == "rollback" and strategy == "parameter_server":
         raise UserError("train.nonfinite = 'rollback' is not supported with parameter_server; use 'stop'")
     if jit_compile and strategy == "parameter_server":
@@ -109,6 +116,10 @@ def train(
                           optimizer_fn=optimizer_fn, step_fn=step_fn, eval_step_fn=eval_step_fn,
                           global_batch_size=global_batch_size, total_steps=total_steps, seed=seed)
     inp = task.input
+    average = ema_lib.attach(runtime.strategy, task, ema_decay)  # before restore: it is in the checkpoint
+    if export_saved_model:
+        export_lib.check_exportable(task.models)
+    serving_spec = export_lib.serving_spec(inp.element_spec) if export_saved_model else None
     config_text = describe_config() if describe_config else ""
     record = run_record.make_record(
         strategy=strategy, num_replicas=runtime.num_replicas, num_workers=runtime.num_workers,
@@ -119,6 +130,10 @@ def train(
     saver = CheckpointSaver(task.checkpoint, model_dir, is_chief=runtime.is_chief,
                             task_name=runtime.cluster.task_name, max_to_keep=keep_checkpoints)
     restored = saver.restore_latest(print_fn)
+    if warm_start and not restored:  # a fresh run only; a shape mismatch stops here, nothing written
+        warm_start_lib.warm_start(task.models, warm_start, print_fn if runtime.is_chief else lambda _: None)
+    if average is not None and not restored:
+        average.reset()
     start_step = int(task.global_step.numpy())
     if start_step >= total_steps:
         print_fn(f"already trained: {restored} is at step {start_step} >= train.total_steps {total_steps}; nothing to do")
@@ -135,7 +150,8 @@ def train(
     )
     loop, evaluators = build_loops(runtime, task, loop_options, start_step=start_step,
                                    drop_batches=guard_nonfinite.dropped, eval_metrics_fn=eval_metrics_fn,
-                                   parameter_server=parameter_server, print_fn=print_fn)
+                                   parameter_server=parameter_server, print_fn=print_fn,
+                                   after_update=average.update if average is not None else None)
     check_functions(loop, evaluators, step_fn)
     if recovery.check_loss_scaling:  # rule 2: a mis-scaled step stops here, before its first update
         guard.check_loss_scaling(runtime.strategy, task.models, task.optimizers, step_fn, inp,
@@ -168,6 +184,8 @@ def train(
         *([ConfigWriter(describe_config)] if describe_config else []),
         *([HParamsWriter(hparams)] if hparams else []),
         *([PreemptionHook(runtime.strategy, task.checkpoint, saver, print_fn)] if preemption_checkpointing else []),
+        *([ema_lib.EmaEvalHook(average, hook_options.eval_every_steps)] if average is not None else []),
+        *([export_lib.ExportHook(serving_spec, runtime.cluster.task_name, average)] if export_saved_model else []),
         *hooks,
     ]
     try:
