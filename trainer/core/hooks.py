@@ -43,6 +43,7 @@ class RunContext:
     start_time: float = dataclasses.field(default_factory=time.monotonic)
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)  # of the first eval split
     loop: Any = None  # the compiled train loop (e.g. its `trace_count`)
+    hparams: dict[str, Any] = dataclasses.field(default_factory=dict)  # train(hparams=...): flat gin bindings
     eval_results: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # {split: last results}
     last_eval_step: int | None = None  # the step `eval_results` are of
     stop_requested: bool = False  # set by a hook (early stopping): the driver ends the run after this loop call

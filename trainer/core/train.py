@@ -168,7 +168,7 @@ def train(
         model_dir=model_dir, is_chief=runtime.is_chief, total_steps=total_steps, start_step=start_step,
         global_batch_size=global_batch_size, strategy=runtime.strategy, model=task.models,
         optimizer=task.optimizers, saver=saver, evaluators=evaluators, metrics_log=metrics_log,
-        print_fn=print_fn, loop=loop,
+        print_fn=print_fn, loop=loop, hparams=dict(hparams or {}),
     )
     names = "+".join(type(m).__name__ for m in flat(task.models))
     print_fn(
