@@ -16,7 +16,9 @@ import keras
 
 from trainer import data
 from trainer.core import guard, models, nonfinite as nonfinite_lib, optimizers, precision, run_record, steps
+from trainer.core import accumulation
 from trainer.core import ema as ema_lib, export as export_lib, warm_start as warm_start_lib
+from trainer.core import best_checkpoints, early_stopping as early_stopping_lib, keras_callbacks as keras_callbacks_lib
 from trainer.core.checkpoints import CheckpointSaver
 from trainer.core.controller import build_loops, drive
 from trainer.core.hooks import CheckpointHook, ConfigWriter, EvalHook, HParamsWriter, Hook, ProgressLogger, RunContext
@@ -67,9 +69,16 @@ def train(
     max_rollbacks: int = 3,
     allow_resume_changes: bool = False,
     preemption_checkpointing: bool = False,
+    grad_accum_steps: int = 1,
+    clip_global_norm: float | None = None,
     ema_decay: float | None = None,
     export_saved_model: bool = False,
     warm_start: str | None = None,
+    keep_best: int = 0,
+    best_metric: str = "loss",
+    best_mode: str = "min",
+    early_stopping: early_stopping_lib.EarlyStopping | None = None,
+    keras_callbacks: Sequence[keras.callbacks.Callback] = (),
     hooks: Sequence[Hook] = (),
     describe_config: Callable[[], str] | None = None,
     hparams: Mapping[str, bool | int | float | str] | None = None,
@@ -112,10 +121,22 @@ def train(
         raise UserError("train.nonfinite = 'rollback' is not supported with parameter_server; use 'stop'")
     if jit_compile and strategy == "parameter_server":
         raise UserError("train.jit_compile works with the synchronous strategies only, not 'parameter_server'")
+    update = accumulation.UpdateOptions(grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm)
+    update.check_strategy(strategy)
     runtime, task = setup(runtime_config, make_input(input_fn, data_source, eval_splits), model_fn=model_fn,
-                          optimizer_fn=optimizer_fn, step_fn=step_fn, eval_step_fn=eval_step_fn,
-                          global_batch_size=global_batch_size, total_steps=total_steps, seed=seed)
+                          optimizer_fn=optimizer_fn, step_fn=accumulation.update_step(step_fn, update),
+                          eval_step_fn=eval_step_fn, global_batch_size=global_batch_size, total_steps=total_steps,
+                          seed=seed)
+    accumulation.prepare(update, task.optimizers, num_replicas=runtime.num_replicas,
+                         global_batch_size=global_batch_size)
     inp = task.input
+    monitors = [  # best checkpoints, early stopping, Keras callbacks: checked before anything is written
+        *best_checkpoints.make_hooks(keep_best, best_metric, best_mode, task.checkpoint, inp.eval_splits,
+                                     runtime.cluster.task_name),
+        *early_stopping_lib.make_hooks(early_stopping, inp.eval_splits),
+        *keras_callbacks_lib.make_hooks(keras_callbacks, model=task.models, optimizer=task.optimizers,
+                                        eval_every_steps=eval_every_steps, parameter_server=runtime.is_parameter_server),
+    ]
     average = ema_lib.attach(runtime.strategy, task, ema_decay)  # before restore: it is in the checkpoint
     if export_saved_model:
         export_lib.check_exportable(task.models)
@@ -185,6 +206,7 @@ def train(
         *([HParamsWriter(hparams)] if hparams else []),
         *([PreemptionHook(runtime.strategy, task.checkpoint, saver, print_fn)] if preemption_checkpointing else []),
         *([ema_lib.EmaEvalHook(average, hook_options.eval_every_steps)] if average is not None else []),
+        *monitors,
         *([export_lib.ExportHook(serving_spec, runtime.cluster.task_name, average)] if export_saved_model else []),
         *hooks,
     ]
