@@ -18,7 +18,7 @@ from trainer.distribution import devices
 from trainer.distribution import local_cluster as local_cluster_lib
 from trainer.tools import gin_config
 from trainer.tools.parity import config as parity_config
-from trainer.core import profiler, ps_loop, sidecar
+from trainer.core import mlflow_hook, profiler, ps_loop, sidecar
 
 REGISTERED = {
     "train": train_lib.train,
@@ -46,6 +46,7 @@ REGISTERED = {
     **{f"keras.callbacks.{c.__name__}": c for c in (keras.callbacks.EarlyStopping, keras.callbacks.ReduceLROnPlateau,
                                                     keras.callbacks.CSVLogger, keras.callbacks.TerminateOnNaN)},
     "profiler_hook": profiler.ProfilerHook,
+    "mlflow_hook": mlflow_hook.MlflowHook,
     "parameter_server": ps_loop.ParameterServerConfig,
     "local_cluster": local_cluster_lib.LocalClusterConfig,
     "min_size_partitioner": tf.distribute.experimental.partitioners.MinSizePartitioner,
