@@ -91,8 +91,9 @@ class BestCheckpointHook(Hook):
         dropped = self._rank(step, value)
         write_text_atomic(os.path.join(self._dir, STATE_FILE), json.dumps(
             {"metric": self.metric.name, "mode": self.metric.mode, "kept": self.kept}, indent=1))
-        tf.compat.v1.train.update_checkpoint_state(
-            self._dir, self.kept[0]["name"], all_model_checkpoint_paths=[e["name"] for e in reversed(self.kept)])
+        write_text_atomic(os.path.join(self._dir, "checkpoint"), "".join(  # the CheckpointState text proto
+            [f'model_checkpoint_path: "{self.kept[0]["name"]}"\n']
+            + [f'all_model_checkpoint_paths: "{e["name"]}"\n' for e in reversed(self.kept)]))
         for entry in dropped:
             _delete_checkpoint(os.path.join(self._dir, entry["name"]))
         shown = ", ".join(f"{e['step']}: {e['value']:.6g}" for e in self.kept)

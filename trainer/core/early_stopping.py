@@ -179,7 +179,7 @@ class EarlyStoppingHook(Hook):
         if not self._record(run, step):
             return
         best_step, wait = self._standing()
-        if any_worker(run.strategy, wait >= self.patience):
+        if any_worker(run.strategy, wait >= self.patience) and step < run.total_steps:
             run.stop_requested = True
             run.print_fn(f"early stopping at step {step}: {self.metric.name} {self._history[-1][1]:.6g} has not "
                          f"improved by more than {self.metric.min_delta:g} for {wait} evals (best "
