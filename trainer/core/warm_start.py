@@ -27,7 +27,6 @@ import tensorflow as tf
 
 from trainer.errors import UserError
 
-_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 WEIGHTS_SUFFIX = ".weights.h5"
 
 
@@ -59,10 +58,31 @@ def resolve(path: str) -> str:
 
 
 def _checkpoint_shapes(prefix: str) -> dict[str, list[int]]:
-    """`{object path: shape}` of the model variables in a checkpoint (no optimizer slots)."""
-    shapes = tf.compat.v1.train.NewCheckpointReader(prefix).get_variable_to_shape_map()
-    return {k[: -len(_VALUE_SUFFIX)]: list(s) for k, s in shapes.items()
-            if k.startswith("model/") and k.endswith(_VALUE_SUFFIX) and ".OPTIMIZER_SLOT" not in k}
+    """`{path below the checkpoint's "model": shape}` of every variable of the model(s).
+
+    Walks the checkpoint's object graph from its `model` node, breadth first (each variable
+    under its shortest path there): the checkpoint's own keys cannot be compared, since a
+    variable is keyed by its shortest path from the root, which may pass through the optimizer.
+    """
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    reader = tf.compat.v1.train.NewCheckpointReader(prefix)
+    shapes = reader.get_variable_to_shape_map()
+    graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    roots = [c.node_id for c in graph.nodes[0].children if c.local_name == "model"]
+    found: dict[str, list[int]] = {}
+    seen = set(roots)
+    queue = [(node_id, "model") for node_id in roots]
+    while queue:
+        node_id, path = queue.pop(0)
+        for attribute in graph.nodes[node_id].attributes:
+            if attribute.name == "VARIABLE_VALUE" and attribute.checkpoint_key in shapes:
+                found[path] = list(shapes[attribute.checkpoint_key])
+        for child in graph.nodes[node_id].children:
+            if child.node_id not in seen:
+                seen.add(child.node_id)
+                queue.append((child.node_id, f"{path}/{child.local_name}"))
+    return found
 
 
 def _h5_shapes(path: str) -> dict[str, list[int]]:
