@@ -146,9 +146,14 @@ def _add(a, b):
     return a + b
 
 
-def prepare(options: UpdateOptions, optimizers: Any, *, num_replicas: int, global_batch_size: int) -> None:
+def prepare(options: UpdateOptions, optimizers: Any, *, num_replicas: int, global_batch_size: int,
+            jit_compile: bool = False) -> None:
     """Checks made once the task is built (before anything is written), and the sum taken over if clipping."""
     options.check_batch_size(global_batch_size, num_replicas)
+    if options.clip_global_norm is not None and jit_compile and num_replicas > 1:
+        raise UserError("train.clip_global_norm with train.jit_compile works on one device only (its cross-replica "
+                        "sum cannot run inside the compiled step); set train.jit_compile = False or use strategy "
+                        "'default'/'one_device'")
     clipping.check_keras_clipping(optimizers, num_replicas, options.clip_global_norm)
     if options.clip_global_norm is not None:
         clipping.take_over_gradient_sum(optimizers)

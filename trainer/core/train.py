@@ -128,7 +128,7 @@ def train(
                           eval_step_fn=eval_step_fn, global_batch_size=global_batch_size, total_steps=total_steps,
                           seed=seed)
     accumulation.prepare(update, task.optimizers, num_replicas=runtime.num_replicas,
-                         global_batch_size=global_batch_size)
+                         global_batch_size=global_batch_size, jit_compile=jit_compile)
     inp = task.input
     monitors = [  # best checkpoints, early stopping, Keras callbacks: checked before anything is written
         *best_checkpoints.make_hooks(keep_best, best_metric, best_mode, task.checkpoint, inp.eval_splits,
