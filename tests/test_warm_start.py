@@ -78,7 +78,9 @@ def test_shape_mismatch_and_bad_paths_are_user_errors(tmp_path):
         warm_start.warm_start(cnn(dense_units=32), prefix)
     for bad in (str(tmp_path / "nothing"), str(tmp_path), str(tmp_path / "x.weights.h5")):
         with pytest.raises(UserError, match="train.warm_start"):
-            warm_start.check_warm_start(bad)
+            warm_start.check_warm_start(bad, "default")
+    with pytest.raises(UserError, match="not supported with parameter_server"):
+        warm_start.check_warm_start(prefix, "parameter_server")
 
 
 @pytest.mark.timeout(200)

@@ -116,7 +116,7 @@ def train(
     check_model_dir(model_dir)
     ema_lib.check_ema_decay(ema_decay, strategy)
     export_lib.check_export(export_saved_model, strategy)
-    warm_start_lib.check_warm_start(warm_start)
+    warm_start_lib.check_warm_start(warm_start, strategy)
     if nonfinite == "rollback" and strategy == "parameter_server":
         raise UserError("train.nonfinite = 'rollback' is not supported with parameter_server; use 'stop'")
     if jit_compile and strategy == "parameter_server":

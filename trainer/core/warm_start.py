@@ -30,13 +30,17 @@ from trainer.errors import UserError
 WEIGHTS_SUFFIX = ".weights.h5"
 
 
-def check_warm_start(warm_start: Any) -> None:
-    """`train.warm_start` is None or a path that exists (a model_dir, a checkpoint prefix, a weights file)."""
+def check_warm_start(warm_start: Any, strategy: str) -> None:
+    """`train.warm_start` is None or a path that exists (a model_dir, a checkpoint prefix, a weights
+    file); not under parameter_server (the model's probe checkpoint would be written by the ps tasks)."""
     if warm_start is None:
         return
     if not isinstance(warm_start, str) or not warm_start:
         raise UserError(f"train.warm_start must be a path (a model_dir, a checkpoint prefix or a {WEIGHTS_SUFFIX} "
                         f"file) or None, got {warm_start!r}")
+    if strategy == "parameter_server":
+        raise UserError("train.warm_start is not supported with parameter_server; warm-start a synchronous run, "
+                        "or copy the source checkpoint into the model_dir to resume from it")
     resolve(warm_start)
 
 
