@@ -95,7 +95,9 @@ def train(
     trainer/core/task.py. Eval: `eval_step_fn(model, batch[, metrics])` returns per-replica sums
     with `num_examples` and/or updates the Keras metrics that `eval_metrics_fn()` creates.
     Speed options: `jit_compile` (XLA on the per-replica step, synchronous strategies) and
-    `mixed_precision` (see trainer/core/precision.py).
+    `mixed_precision` (see trainer/core/precision.py). Around the step: `ema_decay` (EMA weights,
+    trainer/core/ema.py), `export_saved_model` (trainer/core/export.py), `warm_start`
+    (trainer/core/warm_start.py).
     """
     check_user_functions(step_fn=step_fn, eval_step_fn=eval_step_fn, model_fn=model_fn, optimizer_fn=optimizer_fn,
                          eval_metrics_fn=eval_metrics_fn, hooks=hooks, parameter_server=parameter_server)
