@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.support import run_main, run_python
+from tests.support import read_jsonl, run_main, run_module, run_python
 from tests.update_runs import CLIP, STEPS, max_difference
 from trainer.core import accumulation
 from trainer.errors import UserError
@@ -51,3 +51,27 @@ def test_parameter_server_refuses_both_options():
     for name, value in (("grad_accum_steps", 2), ("clip_global_norm", 1.0)):
         with pytest.raises(UserError, match=f"train.{name} is not supported with parameter_server"):
             accumulation.UpdateOptions(**{name: value}).check_strategy("parameter_server")
+
+
+@pytest.mark.timeout(300)
+def test_two_multiworker_workers_clip_and_accumulate_like_one_device(tmp_path):
+    """Real `trainer.launch` processes: 2 MultiWorkerMirrored workers with 2 micro-batches and clipping
+    active every step end at the eval loss of one device running the same configuration."""
+    bindings = [f"--gin_bindings={b}" for b in (
+        "train.total_steps=20", "train.grad_accum_steps=2", f"train.clip_global_norm={CLIP}",
+        "train.eval_every_steps=20", "make_optimizer.name='sgd'", "make_optimizer.learning_rate=0.5")]
+    multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={multi}",
+                      *bindings, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "on 2 replica(s) (2 worker(s))" in proc.stdout
+    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={single}", *bindings, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [[r for r in read_jsonl(os.path.join(d, "metrics.jsonl")) if r["split"] == "eval"][-1]
+             for d in (multi, single)]
+    trains = [[r for r in read_jsonl(os.path.join(d, "metrics.jsonl")) if r["split"] == "train"][-1]
+              for d in (multi, single)]
+    print(f"eval loss at step 20: 2 workers {evals[0]['loss']:.9f}, one device {evals[1]['loss']:.9f}")
+    assert evals[0]["step"] == evals[1]["step"] == 20
+    assert abs(evals[0]["loss"] - evals[1]["loss"]) < 1e-5
+    assert trains[0]["grad_norm"] > CLIP
