@@ -10,7 +10,7 @@ import os
 import pytest
 import tensorflow as tf
 
-from tests.support import run_main, run_python
+from tests.support import read_jsonl, run_main, run_python
 from tests.update_runs import STEPS, max_difference
 from trainer.core import accumulation
 from trainer.errors import UserError
@@ -55,3 +55,21 @@ def test_batch_not_divisible_by_micro_batches_times_replicas_exits_2(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "not divisible by train.grad_accum_steps 3 x 2 replica(s)" in errors[0], errors
     assert not os.path.exists(model_dir) or not os.listdir(model_dir)
+
+
+def test_accumulated_run_resumes_exactly(tmp_path):
+    """10 steps of 2 micro-batches (the CNN with dropout) straight, and as 5 + 5 across a restart."""
+    common = ["--gin_file=gin/single.gin", "--gin_bindings=train.grad_accum_steps=2", "--gin_bindings=cnn.dropout=0.5",
+              "--gin_bindings=train.checkpoint_every_steps=5", "--gin_bindings=train.eval_every_steps=10",
+              "--gin_bindings=train.steps_per_loop=5"]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    for model_dir, totals in ((straight, (10,)), (resumed, (5, 10))):
+        for total in totals:
+            proc = run_main(*common, f"--model_dir={model_dir}", f"--gin_bindings=train.total_steps={total}",
+                            timeout=120)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "continuing from step 5" in proc.stdout
+    finals = [[r for r in read_jsonl(os.path.join(d, "metrics.jsonl")) if r["split"] == "eval"][-1]
+              for d in (straight, resumed)]
+    assert finals[0]["step"] == finals[1]["step"] == 10
+    assert finals[0]["loss"] == finals[1]["loss"]
