@@ -8,6 +8,8 @@ import os
 import pytest
 
 from tests.support import run_main, run_python
+from trainer.core import export
+from trainer.errors import UserError
 
 SMALL = ["--gin_bindings=cnn.filters=(8,)", "--gin_bindings=cnn.dense_units=16", "--gin_bindings=train.total_steps=20",
          "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.export_saved_model=True"]
@@ -56,7 +58,6 @@ def test_exported_saved_model_predicts_like_the_restored_model(tmp_path, gin_fil
 
 @pytest.mark.parametrize("args,expected", [
     (["--gin_file=gin/single.gin", "--gin_file=experiments/gan/gan.gin"], "exports one model"),
-    (["--gin_file=gin/single.gin", "--gin_bindings=train.strategy='parameter_server'"], "parameter_server"),
     (["--gin_file=gin/single.gin", "--gin_bindings=train.export_saved_model='yes'"], "True or False"),
 ])
 def test_refusals_are_one_line_and_write_nothing(tmp_path, args, expected):
@@ -67,3 +68,8 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, args, expected):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expected in errors[0] and "train.export_saved_model" in errors[0], errors
     assert not model_dir.exists() or not any(model_dir.iterdir())
+
+
+def test_parameter_server_is_refused():
+    with pytest.raises(UserError, match="train.export_saved_model is not supported with parameter_server"):
+        export.check_export(True, "parameter_server")  # train checks this before the runtime is made
