@@ -23,7 +23,7 @@ import tempfile
 
 import tensorflow as tf
 
-from trainer.core.early_stopping import Monitored, any_worker, eval_done_at, monitored
+from trainer.core.early_stopping import AnyWorker, Monitored, eval_done_at, monitored
 from trainer.core.hooks import Hook, RunContext
 from trainer.core.run_files import write_text_atomic
 from trainer.errors import UserError
@@ -50,8 +50,10 @@ class BestCheckpointHook(Hook):
         self._checkpoint, self.keep, self.metric, self._task_name = checkpoint, keep, metric, task_name
         self.kept: list[dict] = []  # {"step", "value", "name"}, best first
         self._dir = ""
+        self._any_worker: AnyWorker | None = None
 
     def begin(self, run: RunContext) -> None:
+        self._any_worker = AnyWorker(run.strategy)
         self._dir = os.path.join(run.model_dir, BEST_DIR)
         state = read_state(run.model_dir)
         if state.get("metric") == self.metric.name and state.get("mode") == self.metric.mode:
@@ -68,7 +70,7 @@ class BestCheckpointHook(Hook):
             return
         value = self.metric.value(run)
         ranks = len(self.kept) < self.keep or self._better(value, self.kept[-1]["value"])
-        if any_worker(run.strategy, ranks):
+        if self._any_worker(ranks):
             self._save(run, step, value)
 
     def end(self, run: RunContext, step: int) -> None:

@@ -4,7 +4,7 @@
 split) and a direction, as Keras' `monitor`/`mode`/`min_delta` do. Under MultiWorkerMirrored every
 worker computes the same eval numbers (eval reduces across workers), so the same rule gives the
 same answer; a worker that decided otherwise would leave its peers waiting in the next
-collective, so each decision is also agreed with one tiny all-reduce (`any_worker`).
+collective, so each decision is also agreed with one tiny all-reduce (`AnyWorker`).
 
 The patience count is a pure function of the eval history, kept by the chief in
 `model_dir/early_stopping.json` (atomic writes) and read back by every worker on resume: a
@@ -73,11 +73,11 @@ def eval_done_at(run: RunContext, step: int) -> bool:
     return run.last_eval_step == step
 
 
-class _AnyWorker:
-    """True where any worker says True: a SUM all-reduce of a 0/1 through the run's strategy."""
+class AnyWorker:
+    """`flag` agreed across workers: True where any worker says True (a SUM all-reduce of a 0/1
+    through the run's strategy; every worker must call it at the same point)."""
 
     def __init__(self, strategy: tf.distribute.Strategy):
-        self._strategy = strategy
         self._async = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
 
         @tf.function
@@ -91,16 +91,6 @@ class _AnyWorker:
         if self._async:  # one coordinator process decides for all
             return flag
         return bool(self._total(tf.constant(1.0 if flag else 0.0)) > 0)
-
-
-_agreements: dict[int, _AnyWorker] = {}
-
-
-def any_worker(strategy: tf.distribute.Strategy, flag: bool) -> bool:
-    """`flag` agreed across workers (every worker must call this at the same point)."""
-    if id(strategy) not in _agreements:
-        _agreements[id(strategy)] = _AnyWorker(strategy)
-    return _agreements[id(strategy)](flag)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +134,10 @@ class EarlyStoppingHook(Hook):
     def __init__(self, metric: Monitored, patience: int):
         self.metric, self.patience = metric, patience
         self._history: list[tuple[int, float]] = []  # (step, value) of every eval so far
+        self._any_worker: AnyWorker | None = None
 
     def begin(self, run: RunContext) -> None:
+        self._any_worker = AnyWorker(run.strategy)
         state = _read_state(run.model_dir)
         if state.get("metric") == self.metric.name:
             self._history = [(int(s), float(v)) for s, v in state.get("history", []) if int(s) <= run.start_step]
@@ -179,7 +171,7 @@ class EarlyStoppingHook(Hook):
         if not self._record(run, step):
             return
         best_step, wait = self._standing()
-        if any_worker(run.strategy, wait >= self.patience) and step < run.total_steps:
+        if self._any_worker(wait >= self.patience) and step < run.total_steps:
             run.stop_requested = True
             run.print_fn(f"early stopping at step {step}: {self.metric.name} {self._history[-1][1]:.6g} has not "
                          f"improved by more than {self.metric.min_delta:g} for {wait} evals (best "

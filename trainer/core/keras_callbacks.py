@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import keras
 
-from trainer.core.early_stopping import any_worker, eval_done_at
+from trainer.core.early_stopping import AnyWorker, eval_done_at
 from trainer.core.hooks import Hook, RunContext
 from trainer.errors import UserError
 
@@ -79,8 +79,10 @@ class KerasCallbacksHook(Hook):
         self._epoch_start = 0  # the step the current epoch started after
         self._last_step = 0
         self._last_logs: dict[str, float] = {}
+        self._any_worker: AnyWorker | None = None
 
     def begin(self, run: RunContext) -> None:
+        self._any_worker = AnyWorker(run.strategy)
         if not run.is_chief:
             for callback in self._callbacks:
                 if isinstance(callback, keras.callbacks.CSVLogger):
@@ -110,7 +112,7 @@ class KerasCallbacksHook(Hook):
             self._end_epoch(run, step, logs)
             if step < run.total_steps:
                 self._list.on_epoch_begin(self._epoch(step + 1))
-        if any_worker(run.strategy, bool(self._model.stop_training)):
+        if self._any_worker(bool(self._model.stop_training)):
             self._model.stop_training = run.stop_requested = True
 
     def _end_epoch(self, run: RunContext, step: int, logs: dict[str, float]) -> None:
