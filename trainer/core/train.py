@@ -97,7 +97,9 @@ def train(
     Speed options: `jit_compile` (XLA on the per-replica step, synchronous strategies) and
     `mixed_precision` (see trainer/core/precision.py). Around the step: `ema_decay` (EMA weights,
     trainer/core/ema.py), `export_saved_model` (trainer/core/export.py), `warm_start`
-    (trainer/core/warm_start.py).
+    (trainer/core/warm_start.py). After evals: `keep_best`/`best_metric`/`best_mode` (the best
+    checkpoints in model_dir/best, trainer/core/best_checkpoints.py), `early_stopping`
+    (trainer/core/early_stopping.py), `keras_callbacks` (trainer/core/keras_callbacks.py).
     """
     check_user_functions(step_fn=step_fn, eval_step_fn=eval_step_fn, model_fn=model_fn, optimizer_fn=optimizer_fn,
                          eval_metrics_fn=eval_metrics_fn, hooks=hooks, parameter_server=parameter_server)
