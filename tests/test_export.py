@@ -21,24 +21,30 @@ import tensorflow as tf
 from trainer import data
 from trainer.core import models, ema
 
-model_dir, with_ema = MODEL_DIR, WITH_EMA
+model_dir, with_ema, checkpoint_path, step = MODEL_DIR, WITH_EMA, CHECKPOINT, STEP
 source = data.Digits()
 model = models.cnn(source.input_shape, source.num_classes, filters=(8,), dense_units=16)
 checkpoint = tf.train.Checkpoint(model=model)
 if with_ema:
     checkpoint.ema = ema.WeightAverage(model, 0.9)
-checkpoint.read(tf.train.latest_checkpoint(model_dir)).expect_partial()
+checkpoint.read(checkpoint_path or tf.train.latest_checkpoint(model_dir)).expect_partial()
 if with_ema:
     for weight, average in zip(model.trainable_variables, checkpoint.ema.averages):
         weight.assign(average)
 images = np.stack([x for x, _ in source("eval").take(100).as_numpy_iterator()])
-loaded = tf.saved_model.load(f"{model_dir}/export/20")
+loaded = tf.saved_model.load(f"{model_dir}/export/{step}")
 serve = loaded.signatures["serving_default"]
 exported = serve(features=tf.constant(images))["outputs"].numpy()
 in_memory = model(images, training=False).numpy()
 print(json.dumps({"max_diff": float(np.abs(exported - in_memory).max()), "inputs": list(serve.structured_input_signature[1]),
                   "spread": float(in_memory.std())}))
 """
+
+
+def compare(model_dir: str, with_ema: bool, checkpoint: str | None = None, step: int = 20) -> dict:
+    """The exported model's predictions against the model restored from `checkpoint` (default: the latest)."""
+    code = COMPARE.replace("MODEL_DIR", repr(model_dir)).replace("WITH_EMA", repr(with_ema))
+    return run_python(code.replace("CHECKPOINT", repr(checkpoint)).replace("STEP", repr(step)))
 
 
 @pytest.mark.timeout(240)
@@ -50,10 +56,25 @@ def test_exported_saved_model_predicts_like_the_restored_model(tmp_path, gin_fil
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"exported SavedModel{' (EMA weights)' if with_ema else ''} to {model_dir}/export/20" in proc.stdout
     assert os.listdir(os.path.join(model_dir, "export")) == ["20"]  # no partial directory left beside it
-    result = run_python(COMPARE.replace("MODEL_DIR", repr(model_dir)).replace("WITH_EMA", repr(with_ema)))
+    result = compare(model_dir, with_ema)
     print(gin_file, "ema" if with_ema else "raw", result)
     assert result["inputs"] == ["features"] and result["spread"] > 0.01
     assert result["max_diff"] <= 1e-6
+
+
+@pytest.mark.timeout(240)
+def test_the_best_checkpoint_is_exported_too(tmp_path):
+    model_dir = str(tmp_path / "run")
+    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SMALL, "--gin_bindings=train.ema_decay=0.9",
+                    "--gin_bindings=train.total_steps=40", "--gin_bindings=train.eval_every_steps=20",
+                    "--gin_bindings=train.keep_best=1", "--gin_bindings=train.best_mode='max'")  # the worst loss: step 20
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"of the best checkpoint by loss to {model_dir}/export/20" in proc.stdout
+    assert sorted(os.listdir(os.path.join(model_dir, "export"))) == ["20", "40"]
+    best = compare(model_dir, True, os.path.join(model_dir, "best", "ckpt-20"), 20)
+    final = compare(model_dir, True, None, 40)  # the final weights were put back after the best export
+    print("best", best, "final", final)
+    assert best["max_diff"] <= 1e-6 and final["max_diff"] <= 1e-6
 
 
 @pytest.mark.parametrize("args,expected", [

@@ -1,4 +1,5 @@
-"""`train.export_saved_model`: a SavedModel of the trained model at the end of training.
+"""`train.export_saved_model`: a SavedModel of the trained model at the end of training, and of
+the best checkpoint where `train.keep_best` keeps some (`export/<its step>/`, if not the last).
 
 `model_dir/export/<step>/` holds a SavedModel whose `serving_default` signature takes a batch
 of the model's input, as the input function gives it: the features of a train example
@@ -22,6 +23,7 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
+from trainer.core.best_checkpoints import BEST_DIR
 from trainer.core.hooks import Hook, RunContext
 from trainer.core.steps import call_model
 from trainer.errors import UserError
@@ -98,12 +100,33 @@ def export(model: Any, spec: Any, model_dir: str, step: int, *, is_chief: bool,
 
 
 class ExportHook(Hook):
-    """Exports the model at the end of training (the EMA weights where `average` is given)."""
+    """Exports the model at the end of training (the EMA weights where `average` is given) and,
+    with `best` (the run's BestCheckpointHook), the best checkpoint's model too."""
 
-    def __init__(self, spec: Any, task_name: str, average: Any = None):
-        self.spec, self.task_name, self.average = spec, task_name, average
+    def __init__(self, spec: Any, task_name: str, average: Any = None, best: Any = None):
+        self.spec, self.task_name, self.average, self.best = spec, task_name, average, best
 
     def end(self, run: RunContext, step: int) -> None:
+        self._export(run, step)
+        best_step = self.best.kept[0]["step"] if self.best is not None and self.best.kept else None
+        if best_step is None or best_step == step:
+            return
+        # Every worker knows the same best step (the hook decides alike on all); only the chief has
+        # its checkpoint, so the others take part with the weights they hold, which they then keep.
+        if not run.is_chief:
+            self._export(run, best_step)
+            return
+        variables = _state_variables(run.model, self.average)
+        held = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+        checkpoint = tf.train.Checkpoint(model=run.model, **({"ema": self.average} if self.average is not None else {}))
+        checkpoint.read(os.path.join(run.model_dir, BEST_DIR, self.best.kept[0]["name"])).expect_partial()
+        try:
+            self._export(run, best_step, what=f"the best checkpoint by {self.best.metric.name}")
+        finally:
+            for variable, value in zip(variables, held):
+                variable.assign(value)
+
+    def _export(self, run: RunContext, step: int, what: str = "") -> None:
         if self.average is not None:
             with self.average.swapped_in():
                 path = export(run.model, self.spec, run.model_dir, step, is_chief=run.is_chief,
@@ -111,4 +134,10 @@ class ExportHook(Hook):
         else:
             path = export(run.model, self.spec, run.model_dir, step, is_chief=run.is_chief, task_name=self.task_name)
         if run.is_chief:
-            run.print_fn(f"exported SavedModel{' (EMA weights)' if self.average is not None else ''} to {path}")
+            weights = " (EMA weights)" if self.average is not None else ""
+            run.print_fn(f"exported SavedModel{weights}{' of ' + what if what else ''} to {path}")
+
+
+def _state_variables(model: Any, average: Any) -> list:
+    """What a best-checkpoint restore changes: the model's variables and the EMA's."""
+    return [*getattr(model, "variables", []), *(average.averages if average is not None else [])]

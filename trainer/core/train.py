@@ -211,7 +211,9 @@ def train(
         *([PreemptionHook(runtime.strategy, task.checkpoint, saver, print_fn)] if preemption_checkpointing else []),
         *([ema_lib.EmaEvalHook(average, hook_options.eval_every_steps)] if average is not None else []),
         *monitors,
-        *([export_lib.ExportHook(serving_spec, runtime.cluster.task_name, average)] if export_saved_model else []),
+        *([export_lib.ExportHook(serving_spec, runtime.cluster.task_name, average, best=next(
+            (h for h in monitors if isinstance(h, best_checkpoints.BestCheckpointHook)), None))]
+          if export_saved_model else []),
         *hooks,
     ]
     try:
