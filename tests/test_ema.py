@@ -93,20 +93,22 @@ print(json.dumps(result))
 
 
 @pytest.mark.timeout(300)
-def test_ema_and_export_under_two_multi_worker_mirrored_workers(tmp_path):
+def test_ema_and_export_of_final_and_best_under_two_multi_worker_mirrored_workers(tmp_path):
     model_dir, scratch = str(tmp_path / "run"), tmp_path / "scratch"
     scratch.mkdir()
     proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
-                      *SMALL[1:], "--gin_bindings=train.total_steps=20", "--gin_bindings=train.export_saved_model=True",
+                      *SMALL[1:], "--gin_bindings=train.total_steps=40", "--gin_bindings=train.export_saved_model=True",
+                      "--gin_bindings=train.keep_best=1", "--gin_bindings=train.best_mode='max'",  # best: step 20
                       timeout=280, env=subprocess_env(TMPDIR=str(scratch)))
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     assert "on 2 replica(s) (2 worker(s))" in proc.stdout
     raw, averaged = evals(model_dir, "eval"), evals(model_dir, "eval_ema")
-    print("mwms eval", raw[20], "ema", averaged[20])
-    assert list(averaged) == [20] and abs(raw[20]["loss"] - averaged[20]["loss"]) > 1e-3  # one writer, other weights
-    assert os.path.exists(os.path.join(model_dir, "export", "20", "saved_model.pb"))
-    assert os.listdir(os.path.join(model_dir, "export")) == ["20"]
-    assert [p for p in scratch.rglob("*") if "trainer" in p.name] == []  # worker 1's temp export deleted
+    print("mwms eval", raw[40], "ema", averaged[40])
+    assert list(averaged) == [20, 40] and abs(raw[40]["loss"] - averaged[40]["loss"]) > 1e-3  # one writer, other weights
+    for step in (20, 40):  # the best checkpoint's and the final one
+        assert os.path.exists(os.path.join(model_dir, "export", str(step), "saved_model.pb"))
+    assert sorted(os.listdir(os.path.join(model_dir, "export"))) == ["20", "40"]
+    assert [p for p in scratch.rglob("*") if "trainer" in p.name] == []  # worker 1's temp exports deleted
 
 
 def test_bad_decay_is_one_line_and_parameter_server_is_refused(tmp_path):
