@@ -8,16 +8,17 @@ from __future__ import annotations
 import sys
 
 import gin
+import keras
 import tensorflow as tf
 
 from trainer import data
-from trainer.core import hooks, models, optimizers, steps
+from trainer.core import early_stopping, hooks, models, optimizers, steps
 from trainer.core import train as train_lib
 from trainer.distribution import devices
 from trainer.distribution import local_cluster as local_cluster_lib
 from trainer.tools import gin_config
 from trainer.tools.parity import config as parity_config
-from trainer.core import profiler, ps_loop, sidecar
+from trainer.core import mlflow_hook, profiler, ps_loop, sidecar
 
 REGISTERED = {
     "train": train_lib.train,
@@ -40,7 +41,12 @@ REGISTERED = {
     "devices": devices.DeviceConfig,
     "checkpoint_hook": hooks.CheckpointHook,
     "eval_hook": hooks.EvalHook,
+    "early_stopping": early_stopping.EarlyStopping,
+    # Keras callbacks for train.keras_callbacks, under their Keras names
+    **{f"keras.callbacks.{c.__name__}": c for c in (keras.callbacks.EarlyStopping, keras.callbacks.ReduceLROnPlateau,
+                                                    keras.callbacks.CSVLogger, keras.callbacks.TerminateOnNaN)},
     "profiler_hook": profiler.ProfilerHook,
+    "mlflow_hook": mlflow_hook.MlflowHook,
     "parameter_server": ps_loop.ParameterServerConfig,
     "local_cluster": local_cluster_lib.LocalClusterConfig,
     "min_size_partitioner": tf.distribute.experimental.partitioners.MinSizePartitioner,

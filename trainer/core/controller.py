@@ -46,7 +46,7 @@ class EvaluatorLike(Protocol):
 
 def build_sync_loops(
     runtime: Runtime, task: Task, options: LoopOptions, *, start_step: int, drop_batches: Sequence[int] = (),
-    eval_metrics_fn: Callable | None = None,
+    eval_metrics_fn: Callable | None = None, after_update: Callable[[], None] | None = None,
 ) -> tuple[TrainLoop, dict[str, Evaluator]]:
     """The compiled train loop and, per eval split, an evaluator, for the synchronous strategies."""
     dist = runtime.strategy
@@ -55,7 +55,7 @@ def build_sync_loops(
         shard_policy=options.shard_policy, skip_steps=start_step, drop_batches=drop_batches,
     )
     loop = TrainLoop(dist, task.models, task.optimizers, task.step_fn, options.global_batch_size, train_data,
-                     task.global_step, jit_compile=options.jit_compile)
+                     task.global_step, jit_compile=options.jit_compile, after_update=after_update)
     with dist.scope():  # metric variables aggregate across replicas (and workers)
         metrics = eval_metrics_fn() if eval_metrics_fn else None
     evaluators = {}
@@ -70,14 +70,14 @@ def build_sync_loops(
 def build_loops(
     runtime: Runtime, task: Task, options: LoopOptions, *, start_step: int, drop_batches: Sequence[int] = (),
     eval_metrics_fn: Callable | None = None, parameter_server: ParameterServerConfig | None = None,
-    print_fn: Callable[[str], None] = print,
+    print_fn: Callable[[str], None] = print, after_update: Callable[[], None] | None = None,
 ) -> tuple[TrainLoopLike, Mapping[str, EvaluatorLike]]:
     """The loop of the runtime's strategy: asynchronous for parameter_server, else synchronous."""
     if runtime.is_parameter_server:
         return build_ps_loops(runtime, task, options, start_step=start_step, eval_metrics_fn=eval_metrics_fn,
                               config=parameter_server, print_fn=print_fn)
     return build_sync_loops(runtime, task, options, start_step=start_step, drop_batches=drop_batches,
-                            eval_metrics_fn=eval_metrics_fn)
+                            eval_metrics_fn=eval_metrics_fn, after_update=after_update)
 
 
 def op_error_summary(error: Exception) -> str:
@@ -107,7 +107,7 @@ def drive(
     for hook in hooks:
         hook.begin(run)
     step = run.start_step
-    while step < run.total_steps:
+    while step < run.total_steps and not run.stop_requested:  # a hook may end the run early (every worker alike)
         boundaries = [b for h in hooks if (b := h.steps_to_boundary(step)) is not None]
         num_steps = min([steps_per_loop, run.total_steps - step, *boundaries])
         started = time.monotonic()

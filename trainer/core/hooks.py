@@ -44,6 +44,10 @@ class RunContext:
     start_time: float = dataclasses.field(default_factory=time.monotonic)
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)  # of the first eval split
     loop: Any = None  # the compiled train loop (e.g. its `trace_count`)
+    hparams: dict[str, Any] = dataclasses.field(default_factory=dict)  # train(hparams=...): flat gin bindings
+    eval_results: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # {split: last results}
+    last_eval_step: int | None = None  # the step `eval_results` are of
+    stop_requested: bool = False  # set by a hook (early stopping): the driver ends the run after this loop call
 
 
 class Hook:
@@ -273,12 +277,13 @@ class EvalHook(Hook):
             num_examples = results.pop("num_examples")
             if index == 0:
                 run.last_eval = results
+            run.eval_results[split] = results
             run.metrics_log.record(step, split, results)
             if run.is_chief:
                 shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
                 where = "" if split == "eval" else f" on {split}"
                 run.print_fn(f"eval{where} at step {step}: {shown}  ({int(num_examples)} examples)")
-        self._last_step = step
+        self._last_step = run.last_eval_step = step
 
 
 class ConfigWriter(Hook):

@@ -57,6 +57,7 @@ class TrainLoop:
         global_step: tf.Variable,
         *,
         jit_compile: bool = False,
+        after_update: Callable[[], None] | None = None,
     ):
         self._strategy = strategy
         self._global_step = global_step
@@ -67,7 +68,10 @@ class TrainLoop:
                                         jit_compile=jit_compile)
 
         def one_step(iterator):
-            return reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)))
+            outputs = reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)))
+            if after_update is not None:  # cross-replica context, after this step's update (e.g. EMA)
+                after_update()
+            return outputs
 
         def train_steps(iterator, num_steps):
             # The first step is peeled so the loop variables take the step's own output keys.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Mapping
+from typing import Callable, Mapping
 
 import tensorflow as tf
 
@@ -29,6 +29,7 @@ class MetricsLog:
         self._path = os.path.join(model_dir, METRICS_FILE)
         self._model_dir = model_dir
         self._writers: dict[str, tf.summary.SummaryWriter] = {}
+        self._listeners: list[Callable[[int, str, dict[str, float]], None]] = []
         if enabled:
             self._writer("train")
             self._writer("eval")
@@ -56,6 +57,12 @@ class MetricsLog:
                 tf.summary.scalar(name, value)
         if split != "train":  # rare, and what a reader waits for
             writer.flush()
+        for listener in self._listeners:
+            listener(int(step), split, dict(metrics))
+
+    def subscribe(self, listener: Callable[[int, str, dict[str, float]], None]) -> None:
+        """`listener(step, split, metrics)` gets every record written from now on (e.g. MLflow's hook)."""
+        self._listeners.append(listener)
 
     def text(self, step: int, name: str, markdown: str) -> None:
         """A text summary (e.g. the operative gin config) in the train event files."""

@@ -24,8 +24,8 @@ The global step is counted by the coordinator: it adds `num_steps` after the joi
 when every closure has finished exactly once from its point of view. (A closure that
 was running on a worker that died is run again elsewhere, so its updates may be
 partly applied twice; that is the ClusterCoordinator's contract.) The optimizer's own
-`iterations` counter is updated by concurrent workers without a lock and can fall a
-little behind the global step, which only matters to schedules that read it.
+`iterations` counter is made to count every step (trainer/core/ps_schedules.py), so
+learning-rate schedules and Adam's bias correction follow the global step.
 
 Data. Each worker builds its dataset inside the per-worker dataset function (rule 8).
 With one worker it is exactly the single-device pipeline, so one worker trains
@@ -49,6 +49,7 @@ from trainer import data
 from trainer.core import checks
 from trainer.core.loop import Evaluator, StepFn, reduce_outputs
 from trainer.core.options import LoopOptions
+from trainer.core.ps_schedules import count_steps_atomically
 from trainer.core.runtime import Runtime
 from trainer.core.task import Task, flat, trainable_variables
 from trainer.errors import RunFailure, UserError
@@ -258,6 +259,7 @@ def build_ps_loops(
     workers = data.num_workers(dist)
     steps_per_closure = config.steps_per_closure or max(1, -(-options.steps_per_loop // (2 * workers)))
     coordinator = tf.distribute.coordinator.ClusterCoordinator(dist)
+    count_steps_atomically(task.optimizers, task.global_step)  # schedules and Adam follow every step
     train_data = per_worker_train_data(
         dist, coordinator, task.input, options.global_batch_size, options.seed, start_step=start_step,
         shard_policy=options.shard_policy,

@@ -16,6 +16,9 @@ import keras
 
 from trainer import data
 from trainer.core import guard, models, nonfinite as nonfinite_lib, optimizers, precision, run_record, steps
+from trainer.core import accumulation
+from trainer.core import ema as ema_lib, export as export_lib, warm_start as warm_start_lib
+from trainer.core import best_checkpoints, early_stopping as early_stopping_lib, keras_callbacks as keras_callbacks_lib
 from trainer.core.checkpoints import CheckpointSaver
 from trainer.core.controller import build_loops, drive
 from trainer.core.hooks import CheckpointHook, ConfigWriter, EvalHook, HParamsWriter, Hook, ProgressLogger, RunContext
@@ -66,6 +69,16 @@ def train(
     max_rollbacks: int = 3,
     allow_resume_changes: bool = False,
     preemption_checkpointing: bool = False,
+    grad_accum_steps: int = 1,
+    clip_global_norm: float | None = None,
+    ema_decay: float | None = None,
+    export_saved_model: bool = False,
+    warm_start: str | None = None,
+    keep_best: int = 0,
+    best_metric: str = "loss",
+    best_mode: str = "min",
+    early_stopping: early_stopping_lib.EarlyStopping | None = None,
+    keras_callbacks: Sequence[keras.callbacks.Callback] = (),
     hooks: Sequence[Hook] = (),
     describe_config: Callable[[], str] | None = None,
     hparams: Mapping[str, bool | int | float | str] | None = None,
@@ -82,7 +95,11 @@ def train(
     trainer/core/task.py. Eval: `eval_step_fn(model, batch[, metrics])` returns per-replica sums
     with `num_examples` and/or updates the Keras metrics that `eval_metrics_fn()` creates.
     Speed options: `jit_compile` (XLA on the per-replica step, synchronous strategies) and
-    `mixed_precision` (see trainer/core/precision.py).
+    `mixed_precision` (see trainer/core/precision.py). Around the step: `ema_decay` (EMA weights,
+    trainer/core/ema.py), `export_saved_model` (trainer/core/export.py), `warm_start`
+    (trainer/core/warm_start.py). After evals: `keep_best`/`best_metric`/`best_mode` (the best
+    checkpoints in model_dir/best, trainer/core/best_checkpoints.py), `early_stopping`
+    (trainer/core/early_stopping.py), `keras_callbacks` (trainer/core/keras_callbacks.py).
     """
     check_user_functions(step_fn=step_fn, eval_step_fn=eval_step_fn, model_fn=model_fn, optimizer_fn=optimizer_fn,
                          eval_metrics_fn=eval_metrics_fn, hooks=hooks, parameter_server=parameter_server)
@@ -101,13 +118,21 @@ def train(
         mixed_precision=mixed_precision,
     )
     check_model_dir(model_dir)
+    ema_lib.check_ema_decay(ema_decay, strategy)
+    export_lib.check_export(export_saved_model, strategy)
+    warm_start_lib.check_warm_start(warm_start, strategy)
     if nonfinite == "rollback" and strategy == "parameter_server":
         raise UserError("train.nonfinite = 'rollback' is not supported with parameter_server; use 'stop'")
     if jit_compile and strategy == "parameter_server":
         raise UserError("train.jit_compile works with the synchronous strategies only, not 'parameter_server'")
+    update = accumulation.UpdateOptions(grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm)
+    update.check_strategy(strategy)
     runtime, task = setup(runtime_config, make_input(input_fn, data_source, eval_splits), model_fn=model_fn,
-                          optimizer_fn=optimizer_fn, step_fn=step_fn, eval_step_fn=eval_step_fn,
-                          global_batch_size=global_batch_size, total_steps=total_steps, seed=seed)
+                          optimizer_fn=optimizer_fn, step_fn=accumulation.update_step(step_fn, update),
+                          eval_step_fn=eval_step_fn, global_batch_size=global_batch_size, total_steps=total_steps,
+                          seed=seed)
+    accumulation.prepare(update, task.optimizers, num_replicas=runtime.num_replicas,
+                         global_batch_size=global_batch_size, jit_compile=jit_compile)
     inp = task.input
     if not inp.deterministic:
         if nonfinite == "rollback":
@@ -115,6 +140,17 @@ def train(
                             "deterministic = False (a roll-back must find the offending batch again); use 'stop'")
         print_fn(f"warning: {inp!r} declares deterministic = False: a resumed run does not see exactly the batches "
                  "an uninterrupted one would, and eval counts are only as exact as its output")
+    monitors = [  # best checkpoints, early stopping, Keras callbacks: checked before anything is written
+        *best_checkpoints.make_hooks(keep_best, best_metric, best_mode, task.checkpoint, inp.eval_splits,
+                                     runtime.cluster.task_name),
+        *early_stopping_lib.make_hooks(early_stopping, inp.eval_splits),
+        *keras_callbacks_lib.make_hooks(keras_callbacks, model=task.models, optimizer=task.optimizers,
+                                        eval_every_steps=eval_every_steps, parameter_server=runtime.is_parameter_server),
+    ]
+    average = ema_lib.attach(runtime.strategy, task, ema_decay)  # before restore: it is in the checkpoint
+    if export_saved_model:
+        export_lib.check_exportable(task.models)
+    serving_spec = export_lib.serving_spec(inp.element_spec) if export_saved_model else None
     config_text = describe_config() if describe_config else ""
     record = run_record.make_record(
         strategy=strategy, num_replicas=runtime.num_replicas, num_workers=runtime.num_workers,
@@ -125,6 +161,10 @@ def train(
     saver = CheckpointSaver(task.checkpoint, model_dir, is_chief=runtime.is_chief,
                             task_name=runtime.cluster.task_name, max_to_keep=keep_checkpoints)
     restored = saver.restore_latest(print_fn)
+    if warm_start and not restored:  # a fresh run only; a shape mismatch stops here, nothing written
+        warm_start_lib.warm_start(task.models, warm_start, print_fn if runtime.is_chief else lambda _: None)
+    if average is not None and not restored:
+        average.reset()
     start_step = int(task.global_step.numpy())
     if start_step >= total_steps:
         print_fn(f"already trained: {restored} is at step {start_step} >= train.total_steps {total_steps}; nothing to do")
@@ -141,7 +181,8 @@ def train(
     )
     loop, evaluators = build_loops(runtime, task, loop_options, start_step=start_step,
                                    drop_batches=guard_nonfinite.dropped, eval_metrics_fn=eval_metrics_fn,
-                                   parameter_server=parameter_server, print_fn=print_fn)
+                                   parameter_server=parameter_server, print_fn=print_fn,
+                                   after_update=average.update if average is not None else None)
     check_functions(loop, evaluators, step_fn)
     if recovery.check_loss_scaling:  # rule 2: a mis-scaled step stops here, before its first update
         guard.check_loss_scaling(runtime.strategy, task.models, task.optimizers, step_fn, inp,
@@ -163,7 +204,7 @@ def train(
         model_dir=model_dir, is_chief=runtime.is_chief, total_steps=total_steps, start_step=start_step,
         global_batch_size=global_batch_size, strategy=runtime.strategy, model=task.models,
         optimizer=task.optimizers, saver=saver, evaluators=evaluators, metrics_log=metrics_log,
-        print_fn=print_fn, loop=loop,
+        print_fn=print_fn, loop=loop, hparams=dict(hparams or {}),
     )
     names = "+".join(type(m).__name__ for m in flat(task.models))
     print_fn(
@@ -177,6 +218,11 @@ def train(
         *([ConfigWriter(describe_config)] if describe_config else []),
         *([HParamsWriter(hparams)] if hparams else []),
         *([PreemptionHook(runtime.strategy, task.checkpoint, saver, print_fn)] if preemption_checkpointing else []),
+        *([ema_lib.EmaEvalHook(average, hook_options.eval_every_steps)] if average is not None else []),
+        *monitors,
+        *([export_lib.ExportHook(serving_spec, runtime.cluster.task_name, average, best=next(
+            (h for h in monitors if isinstance(h, best_checkpoints.BestCheckpointHook)), None))]
+          if export_saved_model else []),
         *hooks,
     ]
     try:

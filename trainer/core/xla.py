@@ -80,9 +80,9 @@ class _GradientRecorder:
     def _record(self, gradients, variables):
         self.calls += 1
         if self.calls > 1:
-            raise ValueError("train.jit_compile under a multi-device strategy runs the optimizer update after the "
-                             "compiled step, so the step may call apply_gradients only once; set "
-                             "train.jit_compile = False for this step")
+            raise ValueError("the optimizer update runs after the step here (train.jit_compile under a multi-device "
+                             "strategy, train.grad_accum_steps, train.clip_global_norm), so the step may call "
+                             "apply_gradients only once per optimizer; unset those options for this step")
         self.gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
         self.variables = variables
         return self._optimizer.iterations

@@ -1,0 +1,99 @@
+"""Early stopping (train.early_stopping): the rule, a stopped run's rerun, and 2 MultiWorkerMirrored
+workers that stop at the same step, both exit 0, with the best-K directory checked against metrics.jsonl."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from tests.support import read_jsonl, run_main, run_module, subprocess_env, tree_digest
+from tests.test_multiworker import trainer_pids_for
+from trainer.core.early_stopping import EarlyStoppingHook, monitored
+
+# A metric that stops improving: no change of the eval loss beats min_delta 100, so the first
+# eval is the best and the run stops `patience` evals later.
+NEVER_IMPROVES = ["--gin_bindings=train.early_stopping=@early_stopping()", "--gin_bindings=early_stopping.patience=2",
+                  "--gin_bindings=early_stopping.min_delta=100.0"]
+SHORT = ["--gin_bindings=train.model_fn=@mlp", "--gin_bindings=train.total_steps=200",
+         "--gin_bindings=train.eval_every_steps=20", "--gin_bindings=train.checkpoint_every_steps=100",
+         "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.log_every_steps=20"]
+BEST_2 = ["--gin_bindings=train.keep_best=2", "--gin_bindings=train.best_metric='accuracy'",
+          "--gin_bindings=train.best_mode='max'"]
+
+
+def top_k_steps(model_dir: str, k: int, key: str = "accuracy") -> list[int]:
+    """The steps of the k best eval records (max, ties: the earlier step), from metrics.jsonl."""
+    evals = {r["step"]: r[key] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "eval"}
+    return [s for s, _ in sorted(evals.items(), key=lambda item: (-item[1], item[0]))[:k]]
+
+
+def best_steps(model_dir: str) -> list[int]:
+    with open(os.path.join(model_dir, "best", "best.json")) as f:
+        return [e["step"] for e in json.load(f)["kept"]]
+
+
+def test_the_rule_is_keras_rule_and_a_function_of_the_history():
+    hook = EarlyStoppingHook(monitored("early_stopping.", "loss", "min", ("eval",), min_delta=0.1), patience=2)
+    hook._history = [(10, 1.0), (20, 0.95), (30, 0.85), (40, 0.8)]  # 0.95 and 0.8: not by more than 0.1
+    assert hook._standing() == (30, 1)
+    hook._history.append((50, float("nan")))  # NaN never improves
+    assert hook._standing() == (30, 2)
+    up = monitored("early_stopping.", "train_b/accuracy", "max", ("eval", "train_b"))
+    assert (up.split, up.key) == ("train_b", "accuracy") and up.improves(0.5, 0.4) and not up.improves(0.4, 0.4)
+
+
+@pytest.mark.timeout(200)
+def test_a_stopped_run_ends_with_exit_0_a_checkpoint_there_and_a_rerun_trains_no_more(tmp_path):
+    model_dir = str(tmp_path / "run")
+    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT, *NEVER_IMPROVES, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "early stopping at step 60: loss" in proc.stdout, proc.stdout[-2000:]
+    assert os.path.exists(os.path.join(model_dir, "ckpt-60.index"))
+    records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
+    assert max(r["step"] for r in records) == 60 and [r["step"] for r in records if r["split"] == "eval"] == [20, 40, 60]
+    rerun = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT, *NEVER_IMPROVES, timeout=180)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "this run stopped at step 60, nothing more to train" in rerun.stdout
+    assert max(r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl"))) == 60
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("binding,needle", [
+    ("early_stopping.patience=0", "early_stopping.patience must be a positive integer"),
+    ("early_stopping.mode='up'", "unknown early_stopping.mode 'up'"),
+    ("train.keep_best=-1", "train.keep_best must be an integer >= 0"),
+    ("train.best_mode='best'", "unknown train.best_mode 'best'"),
+])
+def test_bad_values_are_one_line_and_write_nothing(tmp_path, binding, needle):
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT,
+                    "--gin_bindings=train.early_stopping=@early_stopping()", f"--gin_bindings={binding}", timeout=100)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and needle in lines[-1], lines[-1]
+    assert tree_digest(str(model_dir)) == {}
+
+
+@pytest.mark.timeout(300)
+def test_two_multiworker_mirrored_workers_stop_at_the_same_step_and_keep_the_best(tmp_path):
+    """Must-show 4: a real 2-worker launch; every worker prints its decision, from its own numbers."""
+    model_dir = str(tmp_path / "run")
+    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
+                      *SHORT, *NEVER_IMPROVES, *BEST_2, "--gin_bindings=early_stopping.patience=3",
+                      timeout=280, env=subprocess_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stops = re.findall(r"\[worker (\d)\] early stopping at step (\d+): (.*)", proc.stdout)
+    assert sorted(w for w, _, _ in stops) == ["0", "1"], proc.stdout[-3000:]
+    assert stops[0][1:] == stops[1][1:] and stops[0][1] == "80"  # same step, same numbers on both
+    assert "[worker 0] finished" not in proc.stdout and "[worker 1] finished at step 80/200" in proc.stdout
+    assert os.path.exists(os.path.join(model_dir, "ckpt-80.index"))
+    assert [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "eval"] == \
+        [20, 40, 60, 80]
+    assert best_steps(model_dir) == top_k_steps(model_dir, 2)
+    files = sorted(os.listdir(os.path.join(model_dir, "best")))
+    assert files == sorted(["best.json", "checkpoint"] + [f"ckpt-{s}.{ext}" for s in best_steps(model_dir)
+                                                          for ext in ("index", "data-00000-of-00001")])
+    assert not trainer_pids_for(model_dir)

@@ -1,0 +1,96 @@
+"""train.export_saved_model: the SavedModel reloaded with tf.saved_model.load predicts what the
+model restored from the final checkpoint predicts (raw weights, and the EMA weights with EMA on),
+under the default strategy and mirrored (2 logical CPUs); refusals are one line."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support import run_main, run_python
+from trainer.core import export
+from trainer.errors import UserError
+
+SMALL = ["--gin_bindings=cnn.filters=(8,)", "--gin_bindings=cnn.dense_units=16", "--gin_bindings=train.total_steps=20",
+         "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.export_saved_model=True"]
+
+COMPARE = """
+import json
+import numpy as np
+import tensorflow as tf
+from trainer import data
+from trainer.core import models, ema
+
+model_dir, with_ema, checkpoint_path, step = MODEL_DIR, WITH_EMA, CHECKPOINT, STEP
+source = data.Digits()
+model = models.cnn(source.input_shape, source.num_classes, filters=(8,), dense_units=16)
+checkpoint = tf.train.Checkpoint(model=model)
+if with_ema:
+    checkpoint.ema = ema.WeightAverage(model, 0.9)
+checkpoint.read(checkpoint_path or tf.train.latest_checkpoint(model_dir)).expect_partial()
+if with_ema:
+    for weight, average in zip(model.trainable_variables, checkpoint.ema.averages):
+        weight.assign(average)
+images = np.stack([x for x, _ in source("eval").take(100).as_numpy_iterator()])
+loaded = tf.saved_model.load(f"{model_dir}/export/{step}")
+serve = loaded.signatures["serving_default"]
+exported = serve(features=tf.constant(images))["outputs"].numpy()
+in_memory = model(images, training=False).numpy()
+print(json.dumps({"max_diff": float(np.abs(exported - in_memory).max()), "inputs": list(serve.structured_input_signature[1]),
+                  "spread": float(in_memory.std())}))
+"""
+
+
+def compare(model_dir: str, with_ema: bool, checkpoint: str | None = None, step: int = 20) -> dict:
+    """The exported model's predictions against the model restored from `checkpoint` (default: the latest)."""
+    code = COMPARE.replace("MODEL_DIR", repr(model_dir)).replace("WITH_EMA", repr(with_ema))
+    return run_python(code.replace("CHECKPOINT", repr(checkpoint)).replace("STEP", repr(step)))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("gin_file,with_ema", [("gin/single.gin", False), ("gin/mirrored.gin", True)])
+def test_exported_saved_model_predicts_like_the_restored_model(tmp_path, gin_file, with_ema):
+    model_dir = str(tmp_path / "run")
+    extra = ["--gin_bindings=train.ema_decay=0.9"] if with_ema else []
+    proc = run_main(f"--gin_file={gin_file}", f"--model_dir={model_dir}", *SMALL, *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"exported SavedModel{' (EMA weights)' if with_ema else ''} to {model_dir}/export/20" in proc.stdout
+    assert os.listdir(os.path.join(model_dir, "export")) == ["20"]  # no partial directory left beside it
+    result = compare(model_dir, with_ema)
+    print(gin_file, "ema" if with_ema else "raw", result)
+    assert result["inputs"] == ["features"] and result["spread"] > 0.01
+    assert result["max_diff"] <= 1e-6
+
+
+@pytest.mark.timeout(240)
+def test_the_best_checkpoint_is_exported_too(tmp_path):
+    model_dir = str(tmp_path / "run")
+    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SMALL, "--gin_bindings=train.ema_decay=0.9",
+                    "--gin_bindings=train.total_steps=40", "--gin_bindings=train.eval_every_steps=20",
+                    "--gin_bindings=train.keep_best=1", "--gin_bindings=train.best_mode='max'")  # the worst loss: step 20
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"of the best checkpoint by loss to {model_dir}/export/20" in proc.stdout
+    assert sorted(os.listdir(os.path.join(model_dir, "export"))) == ["20", "40"]
+    best = compare(model_dir, True, os.path.join(model_dir, "best", "ckpt-20"), 20)
+    final = compare(model_dir, True, None, 40)  # the final weights were put back after the best export
+    print("best", best, "final", final)
+    assert best["max_diff"] <= 1e-6 and final["max_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--gin_file=gin/single.gin", "--gin_file=experiments/gan/gan.gin"], "exports one model"),
+    (["--gin_file=gin/single.gin", "--gin_bindings=train.export_saved_model='yes'"], "True or False"),
+])
+def test_refusals_are_one_line_and_write_nothing(tmp_path, args, expected):
+    model_dir = tmp_path / "run"
+    binding = [] if any("export_saved_model" in a for a in args) else ["--gin_bindings=train.export_saved_model=True"]
+    proc = run_main(*args, f"--model_dir={model_dir}", *binding, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0] and "train.export_saved_model" in errors[0], errors
+    assert not model_dir.exists() or not any(model_dir.iterdir())
+
+
+def test_parameter_server_is_refused():
+    with pytest.raises(UserError, match="train.export_saved_model is not supported with parameter_server"):
+        export.check_export(True, "parameter_server")  # train checks this before the runtime is made

@@ -1,0 +1,107 @@
+"""train.warm_start: from another run's model_dir, a checkpoint prefix or a .weights.h5 file; a
+partial restore that names what matched and what did not; a shape mismatch is one error line."""
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.support import run_main, tree_digest
+from trainer.core import models, warm_start
+from trainer.errors import UserError
+
+SMALL = ["--gin_file=gin/single.gin", "--gin_bindings=cnn.filters=(8,)", "--gin_bindings=train.steps_per_loop=10"]
+
+
+def cnn(dense_units: int = 16, filters=(8,)):
+    return models.cnn((8, 8, 1), 10, filters=filters, dense_units=dense_units)
+
+
+def same_weights(a, b) -> bool:
+    return all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a.weights, b.weights))
+
+
+def test_from_a_checkpoint_prefix_and_a_model_dir(tmp_path):
+    keras.utils.set_random_seed(1)
+    source = cnn()
+    prefix = tf.train.Checkpoint(model=source, optimizer=keras.optimizers.Adam()).write(str(tmp_path / "ckpt-7"))
+    tf.train.CheckpointManager(tf.train.Checkpoint(model=source), str(tmp_path / "run"), 1).save(7)
+    for path in (prefix, str(tmp_path / "run")):
+        target, lines = cnn(), []
+        assert not same_weights(source, target)
+        warm_start.warm_start(target, path, lines.append)
+        assert same_weights(source, target)
+        assert "restored 8 of the model's 8 variables" in lines[0] and lines[1].endswith("(0): -")
+
+
+def mlp(*units: int):
+    return keras.Sequential([keras.Input((4,)), *[keras.layers.Dense(u) for u in units]])
+
+
+def test_partial_restore_names_what_did_not_match(tmp_path):
+    keras.utils.set_random_seed(1)
+    source = mlp(8, 3)
+    prefix = tf.train.Checkpoint(model=source).write(str(tmp_path / "ckpt"))
+    target, lines = mlp(8, 3, 2), []  # one more layer at the end: the first two match by place
+    warm_start.warm_start(target, prefix, lines.append)
+    print("\n".join(lines))
+    assert "restored 4 of the model's 6 variables" in lines[0] and "_operations/1/_kernel" in lines[0]
+    assert "(2):" in lines[1] and "_operations/3/_kernel" in lines[1] and lines[2].endswith("(0): -")
+    assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(target.weights[:4], source.weights))
+    lines = []
+    warm_start.warm_start(mlp(8), prefix, lines.append)  # the source has more: ignored, named
+    assert "restored 2 of the model's 2" in lines[0] and "(2):" in lines[2] and "_operations/2/bias" in lines[2]
+
+
+def test_from_a_weights_file_partially(tmp_path):
+    keras.utils.set_random_seed(1)
+    source = cnn()
+    path = str(tmp_path / "source.weights.h5")
+    source.save_weights(path)
+    target, lines = cnn(), []
+    warm_start.warm_start(target, path, lines.append)
+    assert same_weights(source, target) and "restored 8 of the model's 8" in lines[0]
+    small = str(tmp_path / "small.weights.h5")
+    mlp(8, 3).save_weights(small)
+    bigger, lines = mlp(8, 3, 2), []
+    warm_start.warm_start(bigger, small, lines.append)
+    print("\n".join(lines))
+    assert "restored 4 of the model's 6" in lines[0] and "layers/dense_2/vars/0" in lines[1]
+
+
+def test_shape_mismatch_and_bad_paths_are_user_errors(tmp_path):
+    prefix = tf.train.Checkpoint(model=cnn(dense_units=16)).write(str(tmp_path / "ckpt"))
+    with pytest.raises(UserError, match=r"_operations/5/_kernel has shape \[128, 16\] there but \[128, 32\]"):
+        warm_start.warm_start(cnn(dense_units=32), prefix)
+    for bad in (str(tmp_path / "nothing"), str(tmp_path), str(tmp_path / "x.weights.h5")):
+        with pytest.raises(UserError, match="train.warm_start"):
+            warm_start.check_warm_start(bad, "default")
+    with pytest.raises(UserError, match="not supported with parameter_server"):
+        warm_start.check_warm_start(prefix, "parameter_server")
+
+
+@pytest.mark.timeout(200)
+def test_a_run_warm_starts_fresh_only_and_a_mismatch_exits_2(tmp_path):
+    source, target, wrong = str(tmp_path / "source"), str(tmp_path / "target"), str(tmp_path / "wrong")
+    proc = run_main(*SMALL, f"--model_dir={source}", "--gin_bindings=train.total_steps=30")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = [*SMALL, f"--model_dir={target}", f"--gin_bindings=train.warm_start='{source}'"]
+    proc = run_main(*run, "--gin_bindings=train.total_steps=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"warm start from {source}/ckpt-30: restored 8 of the model's 8 variables" in proc.stdout
+    first_loss = float(proc.stdout.split("eval at step 10: loss ")[1].split()[0])
+    assert first_loss < 1.0  # from the 30 steps of the source run, not from scratch
+    proc = run_main(*run, "--gin_bindings=train.total_steps=20")  # has its own checkpoint: resumes
+    assert proc.returncode == 0 and "warm start" not in proc.stdout and "restored" in proc.stdout
+
+    os.makedirs(wrong)
+    before = tree_digest(wrong)
+    proc = run_main(*SMALL, f"--model_dir={wrong}", f"--gin_bindings=train.warm_start='{source}'",
+                    "--gin_bindings=cnn.dense_units=32", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "has shape" in errors[0], errors
+    assert tree_digest(wrong) == before
