@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import tensorflow as tf
 
-from trainer.core.hooks import Hook, RunContext
+from trainer.core.hooks import EvalHook, RunContext, evaluate_splits
 from trainer.core.task import trainable_variables
 from trainer.errors import UserError
 from trainer.validation import check_number
@@ -98,31 +98,15 @@ def attach(strategy: tf.distribute.Strategy, task: Any, decay: float | None) -> 
     return average
 
 
-class EmaEvalHook(Hook):
+class EmaEvalHook(EvalHook):
     """Evaluates every split with the averaged weights at each eval boundary and at the end,
     after the raw eval (EvalHook), and logs split `<split>_ema`."""
 
     def __init__(self, average: WeightAverage, every_steps: int):
+        super().__init__(every_steps)
         self.average = average
-        self.every_steps = every_steps
-        self._last_step: int | None = None
-
-    def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
-        if self.at_boundary(step):
-            self._evaluate(run, step)
-
-    def end(self, run: RunContext, step: int) -> None:
-        if self._last_step != step:
-            self._evaluate(run, step)
 
     def _evaluate(self, run: RunContext, step: int) -> None:
         with self.average.swapped_in():
-            for split, evaluator in run.evaluators.items():
-                results = evaluator.evaluate()
-                num_examples = results.pop("num_examples")
-                run.metrics_log.record(step, f"{split}_ema", results)
-                if run.is_chief:
-                    shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
-                    where = "" if split == "eval" else f" on {split}"
-                    run.print_fn(f"eval{where} (EMA) at step {step}: {shown}  ({int(num_examples)} examples)")
+            evaluate_splits(run, step, suffix="_ema", label=" (EMA)")
         self._last_step = step

@@ -272,18 +272,26 @@ class EvalHook(Hook):
             self._evaluate(run, step)
 
     def _evaluate(self, run: RunContext, step: int) -> None:
-        for index, (split, evaluator) in enumerate(run.evaluators.items()):
-            results = evaluator.evaluate()
-            num_examples = results.pop("num_examples")
-            if index == 0:
-                run.last_eval = results
-            run.eval_results[split] = results
-            run.metrics_log.record(step, split, results)
-            if run.is_chief:
-                shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
-                where = "" if split == "eval" else f" on {split}"
-                run.print_fn(f"eval{where} at step {step}: {shown}  ({int(num_examples)} examples)")
+        results = evaluate_splits(run, step)
+        run.last_eval = next(iter(results.values()), {})
+        run.eval_results.update(results)
         self._last_step = run.last_eval_step = step
+
+
+def evaluate_splits(run: RunContext, step: int, *, suffix: str = "", label: str = "") -> dict[str, dict[str, float]]:
+    """Every eval split once, each recorded as split `<split><suffix>` and printed (chief);
+    returns the results by split, without `num_examples`."""
+    by_split = {}
+    for split, evaluator in run.evaluators.items():
+        results = evaluator.evaluate()
+        num_examples = results.pop("num_examples")
+        by_split[split] = results
+        run.metrics_log.record(step, f"{split}{suffix}", results)
+        if run.is_chief:
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
+            where = "" if split == "eval" else f" on {split}"
+            run.print_fn(f"eval{where}{label} at step {step}: {shown}  ({int(num_examples)} examples)")
+    return by_split
 
 
 class ConfigWriter(Hook):
