@@ -34,6 +34,9 @@ class TrainLoopLike(Protocol):
     def run(self, num_steps: int) -> dict[str, float]:
         """Trains `num_steps` steps; returns each step output's mean over them."""
 
+    def trace(self, step_name: str) -> None:
+        """Traces the step on the real batch spec; a broken user function is one UserError line."""
+
     @property
     def trace_count(self) -> int:
         """How often the step was traced (1 when nothing retraces)."""
@@ -42,6 +45,9 @@ class TrainLoopLike(Protocol):
 class EvaluatorLike(Protocol):
     def evaluate(self) -> dict[str, float]:
         """One pass over an eval split: per-example means, metric results and `num_examples`."""
+
+    def trace(self) -> None:
+        """Traces the eval pass on the real batch spec and checks what the eval step returns."""
 
 
 def build_sync_loops(

@@ -247,10 +247,8 @@ def check_user_functions(*, step_fn, eval_step_fn, model_fn, optimizer_fn, eval_
 
 
 def check_functions(loop, evaluators: Mapping, step_fn: Callable) -> None:
-    """Traces the train and eval steps on the real batch specs before anything is written (the
-    traces their first calls reuse); the asynchronous loop traces its closures where it schedules them."""
-    if hasattr(loop, "trace"):
-        loop.trace(getattr(step_fn, "__name__", type(step_fn).__name__))
+    """Traces the train and eval steps on the real batch specs before anything is written."""
+    loop.trace(getattr(step_fn, "__name__", type(step_fn).__name__))
     for evaluator in evaluators.values():
         evaluator.trace()
 
