@@ -8,6 +8,7 @@ no `next(iterator)`: no input pipeline, no hooks, no Python between steps.
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
 from trainer.tools.bench.config import setup
 from trainer.tools.bench.protocol import Channel
@@ -15,6 +16,29 @@ from trainer.tools.bench.protocol import Channel
 
 def run_limit(settings: dict, channel: Channel) -> None:
     """Runs to the steps the parent asks for, `steps_per_loop` steps per call."""
+    run_steps, limit = bare_step(*setup(settings), settings)
+
+    def run_until(until: int) -> None:
+        while channel.done < until:
+            count = min(settings["steps_per_loop"], until - channel.done)
+            run_steps(count)
+            channel.done += count
+
+    run_until(1)
+    until = channel.ready()
+    while until is not None:
+        started = time.monotonic()
+        run_until(until)
+        until = channel.chunk_done(time.monotonic() - started)
+    channel.finished(limit.experimental_get_tracing_count())
+
+
+def bare_step(dist, task, settings: dict) -> tuple[Callable[[int], None], Any]:
+    """`run_steps(count)`, which runs `count` steps in one call and waits for them, and the compiled function.
+
+    Apart from the worker so that the input bench (trainer/tools/bench/input_only.py) measures
+    what the step consumes with this same function, in its own process.
+    """
     import tensorflow as tf
 
     from trainer import data
@@ -22,7 +46,6 @@ def run_limit(settings: dict, channel: Channel) -> None:
     from trainer.core.loop import reduce_outputs
     from trainer.distribution import devices
 
-    dist, task = setup(settings)
     gb = settings["global_batch_size"]
     dataset = data.train_dataset(task.input, gb, settings["seed"], shard_policy=settings["shard_policy"])
     batch = next(iter(dist.experimental_distribute_dataset(dataset)))
@@ -44,17 +67,8 @@ def run_limit(settings: dict, channel: Channel) -> None:
             totals = {k: totals[k] + outputs[k] for k in totals}
         return totals
 
-    def run_until(until: int) -> None:
-        while channel.done < until:
-            count = min(settings["steps_per_loop"], until - channel.done)
-            outputs = limit(batch, tf.constant(count, tf.int32))
-            {k: float(v) for k, v in outputs.items()}  # noqa: B018  (waits for the call, like ours does)
-            channel.done += count
+    def run_steps(count: int) -> None:
+        outputs = limit(batch, tf.constant(count, tf.int32))
+        {k: float(v) for k, v in outputs.items()}  # noqa: B018  (waits for the call, like ours does)
 
-    run_until(1)
-    until = channel.ready()
-    while until is not None:
-        started = time.monotonic()
-        run_until(until)
-        until = channel.chunk_done(time.monotonic() - started)
-    channel.finished(limit.experimental_get_tracing_count())
+    return run_steps, limit
