@@ -337,3 +337,76 @@ def test_split_steps_is_exact_and_even():
         for size in range(1, 20):
             parts = split_steps(n, size)
             assert sum(parts) == n and max(parts) <= size and max(parts) - min(parts) <= 1
+
+
+REJECTED = ("2 root error(s) found. (0) INTERNAL: Unable to parse request Additional GRPC error information from "
+            "remote target /job:worker/replica:0/task:0/device:CPU:0 while calling "
+            "/tensorflow.eager.EagerService/RunComponentFunction")
+
+
+class _Result:
+    """A RemoteValue's stand-in: the closure's summed outputs, or the error its fetch raises."""
+
+    def __init__(self, steps: int, error: Exception | None):
+        self.steps, self.error = steps, error
+
+    def fetch(self):
+        if self.error:
+            raise self.error
+        return {"loss": np.float32(2.0 * self.steps)}
+
+
+class _RejectingCoordinator:
+    """A ClusterCoordinator's stand-in (Orbit-style in-process fake of the loop's one dependency):
+    in each of its first `rejections` rounds the first closure is rejected by a worker's server
+    and the others are cancelled, as TF's coordinator does; later rounds succeed."""
+
+    def __init__(self, rejections: int, error: Exception | None = None):
+        self.rejections, self.error = rejections, error or tf.errors.InternalError(None, None, REJECTED)
+        self.rounds: list[list[int]] = [[]]
+
+    def schedule(self, fn, args):
+        steps = int(args[1].numpy())
+        self.rounds[-1].append(steps)
+        failing = len(self.rounds) <= self.rejections
+        first = len(self.rounds[-1]) == 1
+        cancelled = tf.errors.CancelledError(None, None, "The corresponding function is cancelled.")
+        return _Result(steps, (self.error if first else cancelled) if failing else None)
+
+    def join(self):
+        failing = len(self.rounds) <= self.rejections
+        self.rounds.append([])
+        if failing:
+            raise self.error
+
+
+def _loop(coordinator, printed):
+    from trainer.core.ps_loop import PSTrainLoop
+
+    step = tf.Variable(0, dtype=tf.int64)
+    loop = PSTrainLoop(tf.distribute.get_strategy(), coordinator, None, None, None, 8, [], step,
+                       steps_per_closure=10, print_fn=printed.append)
+    return loop, step
+
+
+def test_a_closure_a_worker_rejected_unread_runs_again_with_the_ones_cancelled_with_it():
+    printed: list[str] = []
+    coordinator = _RejectingCoordinator(rejections=2)
+    loop, step = _loop(coordinator, printed)
+    assert loop.run(30) == {"loss": 2.0}  # every step counted once
+    assert coordinator.rounds[:3] == [[10, 10, 10]] * 3 and int(step.numpy()) == 30
+    assert len(printed) == 2 and all(line.startswith("warning: a worker's server rejected a closure in steps 1-30")
+                                     for line in printed), printed
+
+
+def test_other_closure_errors_and_a_fourth_rejection_still_end_the_call():
+    from trainer.core.ps_loop import MAX_RESCHEDULES
+
+    loop, step = _loop(_RejectingCoordinator(rejections=MAX_RESCHEDULES + 1), [])
+    with pytest.raises(tf.errors.InternalError, match="Unable to parse request"):
+        loop.run(30)
+    other = tf.errors.InternalError(None, None, "a kernel failed on /job:worker/replica:0/task:0")
+    loop, step = _loop(_RejectingCoordinator(rejections=1, error=other), [])
+    with pytest.raises(tf.errors.InternalError, match="a kernel failed"):
+        loop.run(30)
+    assert int(step.numpy()) == 0

@@ -55,6 +55,22 @@ from trainer.core.task import Task, flat, trainable_variables
 from trainer.errors import RunFailure, UserError
 
 _LOST_TASK_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)
+MAX_RESCHEDULES = 3
+
+
+def rejected_by_worker(error: Exception) -> bool:
+    """Whether a worker's gRPC server refused a request it could not parse: the closure never ran.
+
+    Seen once in CI (TF 2.21, 2 workers on localhost, the run's first closures): the chief's
+    RunComponentFunction request reached worker 0 and its server answered INTERNAL "Unable to
+    parse request". The worker executed nothing (the request never got past parsing), so the
+    closure can run again without applying any of its steps twice. TF's coordinator treats it
+    as a user error and cancels the other closures; `PSTrainLoop.run` schedules those again
+    too. A cancelled closure that was already running on another worker may have applied
+    part of its steps, which are then applied again: what a worker failure does too.
+    """
+    text = str(error)
+    return isinstance(error, tf.errors.InternalError) and "Unable to parse request" in text and "/job:worker" in text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +137,10 @@ class PSTrainLoop:
         *,
         steps_per_closure: int,
         batch_spec=None,
+        print_fn: Callable[[str], None] = print,
     ):
         self._coordinator = coordinator
+        self._print = print_fn
         self._global_step = global_step
         self._step = int(global_step.numpy())  # kept here too: no ps read before a loop
         self._steps_per_closure = steps_per_closure
@@ -147,19 +165,44 @@ class PSTrainLoop:
         self._train_steps = tf.function(train_steps)
 
     def run(self, num_steps: int) -> dict[str, float]:
-        """Trains `num_steps` steps on the workers; returns each output's mean over them."""
+        """Trains `num_steps` steps on the workers; returns each output's mean over them.
+
+        A closure a worker's server rejected before running it (see `rejected_by_worker`) is
+        scheduled again, with every closure the coordinator cancelled because of it, as TF asks
+        of a cancelled function ("Please reschedule the function"): up to `MAX_RESCHEDULES`
+        times per call, one warning line each time.
+        """
         step = self._step
-        sizes = split_steps(num_steps, self._steps_per_closure)
+        pending = split_steps(num_steps, self._steps_per_closure)
+        totals: dict[str, float] = {}
+        rescheduled = 0
         try:
-            results = [
-                self._coordinator.schedule(self._train_steps, args=(self._iterator, tf.constant(n, tf.int32)))
-                for n in sizes
-            ]
-            self._coordinator.join()
-            totals: dict[str, float] = {}
-            for result in results:
-                for k, v in result.fetch().items():
-                    totals[k] = totals.get(k, 0.0) + float(v)
+            while pending:
+                scheduled = [
+                    (n, self._coordinator.schedule(self._train_steps, args=(self._iterator, tf.constant(n, tf.int32))))
+                    for n in pending
+                ]
+                try:
+                    self._coordinator.join()
+                except tf.errors.InternalError as error:
+                    if not rejected_by_worker(error) or rescheduled == MAX_RESCHEDULES:
+                        raise
+                    rescheduled += 1
+                    self._print(f"warning: a worker's server rejected a closure in steps {step + 1}-"
+                                f"{step + num_steps} before running it ({checks.first_line(error)}); scheduling it "
+                                f"and the closures cancelled with it again ({rescheduled}/{MAX_RESCHEDULES})")
+                pending = []
+                for n, result in scheduled:
+                    try:
+                        outputs = result.fetch()
+                    except (tf.errors.CancelledError, tf.errors.InternalError) as error:
+                        if not rescheduled or not (isinstance(error, tf.errors.CancelledError)
+                                                   or rejected_by_worker(error)):
+                            raise
+                        pending.append(n)
+                        continue
+                    for k, v in outputs.items():
+                        totals[k] = totals.get(k, 0.0) + float(v)
             self._global_step.assign_add(num_steps)
             self._step += num_steps
         except _LOST_TASK_ERRORS as error:
@@ -266,7 +309,7 @@ def build_ps_loops(
     )
     loop = PSTrainLoop(
         dist, coordinator, task.models, task.optimizers, task.step_fn, options.global_batch_size, train_data,
-        task.global_step, steps_per_closure=steps_per_closure,
+        task.global_step, steps_per_closure=steps_per_closure, print_fn=print_fn,
         batch_spec=tf.nest.map_structure(lambda s: tf.TensorSpec([None, *s.shape], s.dtype), task.input.element_spec),
     )
     local = tf.distribute.get_strategy()  # the default strategy: the coordinator's own device
