@@ -73,6 +73,11 @@ def train_dataset(inp: Input | InputFunction, batch_size: int, seed: int, *, sha
     return prefetch_for_accelerators(dataset).with_options(dataset_options)
 
 
+def on_accelerator() -> bool:
+    """Whether the steps run on a GPU or TPU, leaving the host's cores to the input pipeline."""
+    return any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+
+
 def prefetch_for_accelerators(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """Prefetches where the steps run on an accelerator; on a CPU-only machine runs the pipeline inline.
 
@@ -82,9 +87,19 @@ def prefetch_for_accelerators(dataset: tf.data.Dataset) -> tf.data.Dataset:
     without it; the MLP and MirroredStrategy, whose distributed iterator buffers per device
     anyway, no slower).
     """
-    if any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU")):
-        return dataset.prefetch(tf.data.AUTOTUNE)
-    return dataset
+    return dataset.prefetch(tf.data.AUTOTUNE) if on_accelerator() else dataset
+
+
+def parallel_calls() -> dict[str, Any]:
+    """Keywords for the sources' `interleave` and `map`: parallel (in order) on an accelerator, else none.
+
+    For the reason prefetching is off without one: where the CPU runs the step, parallel
+    reads and maps only add threads and hand-offs on the cores the step needs. Measured on
+    2 cores, 4 shards, batched parsing, examples/s sequential / parallel reads / both parallel:
+    digits 274k / 189k / 201k, 28x28 images 206k / 161k / 150k. In parallel the order stays
+    that of sequential calls (`deterministic=True`): exact resume depends on it.
+    """
+    return {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True} if on_accelerator() else {}
 
 
 def _raw_batch_index(skip_batches: int, drop_batches: Sequence[int]) -> int:

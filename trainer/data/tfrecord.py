@@ -17,9 +17,13 @@ import numpy as np
 import tensorflow as tf
 
 from trainer.data.inputs import SPLITS, Shard, shard_of
+from trainer.data.pipeline import parallel_calls
 from trainer.errors import UserError
 
 MAX_OPEN_FILES = 64
+# Records parsed per `tf.io.parse_example` call where the schema allows (see TFRecordFiles.examples).
+PARSE_BATCH = 256
+BATCH_PARSED_KINDS = ("float", "int64", "bytes")  # the rest decode or pad each record on its own
 FEATURE_KINDS = ("float", "int64", "bytes", "png", "jpeg", "int64_sequence")
 
 
@@ -149,7 +153,14 @@ class TFRecordFiles:
                             f"({', '.join(self.features)}): add it or set label_key to None")
 
     def examples(self, split: str, shard: Shard | None = None) -> tf.data.Dataset:
-        """Unbatched examples; `shard` keeps one part, by file where there are enough files, else by record."""
+        """Unbatched examples; `shard` keeps one part, by file where there are enough files, else by record.
+
+        The order is fixed (resume skips a known number of examples: DESIGN rule 5). Records are
+        parsed PARSE_BATCH at a time and unbatched again where the schema allows: one
+        `parse_example` per batch delivered about 10x the examples/s of one `parse_single_example`
+        per record (`trainer.bench --mode=input`, digits on 2 cores: 26k -> 274k). Reads and
+        parsing run in parallel only where an accelerator runs the step (`parallel_calls`).
+        """
         self._check_schema()
         files = self.files(split)
         by_file = shard is not None and len(files) >= shard[0]
@@ -157,29 +168,42 @@ class TFRecordFiles:
         if by_file:
             dataset = dataset.shard(*shard)
         # Round-robin over a fixed cycle: reads shards written round-robin back in order.
+        parallel = parallel_calls()
         dataset = dataset.interleave(tf.data.TFRecordDataset, cycle_length=min(len(files), MAX_OPEN_FILES),
-                                     block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                                     block_length=1, **parallel)
         if shard is not None and not by_file:
             dataset = dataset.shard(*shard)
-        return dataset.map(self._parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        if self._parses_batches:
+            return dataset.batch(PARSE_BATCH).map(self._parse, **parallel).unbatch()
+        return dataset.map(self._parse, **parallel)
 
-    def _parse(self, record: tf.Tensor) -> Any:
+    @property
+    def _parses_batches(self) -> bool:
+        """Whether `_parse` takes a batch of records: the built-in format, and features of BATCH_PARSED_KINDS."""
         if self.parse_fn is not None:
-            return self.parse_fn(record)
+            return False
+        return self.features is None or all(f.kind in BATCH_PARSED_KINDS for f in self.features.values())
+
+    def _parse(self, records: tf.Tensor) -> Any:
+        """One record's example, or a batch of them (a vector of records, where `_parses_batches`)."""
+        if self.parse_fn is not None:
+            return self.parse_fn(records)
         if self.features is None:
-            return self._parse_built_in(record)
-        parsed = tf.io.parse_single_example(record, {name: f.parse_spec() for name, f in self.features.items()})
+            return self._parse_built_in(records)
+        parse = tf.io.parse_example if records.shape.rank else tf.io.parse_single_example
+        parsed = parse(records, {name: f.parse_spec() for name, f in self.features.items()})
         values = {name: feature.decode(parsed[name]) for name, feature in self.features.items()}
         if self.label_key is None:
             return _single_or_dict(values)
         label = values.pop(self.label_key)
         return _single_or_dict(values), label
 
-    def _parse_built_in(self, record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    def _parse_built_in(self, records: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """A batch of built-in records: images `[n, *input_shape]`, labels `[n]`."""
         size = int(np.prod(self.input_shape))
         spec = {"image": tf.io.FixedLenFeature([size], tf.float32), "label": tf.io.FixedLenFeature([], tf.int64)}
-        features = tf.io.parse_single_example(record, spec)
-        return tf.reshape(features["image"], self.input_shape), tf.cast(features["label"], tf.int32)
+        features = tf.io.parse_example(records, spec)
+        return tf.reshape(features["image"], [-1, *self.input_shape]), tf.cast(features["label"], tf.int32)
 
     def num_examples(self, split: str) -> int:
         return self._counts[split]
