@@ -1,5 +1,5 @@
 """The conversation between the parent and a worker: JSON lines with a prefix on the worker's
-stdout (everything else it prints goes to its log), commands as JSON lines on its stdin.
+stdout (everything else it prints there, and its stderr, go to its log), commands as JSON lines on its stdin.
 
 The parent asks "run until step N" (`{"until": N}`) or "finish" (`{"until": null}`); the worker
 answers `ready` after its first call, `chunk` (with the chunk's seconds) after each request,
@@ -8,6 +8,7 @@ answers `ready` after its first call, `chunk` (with the chunk's seconds) after e
 from __future__ import annotations
 
 import json
+import os
 import selectors
 import subprocess
 import sys
@@ -66,23 +67,32 @@ class Worker:
             [sys.executable, "-m", "trainer.bench", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, text=True, bufsize=1, cwd=main_lib.REPO_ROOT,
         )
+        self.pending = b""
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.process.stdout, selectors.EVENT_READ)
 
     def receive(self) -> dict:
+        """The next message; other lines on the worker's stdout (Orbit prints its progress there) go to its log.
+        Lines are split here from raw reads: a buffered readline could hold the message while select waits."""
         deadline = time.monotonic() + self.timeout
         while True:
-            if not self.selector.select(timeout=max(0.0, deadline - time.monotonic())):
-                raise WorkerError(f"no answer within {self.timeout:.0f} s")
-            line = self.process.stdout.readline()
-            if not line:
-                code = self.process.wait()
-                raise WorkerError(f"exited with code {code} ({self.log_tail()})")
-            if line.startswith(PREFIX):
-                message = json.loads(line[len(PREFIX):])
-                if message["event"] == "error":
-                    raise WorkerError(message["message"])
-                return message
+            while b"\n" not in self.pending:
+                if not self.selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                    raise WorkerError(f"no answer within {self.timeout:.0f} s")
+                data = os.read(self.process.stdout.fileno(), 1 << 16)
+                if not data:
+                    code = self.process.wait()
+                    raise WorkerError(f"exited with code {code} ({self.log_tail()})")
+                self.pending += data
+            raw, self.pending = self.pending.split(b"\n", 1)
+            line = raw.decode(errors="replace")
+            if not line.startswith(PREFIX):
+                self.log.write(line + "\n")
+                continue
+            message = json.loads(line[len(PREFIX):])
+            if message["event"] == "error":
+                raise WorkerError(message["message"])
+            return message
 
     def send(self, **command) -> None:
         self.process.stdin.write(json.dumps(command) + "\n")
