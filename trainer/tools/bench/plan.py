@@ -6,6 +6,7 @@ import math
 import statistics
 
 from trainer.errors import UserError
+from trainer.tools.bench import orbit
 
 FIT_CANNOT_RUN = {
     "multi_worker_mirrored": "Keras 3 fit cannot run under MultiWorkerMirroredStrategy (keras-team/keras 20585)",
@@ -41,13 +42,19 @@ class Variant:
 
 
 def plan_variants(settings: dict, names: list[str], fit_spes: list[int]) -> list[Variant]:
-    """The variants `names` ask for (fit once per steps_per_execution), fit marked where it cannot run."""
+    """The variants `names` ask for (fit once per steps_per_execution), fit marked where it cannot run,
+    orbit where it is not installed."""
     variants = []
     for name in names:
         if name == "limit":
             variants.append(Variant("limit", "limit (bare step, batch in memory)", "limit"))
         elif name == "ours":
             variants.append(Variant("ours", "ours (trainer.train + hooks)", "ours"))
+        elif name == "orbit":
+            variant = Variant("orbit", "Orbit Controller + StandardTrainer", "orbit")
+            if reason := orbit.missing():
+                variant.status, variant.reason = "cannot_run", reason
+            variants.append(variant)
         elif name == "fit":
             for spe in fit_spes:
                 variant = Variant(f"fit_spe{spe}", f"Keras fit, steps_per_execution {spe}", "fit", fit_spe=spe,
@@ -56,7 +63,7 @@ def plan_variants(settings: dict, names: list[str], fit_spes: list[int]) -> list
                     variant.status, variant.reason = "cannot_run", FIT_CANNOT_RUN[settings["strategy"]]
                 variants.append(variant)
         else:
-            raise UserError(f"unknown --variants entry {name!r}: use limit, ours, fit")
+            raise UserError(f"unknown --variants entry {name!r}: use limit, ours, orbit, fit")
     return variants
 
 

@@ -10,6 +10,7 @@ from trainer.errors import UserError
 from trainer.tools.bench.config import train_settings
 from trainer.tools.bench.fit import run_fit
 from trainer.tools.bench.limit import run_limit
+from trainer.tools.bench.orbit import run_orbit
 from trainer.tools.bench.ours import run_ours
 from trainer.tools.bench.protocol import Channel
 
@@ -31,7 +32,7 @@ def error_summary(error: BaseException, role: str) -> str:
 
 
 def run_worker(role: str, gin_files: list[str], gin_bindings: list[str], *, fit_spe: int, total_steps: int) -> None:
-    """Runs variant `role` (limit, ours or fit at `fit_spe`) for `total_steps` steps, as the parent paces it."""
+    """Runs variant `role` (limit, ours, orbit or fit at `fit_spe`) for `total_steps` steps, as the parent paces it."""
     channel = Channel()
     try:
         settings = train_settings(gin_files, gin_bindings)
@@ -39,6 +40,8 @@ def run_worker(role: str, gin_files: list[str], gin_bindings: list[str], *, fit_
             run_limit(settings, channel)
         elif role == "ours":
             run_ours(settings, channel, total_steps)
+        elif role == "orbit":
+            run_orbit(settings, channel)
         elif role == "fit":
             run_fit(settings, channel, fit_spe, total_steps)
         else:
