@@ -23,7 +23,8 @@ def results(settings: dict, variants: list[Variant], *, chunk: int, warmup: int,
     rate = {v.name: v.steps_per_sec(chunk) for v in variants}
     fits = [v for v in variants if v.role == "fit" and rate[v.name] is not None]
     best_fit = max(fits, key=lambda v: rate[v.name]) if fits else None
-    ours, limit = by_name.get("ours"), by_name.get("limit")
+    ours, limit, orbit = by_name.get("ours"), by_name.get("limit"), by_name.get("orbit")
+    first = {v.name: v.first_step_s for v in variants}
     source = settings.get("input_fn") or settings["data_source"]
     model_fn = settings["model_fn"]
     mach = next((v.machine for v in variants if v.machine), None)
@@ -53,11 +54,17 @@ def results(settings: dict, variants: list[Variant], *, chunk: int, warmup: int,
             "ours_over_fit_spe1": ratio(rate.get("ours"), rate.get("fit_spe1")),
             "ours_over_fit_best": ratio(rate.get("ours"), rate[best_fit.name] if best_fit else None),
             "fit_best": best_fit.name if best_fit else None,
+            "ours_over_orbit": ratio(rate.get("ours"), rate.get("orbit")),
+            # Time to first step (seconds: lower is better), ours over fit's at steps_per_execution 1 (its
+            # first call is one step, as ours) and over Orbit's.
+            "first_step_ours_over_fit": ratio(first.get("ours"), first.get("fit_spe1")),
+            "first_step_ours_over_orbit": ratio(first.get("ours"), first.get("orbit")),
             "rss_ours_over_fit": ratio(ours.peak_rss_mib if ours else None,
                                        min((v.peak_rss_mib for v in fits if v.peak_rss_mib), default=None)),
         },
         "ours_compile_count": ours.compile_count if ours else None,
         "limit_compile_count": limit.compile_count if limit else None,
+        "orbit_compile_count": orbit.compile_count if orbit else None,
     }
     for v in variants:
         spread = v.spread(chunk)
@@ -109,6 +116,9 @@ def ratio_line(res: dict) -> str:
     parts = [f"ours/limit {_fmt(r['ours_over_limit'], '.3f')}",
              f"ours/fit(spe 1) {_fmt(r['ours_over_fit_spe1'], '.2f')}",
              f"ours/fit(best{', ' + r['fit_best'] if r['fit_best'] else ''}) {_fmt(r['ours_over_fit_best'], '.2f')}",
+             f"ours/orbit {_fmt(r['ours_over_orbit'], '.3f')}",
+             f"first step ours/fit {_fmt(r['first_step_ours_over_fit'], '.2f')}, ours/orbit "
+             f"{_fmt(r['first_step_ours_over_orbit'], '.2f')}",
              f"peak RSS ours/fit {_fmt(r['rss_ours_over_fit'], '.2f')}",
              f"ours compile count {_fmt(res['ours_compile_count'], 'd')}"]
     return "; ".join(parts)
