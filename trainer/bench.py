@@ -1,6 +1,6 @@
 """`python -m trainer.bench --gin_file=gin/<mode>.gin [--gin_bindings=...] [--steps=N] [--json=PATH]`
 
-How fast does our loop train this config, next to the bare step and next to Keras `fit`?
+How fast does our loop train this config, next to the bare step, Orbit and Keras `fit`?
 For the config's model, data, optimizer, strategy and speed options it measures, in one run:
 
 - limit: a `tf.function` with the structure of our compiled loop (`steps_per_loop` steps
@@ -13,6 +13,11 @@ For the config's model, data, optimizer, strategy and speed options it measures,
   `checkpoint_every_steps`, the operative config) and `steps_per_loop` as configured, in a
   temporary model_dir. Eval runs once, after the last measured step (fit gets no
   validation data either);
+- orbit: Orbit's `Controller` over an `orbit.StandardTrainer` (TensorFlow Model Garden's loop)
+  on the same model, optimizer, step, distributed dataset and strategy, with its checkpoint
+  manager and summaries at our intervals (trainer/tools/bench/orbit.py). Orbit is not a
+  dependency: `--install_orbit` installs it (pip, without dependencies) into this Python; where
+  it is absent the table says so in one line and the rest runs;
 - fit: Keras 3 `model.fit` on the same model, optimizer, input pipeline and strategy, with
   the step's loss and an accuracy metric, at each `--fit_steps_per_execution` (default 1
   and `steps_per_loop`); the best one is "fit best". Under multi_worker_mirrored and
@@ -33,11 +38,19 @@ Output: a table on stdout, `--json=PATH` (every figure and the machine), and
 `--report=FILE` appends a markdown table (experiments/bench/run.sh builds its README so).
 Exit 0 when everything ran, 1 when a variant other than fit failed, 2 on a user mistake.
 
+`--mode` picks what is measured: `train` (the above), `input` (the input pipeline alone, for
+`--input_seconds`, against what the step consumes) or `save_stall` (the training stall per
+checkpoint save of a `--save_stall_params`-parameter model, `--saves` times); `--json` writes
+what those modes return too.
+
 This module parses the flags; the parts are in trainer/tools/bench/ (its __init__ lists them).
 """
 from __future__ import annotations
 
+import importlib
+import json
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -47,6 +60,7 @@ from absl import app, flags, logging  # noqa: E402
 from trainer import main as main_lib  # noqa: E402  (defines --gin_file and --gin_bindings)
 from trainer.errors import UserError  # noqa: E402
 from trainer.tools.bench.compare import compare  # noqa: E402
+from trainer.tools.bench.orbit import INSTALL as ORBIT_INSTALL  # noqa: E402
 from trainer.tools.bench.worker import run_worker  # noqa: E402
 # The report's API where experiments/bench/run.sh and the tests have always found it:
 from trainer.tools.bench.plan import plan_variants  # noqa: E402, F401
@@ -57,14 +71,24 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
     """Only when run as a program: importing this module must not claim flag names
-    (`--steps` is trainer.parity's too)."""
+    (`--steps` is trainer.parity's too; `--mode` is trainer.main's, with other values, so it is replaced)."""
+    delattr(FLAGS, "mode")
+    flags.DEFINE_enum("mode", "train", ["train", "input", "save_stall"],
+                      "train: our loop against limit, Orbit and fit; input: the input pipeline alone; save_stall: "
+                      "the training stall per checkpoint save.")
+    flags.DEFINE_float("input_seconds", 5, "--mode=input: seconds each input source is read.")
+    flags.DEFINE_integer("save_stall_params", 100_000_000, "--mode=save_stall: parameters of the saved model.")
+    flags.DEFINE_integer("saves", 5, "--mode=save_stall: checkpoint saves measured.")
+    flags.DEFINE_bool("install_orbit", False, f"First install Orbit into this Python: pip install --no-deps "
+                      f"{ORBIT_INSTALL} (its metadata pins another TensorFlow; it works with this one).")
     flags.DEFINE_integer("steps", 0, "Steps per measured chunk, rounded up to a multiple of every call length (0: "
                          "the least multiple of log_every_steps and checkpoint_every_steps, so that every chunk holds "
                          "the same hook work: one checkpoint and chunk/log_every_steps progress records).")
     flags.DEFINE_integer("repeats", 5, "Measured chunks per variant (interleaved across variants).")
     flags.DEFINE_integer("warmup_steps", 0, "Steps each variant runs after its first call before measuring "
                          "(0: one chunk).")
-    flags.DEFINE_list("variants", ["limit", "ours", "fit"], "Which variants to run: limit, ours, fit.")
+    flags.DEFINE_list("variants", ["limit", "ours", "orbit", "fit"], "Which variants to run: limit, ours, orbit, "
+                      "fit (orbit is reported as not runnable where it is not installed).")
     flags.DEFINE_list("fit_steps_per_execution", [], "fit's steps_per_execution values (default: 1 and "
                       "steps_per_loop).")
     flags.DEFINE_string("json", None, "Write all results as JSON here.")
@@ -75,6 +99,36 @@ def define_flags() -> None:
     flags.DEFINE_integer("total_steps", 0, "Internal: the steps a worker will run in all.")
 
 
+def install_orbit() -> None:
+    """pip install --no-deps of the Orbit wheel into this interpreter, reported in one line."""
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", ORBIT_INSTALL]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+        main_lib.fail(f"{' '.join(command[2:])} failed: {lines[-1] if lines else f'exit {proc.returncode}'}",
+                      exit_code=1)
+    importlib.invalidate_caches()
+    print(f"installed {ORBIT_INSTALL} (orbit) into {sys.prefix} without its dependencies", flush=True)
+
+
+def dispatch(mode: str) -> tuple[int, dict | None]:
+    """Runs `mode`; its exit code, and the dict `--json` writes for the modes that return one."""
+    print_fn = lambda line: print(line, flush=True)  # noqa: E731
+    if mode == "input":
+        from trainer.tools.bench.input_only import run_input_bench
+
+        return 0, run_input_bench(FLAGS.gin_file, FLAGS.gin_bindings, seconds=FLAGS.input_seconds,
+                                  print_fn=print_fn)
+    if mode == "save_stall":
+        from trainer.tools.bench.save_stall import run_save_stall
+
+        return 0, run_save_stall(params=FLAGS.save_stall_params, saves=FLAGS.saves, print_fn=print_fn)
+    return compare(FLAGS.gin_file, FLAGS.gin_bindings, variants=FLAGS.variants, steps=FLAGS.steps,
+                   repeats=FLAGS.repeats, warmup_steps=FLAGS.warmup_steps,
+                   fit_steps_per_execution=FLAGS.fit_steps_per_execution, timeout_secs=FLAGS.timeout_secs,
+                   json_path=FLAGS.json, report_path=FLAGS.report, argv=sys.argv[1:]), None
+
+
 def run(argv: list[str]) -> None:
     del argv
     if not FLAGS["verbosity"].present:
@@ -83,13 +137,15 @@ def run(argv: list[str]) -> None:
         run_worker(FLAGS.role, FLAGS.gin_file, FLAGS.gin_bindings, fit_spe=FLAGS.fit_spe,
                    total_steps=FLAGS.total_steps)
         return
+    if FLAGS.install_orbit:
+        install_orbit()
     try:
-        code = compare(FLAGS.gin_file, FLAGS.gin_bindings, variants=FLAGS.variants, steps=FLAGS.steps,
-                       repeats=FLAGS.repeats, warmup_steps=FLAGS.warmup_steps,
-                       fit_steps_per_execution=FLAGS.fit_steps_per_execution, timeout_secs=FLAGS.timeout_secs,
-                       json_path=FLAGS.json, report_path=FLAGS.report, argv=sys.argv[1:])
+        code, result = dispatch(FLAGS.mode)
     except UserError as e:
         main_lib.fail(str(e))
+    if result is not None and FLAGS.json:
+        with open(FLAGS.json, "w") as f:
+            json.dump(result, f, indent=2)
     sys.exit(code)
 
 
