@@ -3,17 +3,30 @@
 Saving only on the chief deadlocks multi-worker strategies (DESIGN.md rule 6), so non-chief
 workers save the same checkpoint into a temporary directory of their own and delete it.
 All workers restore from the chief's directory.
+
+With `async_checkpoint`, a save takes the checkpoint's values on the training thread (no copy:
+see `_snapshot`) and writes them on a background thread while training goes on. The guarantees
+of a synchronous save are kept: the `checkpoint` state file names a new checkpoint only once its
+files are complete (`_commit`), a non-chief's temp dir is deleted only after its write, and every
+pending write is finished (`wait`) before the next save, a restore, `latest()`, the run's end and
+the process's exit; a write that failed is reported there as the same one RunFailure line.
+TensorFlow's own `CheckpointOptions(experimental_enable_async_checkpoint=True)` is not used: its
+copy to the host fails on Keras 3 variables from the second save on (their `_copy_trackable_to_cpu`
+creates a tf.Variable inside a tf.function: ValueError, TF 2.21 / Keras 3.15).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import os
 import re
 import shutil
 import tempfile
-from typing import Callable
+from typing import Any, Callable
 
 import tensorflow as tf
+from tensorflow.python.checkpoint import functional_saver  # the writer tf.train.Checkpoint uses itself
+from tensorflow.python.training.saving import saveable_object
 
 from trainer.errors import RunFailure, UserError
 
@@ -29,20 +42,28 @@ class CheckpointSaver:
         is_chief: bool,
         task_name: str = "worker",
         max_to_keep: int = 3,
+        async_checkpoint: bool = False,
     ):
         self._checkpoint = checkpoint
         self.model_dir = model_dir
         self._is_chief = is_chief
         self._task_name = task_name
+        self._max_to_keep = max_to_keep
         self._manager = (
             tf.train.CheckpointManager(checkpoint, model_dir, max_to_keep=max_to_keep)
-            if is_chief
+            if is_chief and not async_checkpoint
             else None
         )
+        # One writer thread: saves are written in order, one at a time. Its thread is joined at
+        # interpreter exit, so even a process that leaves without `wait` finishes the write.
+        self._writer = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-checkpoint")
+                        if async_checkpoint else None)
+        self._pending: tuple[int, concurrent.futures.Future] | None = None
         self.last_saved_step: int | None = None
 
     def latest(self) -> str | None:
-        """The newest checkpoint in the chief's directory, or None."""
+        """The newest checkpoint in the chief's directory, or None (after any pending write)."""
+        self.wait()
         return tf.train.latest_checkpoint(self.model_dir)
 
     def candidates(self) -> list[str]:
@@ -58,8 +79,10 @@ class CheckpointSaver:
 
         A checkpoint that cannot be read (truncated, corrupted, a file missing) is skipped,
         saying so, for the one before it. One that does not fit the model is a UserError:
-        restoring an older one would not fit either.
+        restoring an older one would not fit either. A pending write is finished first, so a
+        roll-back sees the checkpoint it just saved.
         """
+        self.wait()
         for path in self.candidates():
             try:
                 self._checkpoint.restore(path).assert_existing_objects_matched()
@@ -78,23 +101,23 @@ class CheckpointSaver:
         return None
 
     def save(self, step: int) -> str:
-        """Every worker must call this at the same step; returns the path written.
+        """Every worker must call this at the same step; returns the path written (or being written).
 
         A save that fails (a full disk, a model_dir that vanished) is one RunFailure line: the
         checkpoint state file still names the previous checkpoint, which stays in charge, and
         the partial files of this one are removed, so a rerun (after freeing space) continues.
+        An asynchronous save's failure is raised by the next `wait` (at the latest, the next save).
         """
-        if self._is_chief:
+        self.wait()
+        if self._writer is not None:
+            snapshot = _snapshot(self._checkpoint)  # this step's values, whatever the next steps do
+            self._pending = (step, self._writer.submit(self._write, snapshot, step))
+            path = os.path.join(self.model_dir, f"ckpt-{step}")
+        elif self._is_chief:
             try:
                 path = self._manager.save(checkpoint_number=step)
             except (tf.errors.OpError, OSError) as e:
-                for partial in glob.glob(os.path.join(glob.escape(self.model_dir), f"ckpt-{step}_temp*")):
-                    shutil.rmtree(partial, ignore_errors=True)
-                latest = self.latest()
-                keep = f"{latest} is intact and a rerun continues from it" if latest else \
-                    "there is no earlier checkpoint: a rerun starts over"
-                raise RunFailure(f"saving checkpoint {step} in {self.model_dir} failed ({_first_line(e)}); {keep} "
-                                 "(free disk space or restore the directory first)") from e
+                raise self._failure(step, e) from e
         else:
             temp_dir = tempfile.mkdtemp(prefix=f"trainer-{self._task_name}-ckpt-")
             try:
@@ -105,6 +128,95 @@ class CheckpointSaver:
                 shutil.rmtree(temp_dir, ignore_errors=True)
         self.last_saved_step = step
         return path
+
+    def wait(self) -> None:
+        """Finishes the pending asynchronous write, if any; its failure is the save's RunFailure."""
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except (tf.errors.OpError, OSError) as e:
+            if not self._is_chief:
+                raise
+            raise self._failure(step, e) from e
+
+    def _write(self, snapshot: tuple[Any, Any, str], step: int) -> None:
+        """The writer thread's job: the chief's files, then the state file; a non-chief's temp dir."""
+        if self._is_chief:
+            prefix = os.path.join(self.model_dir, f"ckpt-{step}")
+            _write_snapshot(snapshot, prefix)
+            self._commit(prefix)
+            return
+        temp_dir = tempfile.mkdtemp(prefix=f"trainer-{self._task_name}-ckpt-")
+        try:
+            _write_snapshot(snapshot, os.path.join(temp_dir, f"ckpt-{step}"))
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)  # only now that the write is done
+
+    def _commit(self, prefix: str) -> None:
+        """Names the complete checkpoint `prefix` in the state file, then deletes those that fall out.
+
+        As tf.train.CheckpointManager does it for a synchronous save: the state file is replaced
+        atomically, so a crash before this line leaves the previous checkpoint in charge.
+        """
+        state = tf.train.get_checkpoint_state(self.model_dir)
+        kept = [os.path.basename(p) for p in (state.all_model_checkpoint_paths if state else [])]
+        kept = [name for name in kept if name != os.path.basename(prefix)] + [os.path.basename(prefix)]
+        dropped, kept = kept[:-self._max_to_keep], kept[-self._max_to_keep:]
+        tf.__internal__.train.update_checkpoint_state(  # what the manager calls (the v1 name warns)
+            self.model_dir, kept[-1], all_model_checkpoint_paths=kept)
+        for name in dropped:
+            for path in glob.glob(os.path.join(glob.escape(self.model_dir), glob.escape(name)) + ".*"):
+                os.remove(path)
+
+    def _failure(self, step: int, error: Exception) -> RunFailure:
+        """The one line of a failed chief save, once its partial files are removed."""
+        for partial in glob.glob(os.path.join(glob.escape(self.model_dir), f"ckpt-{step}_temp*")):
+            shutil.rmtree(partial, ignore_errors=True)
+        latest = tf.train.latest_checkpoint(self.model_dir)
+        keep = f"{latest} is intact and a rerun continues from it" if latest else \
+            "there is no earlier checkpoint: a rerun starts over"
+        return RunFailure(f"saving checkpoint {step} in {self.model_dir} failed ({_first_line(error)}); {keep} "
+                          "(free disk space or restore the directory first)")
+
+
+def _snapshot(checkpoint: tf.train.Checkpoint) -> tuple[Any, Any, str]:
+    """What a save of `checkpoint` writes, read now: (tensors by trackable, registered savers, device).
+
+    The tensors are those tf.train.Checkpoint would write (private `_gather_serialized_tensors`:
+    there is no public way to take them apart from the write), each read here, so the background
+    write sees this step's values. A read costs no copy: tensors are immutable, and the next
+    update of a variable whose value is still held copies its buffer first (copy-on-write).
+    The device is where the writer's ops go (a new thread does not inherit the training
+    thread's placement, which under multi_worker_mirrored names this worker's job).
+    """
+    checkpoint.save_counter.assign_add(1)  # as CheckpointManager.save does: the files are the same
+    tensors, _, registered_savers, _ = checkpoint._saver._gather_serialized_tensors(None)
+    for trackable in list(tensors):
+        tensors[trackable] = _read_now(tensors[trackable])
+    return tensors, registered_savers, checkpoint.save_counter.device
+
+
+def _read_now(value: Any) -> Any:
+    """A serialized value (a tensor, a lazy SaveSpec, a variable, or a dict of them) as a tensor read now."""
+    if isinstance(value, dict):
+        return {key: _read_now(v) for key, v in value.items()}
+    if isinstance(value, saveable_object.SaveSpec):  # tf.Variable's lazy read (tensor_callable.Callable)
+        tensor = value.tensor
+        return value if tensor is None else tensor  # None: an uninitialised variable, written without a value
+    if isinstance(value, tf.Variable):  # a Keras 3 variable serialises as the (distributed) variable itself
+        return tf.identity(value)
+    return value
+
+
+def _write_snapshot(snapshot: tuple[Any, Any, str], prefix: str) -> None:
+    """Writes `prefix.index` and `prefix.data-*` as a synchronous save would (via `prefix_temp/`)."""
+    tensors, registered_savers, device = snapshot
+    tf.io.gfile.makedirs(os.path.dirname(prefix))
+    with tf.device(device):
+        functional_saver.MultiDeviceSaver(tensors, registered_savers).save(tf.constant(prefix))
 
 
 def _first_line(error: Exception) -> str:

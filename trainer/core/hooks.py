@@ -253,6 +253,7 @@ class CheckpointHook(Hook):
     def end(self, run: RunContext, step: int) -> None:
         if run.saver.last_saved_step != step:
             run.saver.save(step)
+        run.saver.wait()  # an asynchronous write is complete before the export and the run's last line
 
 
 class EvalHook(Hook):

@@ -31,7 +31,7 @@ from trainer.core.run_files import check_model_dir, prepare_model_dir
 from trainer.core.task import Task, build_task, flat
 from trainer.distribution import devices
 from trainer.errors import UserError
-from trainer.validation import check_callable
+from trainer.validation import check_bool, check_callable
 
 
 @precision.keeps_global_policy
@@ -65,6 +65,7 @@ def train(
     shard_policy: str = "AUTO",
     parameter_server: ParameterServerConfig | None = None,
     keep_checkpoints: int = 3,
+    async_checkpoint: bool = False,
     nonfinite: str = "stop",
     max_rollbacks: int = 3,
     allow_resume_changes: bool = False,
@@ -100,6 +101,10 @@ def train(
     (trainer/core/warm_start.py). After evals: `keep_best`/`best_metric`/`best_mode` (the best
     checkpoints in model_dir/best, trainer/core/best_checkpoints.py), `early_stopping`
     (trainer/core/early_stopping.py), `keras_callbacks` (trainer/core/keras_callbacks.py).
+    `async_checkpoint` writes each checkpoint on a background thread from the values of its step,
+    so training does not wait for the disk; the previous checkpoint stays in charge until the new
+    one is complete, and every write is finished before a restore, the export and the run's end
+    (trainer/core/checkpoints.py). Synchronous strategies only.
     """
     check_user_functions(step_fn=step_fn, eval_step_fn=eval_step_fn, model_fn=model_fn, optimizer_fn=optimizer_fn,
                          eval_metrics_fn=eval_metrics_fn, hooks=hooks, parameter_server=parameter_server)
@@ -123,6 +128,10 @@ def train(
     warm_start_lib.check_warm_start(warm_start, strategy)
     if nonfinite == "rollback" and strategy == "parameter_server":
         raise UserError("train.nonfinite = 'rollback' is not supported with parameter_server; use 'stop'")
+    check_bool("train.async_checkpoint", async_checkpoint)
+    if async_checkpoint and strategy == "parameter_server":
+        raise UserError("train.async_checkpoint works with the synchronous strategies only, not 'parameter_server'; "
+                        "unset it there")
     if jit_compile and strategy == "parameter_server":
         raise UserError("train.jit_compile works with the synchronous strategies only, not 'parameter_server'")
     update = accumulation.UpdateOptions(grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm)
@@ -159,7 +168,8 @@ def train(
     run_record.check_resume(model_dir, record, allow_changes=allow_resume_changes)
 
     saver = CheckpointSaver(task.checkpoint, model_dir, is_chief=runtime.is_chief,
-                            task_name=runtime.cluster.task_name, max_to_keep=keep_checkpoints)
+                            task_name=runtime.cluster.task_name, max_to_keep=keep_checkpoints,
+                            async_checkpoint=async_checkpoint)
     restored = saver.restore_latest(print_fn)
     if warm_start and not restored:  # a fresh run only; a shape mismatch stops here, nothing written
         warm_start_lib.warm_start(task.models, warm_start, print_fn if runtime.is_chief else lambda _: None)
@@ -228,7 +238,10 @@ def train(
     try:
         drive(loop, run, all_hooks, steps_per_loop, guard_nonfinite)
     finally:  # a run that stops (non-finite loss, preemption, a lost peer) keeps its event records too
-        metrics_log.close()
+        try:
+            saver.wait()  # and finishes its pending checkpoint write, or says in one line that it failed
+        finally:
+            metrics_log.close()
     return run.last_eval
 
 
