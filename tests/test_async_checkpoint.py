@@ -1,0 +1,221 @@
+"""`train.async_checkpoint`: checkpoints written off the step's path keep every guarantee of a
+synchronous save. Real runs, real checkpoints on disk, real SIGKILLs:
+
+- exact resume: a run with async saves, killed and rerun, ends with the same variables, bit for
+  bit, as an uninterrupted synchronous run (and logs the same per-step losses);
+- a crash while a background write runs leaves the `checkpoint` state file naming the previous
+  checkpoint, and a rerun continues from it;
+- parameter_server and a wrong value are refused in one line before model_dir is touched;
+- the stall benchmark (trainer/tools/bench/save_stall.py) returns its numbers.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.support import REPO, run_main, run_python, subprocess_env, tree_digest
+from tests.test_disk_full import _namespaces_allowed
+from tests.test_resume import kill_group, per_step_losses, wait_for_step
+
+ASYNC = "--gin_bindings=train.async_checkpoint=True"
+SMALL = [
+    "--gin_file=gin/mirrored.gin", "--gin_bindings=train.total_steps=40", "--gin_bindings=train.log_every_steps=1",
+    "--gin_bindings=train.checkpoint_every_steps=10", "--gin_bindings=train.eval_every_steps=1000",
+    "--gin_bindings=cnn.dropout=0.3", "--gin_bindings=cnn.filters=(8, 8, 8)",
+]
+
+
+FULL_DISK_ARGS = [  # ckpt-20 fits in the 3 MB disk, ckpt-40 does not (keep 5: nothing is deleted to make room)
+    "--gin_file=gin/single.gin", "--gin_bindings=train.total_steps=40", "--gin_bindings=train.log_every_steps=20",
+    "--gin_bindings=train.checkpoint_every_steps=20", "--gin_bindings=train.eval_every_steps=40",
+    "--gin_bindings=train.keep_checkpoints=5",
+]
+
+
+def main_command(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "trainer.main", *flags]
+
+
+def variables(prefix: str) -> dict[str, np.ndarray]:
+    """Every value in the checkpoint at `prefix`, read in a fresh interpreter (no TensorFlow here)."""
+    code = f"""
+import json, tensorflow as tf
+reader = tf.train.load_checkpoint({prefix!r})
+print(json.dumps({{name: reader.get_tensor(name).tobytes().hex() for name in reader.get_variable_to_shape_map()
+                  if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")}}))
+"""
+    return {name: bytes.fromhex(value) for name, value in run_python(code).items()}
+
+
+@pytest.mark.timeout(300)
+def test_killed_async_run_resumes_bit_for_bit_like_an_uninterrupted_sync_one(tmp_path):
+    reference_dir, resumed_dir = str(tmp_path / "sync"), str(tmp_path / "async")
+    reference = run_main(*SMALL, f"--model_dir={reference_dir}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    first = subprocess.Popen(main_command(*SMALL, ASYNC, f"--model_dir={resumed_dir}"), cwd=REPO,
+                             env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        wait_for_step(resumed_dir, 25, first)
+    finally:
+        kill_group(first)
+    rerun = run_main(*SMALL, ASYNC, f"--model_dir={resumed_dir}")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    restored = int(rerun.stdout.split("continuing from step ")[1].split()[0])
+    assert restored in (10, 20)
+
+    expected, got = per_step_losses(reference_dir), per_step_losses(resumed_dir)
+    assert sorted(got) == sorted(expected) == list(range(1, 41))
+    assert all(got[s] == expected[s] for s in range(restored + 1, 41))
+    final = [variables(os.path.join(d, "ckpt-40")) for d in (reference_dir, resumed_dir)]
+    assert sorted(final[0]) == sorted(final[1]) and len(final[0]) > 10
+    assert all(final[0][name] == final[1][name] for name in final[0])  # every variable, slot, step: bit for bit
+
+
+SNAPSHOT = """
+import json, threading, numpy as np, tensorflow as tf, keras
+from trainer.core.checkpoints import CheckpointSaver
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4)])
+    optimizer = keras.optimizers.Adam(0.1)
+    optimizer.build(model.trainable_variables)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+x, y = tf.random.normal([4, 8]), tf.random.normal([4, 4])
+@tf.function
+def step():
+    def replica():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    strategy.run(replica)
+saver = CheckpointSaver(checkpoint, {model_dir!r}, is_chief=True, async_checkpoint=True)
+step()
+gate = threading.Event()
+saver._writer.submit(gate.wait)  # white-box: holds the writer so the steps below surely run before the write
+saver.save(1)
+saved = [v.numpy().copy() for v in model.weights + optimizer.variables]
+for _ in range(3):
+    step()
+gate.set()
+saver.wait()
+fresh = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4)])
+fresh_optimizer = keras.optimizers.Adam(0.1)
+fresh_optimizer.build(fresh.trainable_variables)
+tf.train.Checkpoint(model=fresh, optimizer=fresh_optimizer).restore({model_dir!r} + "/ckpt-1").assert_consumed()
+print(json.dumps([bool(np.array_equal(a, b.numpy())) for a, b in zip(saved, fresh.weights + fresh_optimizer.variables)]))
+"""
+
+
+def test_a_save_writes_the_values_of_its_step_while_training_goes_on(tmp_path):
+    """Under mirrored (Keras 3 variables over MirroredVariables), the write that runs after three
+    more steps still holds the values at save() time, every weight and slot bit for bit."""
+    same = run_python(SNAPSHOT.format(model_dir=str(tmp_path / "run")))
+    assert len(same) > 8 and all(same), same
+
+
+@pytest.mark.timeout(300)
+def test_kill_during_a_background_write_leaves_the_previous_checkpoint_in_charge(tmp_path):
+    """A model large enough (~150 MB checkpoint) that the write of ckpt-40 takes a while; SIGKILL as
+    soon as its files appear, while training has gone on past the save."""
+    model_dir = str(tmp_path / "run")
+    flags = [
+        "--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.model_fn=@mlp",
+        "--gin_bindings=mlp.hidden=(3072, 3072)", "--gin_bindings=train.total_steps=60",
+        "--gin_bindings=train.checkpoint_every_steps=20", "--gin_bindings=train.eval_every_steps=1000",
+        "--gin_bindings=train.log_every_steps=10", ASYNC,
+    ]
+    proc = subprocess.Popen(main_command(*flags), cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    saw_partial = False
+    try:
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and proc.poll() is None:
+            names = os.listdir(model_dir) if os.path.isdir(model_dir) else []
+            if "ckpt-20.index" in names and any(n.startswith("ckpt-40") for n in names):
+                os.killpg(proc.pid, signal.SIGKILL)
+                saw_partial = "ckpt-40.index" not in names
+                break
+            time.sleep(0.002)
+    finally:
+        kill_group(proc)
+    assert saw_partial, "never caught the background write in progress"
+    with open(os.path.join(model_dir, "checkpoint")) as f:
+        assert 'model_checkpoint_path: "ckpt-20"' in f.read()
+
+    rerun = run_main(*flags)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "continuing from step 20" in rerun.stdout
+    with open(os.path.join(model_dir, "checkpoint")) as f:
+        assert 'model_checkpoint_path: "ckpt-60"' in f.read()
+
+
+@pytest.mark.skipif(not _namespaces_allowed(), reason="needs unprivileged user and mount namespaces (unshare -rm)")
+def test_a_background_write_that_fails_is_one_line_and_a_rerun_continues(tmp_path):
+    """As tests/test_disk_full.py, with the write of ckpt-40 on the writer thread: its failure
+    surfaces at the run's end as the same one line, with the previous checkpoint in charge."""
+    mount, out = tmp_path / "disk", tmp_path / "out"
+    mount.mkdir()
+    out.mkdir()
+    command = " ".join(shlex.quote(a) for a in main_command(*FULL_DISK_ARGS, ASYNC, f"--model_dir={mount}/run"))
+    script = f"""
+        set -u
+        mount -t tmpfs -o size=3m tmpfs {mount}
+        {command} > {out}/first.out 2> {out}/first.err; echo $? > {out}/first.rc
+        ls {mount}/run > {out}/after_first.ls
+        cat {mount}/run/checkpoint > {out}/state
+        mount -o remount,size=64m {mount}
+        {command} > {out}/second.out 2> {out}/second.err; echo $? > {out}/second.rc
+    """
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=subprocess_env(), timeout=300, check=True)
+
+    first_err = (out / "first.err").read_text()
+    assert (out / "first.rc").read_text().strip() == "1", first_err[-3000:]
+    assert "Traceback" not in first_err
+    errors = [line for line in first_err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and first_err.strip().splitlines()[-1] == errors[0]
+    assert "saving checkpoint 40" in errors[0] and "No space left on device" in errors[0]
+    assert "ckpt-20 is intact" in errors[0]
+    assert not any(name.startswith("ckpt-40") for name in (out / "after_first.ls").read_text().split())
+    assert 'model_checkpoint_path: "ckpt-20"' in (out / "state").read_text()
+    assert (out / "second.rc").read_text().strip() == "0", (out / "second.err").read_text()[-3000:]
+    assert "ckpt-20; continuing from step 20" in (out / "second.out").read_text()
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--gin_file=gin/ps.gin", ASYNC], "train.async_checkpoint works with the synchronous strategies only"),
+    (["--gin_file=gin/single.gin", "--gin_bindings=train.async_checkpoint='yes'"],
+     "train.async_checkpoint must be True or False, got 'yes'"),
+])
+def test_refused_in_one_line_before_model_dir_is_touched(tmp_path, args, expected):
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    (model_dir / "notes.txt").write_text("keep\n")
+    before = tree_digest(str(model_dir))
+    proc = run_main(*args, f"--model_dir={model_dir}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and proc.stderr.strip().splitlines()[-1] == errors[0]
+    assert expected in errors[0]
+    assert tree_digest(str(model_dir)) == before
+
+
+def test_save_stall_reports_sync_and_async_stalls():
+    result = run_python("import json\nfrom trainer.tools.bench.save_stall import run_save_stall\n"
+                        "print(json.dumps(run_save_stall(params=100_000, saves=2, print_fn=lambda _: None)))")
+    for key in ("params", "checkpoint_bytes", "sync_stall_s", "async_stall_s", "async_over_sync",
+                "sync_stalls", "async_stalls"):
+        assert key in result, key
+    assert 50_000 <= result["params"] <= 200_000 and result["checkpoint_bytes"] > 3 * 4 * 50_000  # weights + 2 slots
+    assert len(result["sync_stalls"]) == len(result["async_stalls"]) == 2
+    assert result["sync_stall_s"] > 0 and result["async_over_sync"] >= 0
