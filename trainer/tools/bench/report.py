@@ -116,9 +116,10 @@ def ratio_line(res: dict) -> str:
     parts = [f"ours/limit {_fmt(r['ours_over_limit'], '.3f')}",
              f"ours/fit(spe 1) {_fmt(r['ours_over_fit_spe1'], '.2f')}",
              f"ours/fit(best{', ' + r['fit_best'] if r['fit_best'] else ''}) {_fmt(r['ours_over_fit_best'], '.2f')}",
-             f"ours/orbit {_fmt(r['ours_over_orbit'], '.3f')}",
-             f"first step ours/fit {_fmt(r['first_step_ours_over_fit'], '.2f')}, ours/orbit "
-             f"{_fmt(r['first_step_ours_over_orbit'], '.2f')}",
+             # .get: results written before Orbit was measured have none of these
+             f"ours/orbit {_fmt(r.get('ours_over_orbit'), '.3f')}",
+             f"first step ours/fit {_fmt(r.get('first_step_ours_over_fit'), '.2f')}, ours/orbit "
+             f"{_fmt(r.get('first_step_ours_over_orbit'), '.2f')}",
              f"peak RSS ours/fit {_fmt(r['rss_ours_over_fit'], '.2f')}",
              f"ours compile count {_fmt(res['ours_compile_count'], 'd')}"]
     return "; ".join(parts)
