@@ -71,7 +71,8 @@ def run_save_stall(*, params: int = 100_000_000, saves: int = 5, print_fn: Calla
         savers["async"].save(next(number))  # the writer thread and its first trace, outside the windows
         savers["async"].wait()
         window = max(3, math.ceil(2 * sync_save_s / step_s))
-        checkpoint_bytes = sum(os.path.getsize(os.path.join(root, "sync", n)) for n in os.listdir(os.path.join(root, "sync"))
+        sync_dir = os.path.join(root, "sync")
+        checkpoint_bytes = sum(os.path.getsize(os.path.join(sync_dir, n)) for n in os.listdir(sync_dir)
                                if n.startswith("ckpt-"))
 
         def with_save(saver: CheckpointSaver) -> tuple[float, float]:
@@ -122,4 +123,5 @@ def _print_table(result: dict, print_fn: Callable[[str], None]) -> None:
         shown = " ".join(f"{s:.3f}" for s in result[f"{mode}_stalls"])
         print_fn(f"{mode:<7}{result[f'{mode}_stall_s']:>13.3f} s{result[f'{mode}_save_blocks_s']:>13.3f} s   {shown}")
     ratio = result["async_over_sync"]
-    print_fn(f"async/sync stall: {ratio:.3f}" if ratio is not None else "async/sync stall: n/a (no sync stall measured)")
+    print_fn(f"async/sync stall: {ratio:.3f}" if ratio is not None else
+             "async/sync stall: n/a (no sync stall measured)")
