@@ -3,8 +3,11 @@ synchronous save. Real runs, real checkpoints on disk, real SIGKILLs:
 
 - exact resume: a run with async saves, killed and rerun, ends with the same variables, bit for
   bit, as an uninterrupted synchronous run (and logs the same per-step losses);
+- a save holds its step's values while more steps run before its write (mirrored);
 - a crash while a background write runs leaves the `checkpoint` state file naming the previous
   checkpoint, and a rerun continues from it;
+- a roll-back after a non-finite step restores the checkpoint whose write was still pending;
+- a write that fails (a full disk) is one error line, the previous checkpoint intact;
 - parameter_server and a wrong value are refused in one line before model_dir is touched;
 - the stall benchmark (trainer/tools/bench/save_stall.py) returns its numbers.
 """
@@ -21,6 +24,7 @@ import pytest
 
 from tests.support import REPO, run_main, run_python, subprocess_env, tree_digest
 from tests.test_disk_full import _namespaces_allowed
+from tests.test_nonfinite import BAD_STEP, poisoned  # noqa: F401  (a fixture)
 from tests.test_resume import kill_group, per_step_losses, wait_for_step
 
 ASYNC = "--gin_bindings=train.async_checkpoint=True"
@@ -160,6 +164,15 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint_in_charge
     assert "continuing from step 20" in rerun.stdout
     with open(os.path.join(model_dir, "checkpoint")) as f:
         assert 'model_checkpoint_path: "ckpt-60"' in f.read()
+
+
+def test_a_roll_back_restores_the_checkpoint_whose_write_was_pending(poisoned, tmp_path):  # noqa: F811
+    """ckpt-5 is saved at step 5 and written while steps 6-8 run; step 7 is non-finite: the roll-back
+    finishes that write first and restores ckpt-5, not the checkpoint before it."""
+    model_dir = str(tmp_path / "run")
+    proc = run_main(*poisoned, f"--model_dir={model_dir}", "--gin_bindings=train.nonfinite='rollback'", ASYNC)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"rolled back to {model_dir}/ckpt-5 (step 5) and skipping batch {BAD_STEP - 1}" in proc.stdout
 
 
 @pytest.mark.skipif(not _namespaces_allowed(), reason="needs unprivileged user and mount namespaces (unshare -rm)")
