@@ -88,7 +88,7 @@ def run_orbit(settings: dict, channel: Channel) -> None:
             return self.loop_fn
 
         def train_loop_end(self):
-            if int(global_step.numpy()) % log_every:
+            if log_every <= 0 or int(global_step.numpy()) % log_every:
                 return None
             results = {name: mean.result() for name, mean in self.means.items()}
             for mean in self.means.values():
