@@ -109,3 +109,20 @@ def test_table_says_where_fit_cannot_run():
     text = bench.text_table(result)
     assert "cannot run: Keras 3 fit cannot run under MultiWorkerMirroredStrategy" in text
     assert "cannot run" in bench.markdown(result)
+
+
+def test_paired_ratios_pair_each_round_so_a_slow_round_cancels():
+    from trainer.tools.bench.report import paired_ratios
+
+    # Round 2 ran 2x slow for everyone: the ratio of medians sees noise, the per-round ratios do not.
+    res = {"ratios": {"fit_best": "fit_spe1"}, "variants": {
+        "ours": {"chunk_seconds": [1.0, 2.0, 1.0]},
+        "limit": {"chunk_seconds": [0.9, 1.8, 0.9]},
+        "orbit": {"chunk_seconds": [1.1, 2.2, 1.1]},
+        "fit_spe1": {"chunk_seconds": []},
+    }}
+    paired = paired_ratios(res)
+    assert paired["ours_over_limit"]["median"] == pytest.approx(0.9)
+    assert paired["ours_over_orbit"] == {"median": pytest.approx(1.1), "min": pytest.approx(1.1),
+                                         "max": pytest.approx(1.1)}
+    assert paired["ours_over_fit_best"] is None

@@ -2,6 +2,8 @@
 on stdout and as markdown (experiments/bench/run.sh builds its README from the JSON with it)."""
 from __future__ import annotations
 
+import statistics
+
 from trainer.tools.bench.plan import Variant
 
 
@@ -13,6 +15,23 @@ def _per_chunk(every: int, warmup: int, chunk: int, repeats: int) -> float:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def paired_ratios(res: dict) -> dict:
+    """Ours over each peer chunk by chunk: chunk i of every variant ran in the same round of the
+    interleaved schedule, so their ratio cancels the machine's speed in that round (on a shared
+    2-core machine whole rounds run 10-20% fast or slow together). The median and min-max of
+    the per-round ratios, for limit, orbit and fit's best; None where a variant did not run."""
+    variants = res["variants"]
+    ours = (variants.get("ours") or {}).get("chunk_seconds") or []
+    out = {}
+    for key, name in (("ours_over_limit", "limit"), ("ours_over_orbit", "orbit"),
+                      ("ours_over_fit_best", res["ratios"].get("fit_best"))):
+        other = (variants.get(name) or {}).get("chunk_seconds") or [] if name else []
+        per_round = [theirs / mine for mine, theirs in zip(ours, other)]  # seconds: theirs/ours is speed ours/theirs
+        out[key] = ({"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
+                    if per_round else None)
+    return out
 
 
 def results(settings: dict, variants: list[Variant], *, chunk: int, warmup: int, repeats: int,
@@ -76,6 +95,7 @@ def results(settings: dict, variants: list[Variant], *, chunk: int, warmup: int,
             "time_to_first_step_s": v.first_step_s, "first_call_steps": v.first_call_steps,
             "compile_count": v.compile_count, "peak_rss_mib": v.peak_rss_mib, "peak_gpu_mib": v.peak_gpu_mib,
         }
+    out["paired_ratios"] = paired_ratios(out)
     return out
 
 
