@@ -14,18 +14,15 @@ synchronous save. Real runs, real checkpoints on disk, real SIGKILLs:
 from __future__ import annotations
 
 import os
-import shlex
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.support import REPO, run_main, run_python, subprocess_env, tree_digest
-from tests.test_disk_full import _namespaces_allowed
+from tests.test_disk_full import _namespaces_allowed, run_on_a_full_disk
 from tests.test_nonfinite import BAD_STEP, poisoned  # noqa: F401  (a fixture)
-from tests.test_resume import kill_group, per_step_losses, wait_for_step
+from tests.test_resume import kill_group, kill_while_writing, per_step_losses, wait_for_step
 
 ASYNC = "--gin_bindings=train.async_checkpoint=True"
 SMALL = [
@@ -141,21 +138,8 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint_in_charge
         "--gin_bindings=train.checkpoint_every_steps=20", "--gin_bindings=train.eval_every_steps=1000",
         "--gin_bindings=train.log_every_steps=10", ASYNC,
     ]
-    proc = subprocess.Popen(main_command(*flags), cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    saw_partial = False
-    try:
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline and proc.poll() is None:
-            names = os.listdir(model_dir) if os.path.isdir(model_dir) else []
-            if "ckpt-20.index" in names and any(n.startswith("ckpt-40") for n in names):
-                os.killpg(proc.pid, signal.SIGKILL)
-                saw_partial = "ckpt-40.index" not in names
-                break
-            time.sleep(0.002)
-    finally:
-        kill_group(proc)
-    assert saw_partial, "never caught the background write in progress"
+    names = kill_while_writing(main_command(*flags), model_dir)
+    assert "ckpt-40.index" not in names, "killed after the background write had finished"
     with open(os.path.join(model_dir, "checkpoint")) as f:
         assert 'model_checkpoint_path: "ckpt-20"' in f.read()
 
@@ -179,20 +163,7 @@ def test_a_roll_back_restores_the_checkpoint_whose_write_was_pending(poisoned, t
 def test_a_background_write_that_fails_is_one_line_and_a_rerun_continues(tmp_path):
     """As tests/test_disk_full.py, with the write of ckpt-40 on the writer thread: its failure
     surfaces at the run's end as the same one line, with the previous checkpoint in charge."""
-    mount, out = tmp_path / "disk", tmp_path / "out"
-    mount.mkdir()
-    out.mkdir()
-    command = " ".join(shlex.quote(a) for a in main_command(*FULL_DISK_ARGS, ASYNC, f"--model_dir={mount}/run"))
-    script = f"""
-        set -u
-        mount -t tmpfs -o size=3m tmpfs {mount}
-        {command} > {out}/first.out 2> {out}/first.err; echo $? > {out}/first.rc
-        ls {mount}/run > {out}/after_first.ls
-        cat {mount}/run/checkpoint > {out}/state
-        mount -o remount,size=64m {mount}
-        {command} > {out}/second.out 2> {out}/second.err; echo $? > {out}/second.rc
-    """
-    subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=subprocess_env(), timeout=300, check=True)
+    out = run_on_a_full_disk(main_command(*FULL_DISK_ARGS, ASYNC), tmp_path)
 
     first_err = (out / "first.err").read_text()
     assert (out / "first.rc").read_text().strip() == "1", first_err[-3000:]

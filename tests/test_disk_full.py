@@ -6,6 +6,7 @@ second does not. After the failure the tmpfs is enlarged and the same command ru
 """
 from __future__ import annotations
 
+import pathlib
 import shlex
 import subprocess
 import sys
@@ -26,23 +27,33 @@ def _namespaces_allowed() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _namespaces_allowed(), reason="needs unprivileged user and mount namespaces (unshare -rm)")
-def test_full_disk_during_a_save_is_one_line_and_a_rerun_continues(tmp_path):
+def run_on_a_full_disk(command: list[str], tmp_path) -> pathlib.Path:
+    """Runs `command --model_dir=<a 3 MB tmpfs>/run`, then enlarges the tmpfs to 64 MB and runs it
+    again, in a private user+mount namespace; returns the folder with each run's out, err and rc,
+    model_dir's listing after each (after_first.ls, after_second.ls) and the state file after the
+    first (state)."""
     mount, out = tmp_path / "disk", tmp_path / "out"
     mount.mkdir()
     out.mkdir()
-    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "trainer.main", *ARGS,
-                                                f"--model_dir={mount}/run"])
+    line = " ".join(shlex.quote(a) for a in [*command, f"--model_dir={mount}/run"])
     script = f"""
         set -u
         mount -t tmpfs -o size=3m tmpfs {mount}
-        {command} > {out}/first.out 2> {out}/first.err; echo $? > {out}/first.rc
+        {line} > {out}/first.out 2> {out}/first.err; echo $? > {out}/first.rc
         ls {mount}/run > {out}/after_first.ls
+        cat {mount}/run/checkpoint > {out}/state
         mount -o remount,size=64m {mount}
-        {command} > {out}/second.out 2> {out}/second.err; echo $? > {out}/second.rc
+        {line} > {out}/second.out 2> {out}/second.err; echo $? > {out}/second.rc
         ls {mount}/run > {out}/after_second.ls
     """
     subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=subprocess_env(), timeout=400, check=True)
+    return out
+
+
+
+@pytest.mark.skipif(not _namespaces_allowed(), reason="needs unprivileged user and mount namespaces (unshare -rm)")
+def test_full_disk_during_a_save_is_one_line_and_a_rerun_continues(tmp_path):
+    out = run_on_a_full_disk([sys.executable, "-m", "trainer.main", *ARGS], tmp_path)
 
     first_err = (out / "first.err").read_text()
     assert (out / "first.rc").read_text().strip() == "1", first_err[-3000:]

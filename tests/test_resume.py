@@ -43,6 +43,25 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def kill_while_writing(command: list[str], model_dir: str, timeout: float = 200) -> list[str]:
+    """Runs `command` in its own session and SIGKILLs it as soon as ckpt-40's files appear beside a
+    complete ckpt-20 (a save in progress); returns model_dir's names at that moment."""
+    proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            names = os.listdir(model_dir) if os.path.isdir(model_dir) else []
+            if "ckpt-20.index" in names and any(n.startswith("ckpt-40") for n in names):
+                os.killpg(proc.pid, signal.SIGKILL)
+                return names
+            time.sleep(0.002)
+    finally:
+        kill_group(proc)
+    raise AssertionError(f"never caught the save of ckpt-40 in progress (exit {proc.returncode})")
+
+
+
 def command(launch_workers: int, gin_file: str, model_dir: str) -> list[str]:
     main_flags = [f"--gin_file={gin_file}", f"--model_dir={model_dir}", *PER_STEP]
     if launch_workers:
@@ -94,22 +113,7 @@ def test_crash_during_a_checkpoint_save_restores_the_previous_one(tmp_path):
         "--gin_bindings=train.checkpoint_every_steps=20", "--gin_bindings=train.eval_every_steps=1000",
         "--gin_bindings=train.log_every_steps=10",
     ]
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", *flags], cwd=REPO, env=subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    saw_partial = False
-    try:
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline and proc.poll() is None:
-            names = os.listdir(model_dir) if os.path.isdir(model_dir) else []
-            # ckpt-20 complete; ckpt-40's files being written while `checkpoint` still names ckpt-20.
-            if "ckpt-20.index" in names and any(n.startswith("ckpt-40") for n in names):
-                os.killpg(proc.pid, signal.SIGKILL)
-                saw_partial = True
-                break
-            time.sleep(0.002)
-    finally:
-        kill_group(proc)
-    assert saw_partial, "never caught the save in progress"
+    kill_while_writing([sys.executable, "-m", "trainer.main", *flags], model_dir)
     with open(os.path.join(model_dir, "checkpoint")) as f:
         assert 'model_checkpoint_path: "ckpt-20"' in f.read()
 
