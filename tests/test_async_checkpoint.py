@@ -7,7 +7,8 @@ synchronous save. Real runs, real checkpoints on disk, real SIGKILLs:
 - a crash while a background write runs leaves the `checkpoint` state file naming the previous
   checkpoint, and a rerun continues from it;
 - a roll-back after a non-finite step restores the checkpoint whose write was still pending;
-- a write that fails (a full disk) is one error line, the previous checkpoint intact;
+- a write that fails (a full disk) is one error line, the previous checkpoint intact (in
+  tests/test_disk_full.py, parametrized over sync and async);
 - parameter_server and a wrong value are refused in one line before model_dir is touched;
 - the stall benchmark (trainer/tools/bench/save_stall.py) returns its numbers.
 """
@@ -20,7 +21,6 @@ import sys
 import pytest
 
 from tests.support import REPO, run_main, run_python, subprocess_env, tree_digest
-from tests.test_disk_full import _namespaces_allowed, run_on_a_full_disk
 from tests.test_nonfinite import BAD_STEP, poisoned  # noqa: F401  (a fixture)
 from tests.test_resume import kill_group, kill_while_writing, per_step_losses, wait_for_step
 
@@ -29,13 +29,6 @@ SMALL = [
     "--gin_file=gin/mirrored.gin", "--gin_bindings=train.total_steps=40", "--gin_bindings=train.log_every_steps=1",
     "--gin_bindings=train.checkpoint_every_steps=10", "--gin_bindings=train.eval_every_steps=1000",
     "--gin_bindings=cnn.dropout=0.3", "--gin_bindings=cnn.filters=(8, 8, 8)",
-]
-
-
-FULL_DISK_ARGS = [  # ckpt-20 fits in the 3 MB disk, ckpt-40 does not (keep 5: nothing is deleted to make room)
-    "--gin_file=gin/single.gin", "--gin_bindings=train.total_steps=40", "--gin_bindings=train.log_every_steps=20",
-    "--gin_bindings=train.checkpoint_every_steps=20", "--gin_bindings=train.eval_every_steps=40",
-    "--gin_bindings=train.keep_checkpoints=5",
 ]
 
 
@@ -157,25 +150,6 @@ def test_a_roll_back_restores_the_checkpoint_whose_write_was_pending(poisoned, t
     proc = run_main(*poisoned, f"--model_dir={model_dir}", "--gin_bindings=train.nonfinite='rollback'", ASYNC)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"rolled back to {model_dir}/ckpt-5 (step 5) and skipping batch {BAD_STEP - 1}" in proc.stdout
-
-
-@pytest.mark.skipif(not _namespaces_allowed(), reason="needs unprivileged user and mount namespaces (unshare -rm)")
-def test_a_background_write_that_fails_is_one_line_and_a_rerun_continues(tmp_path):
-    """As tests/test_disk_full.py, with the write of ckpt-40 on the writer thread: its failure
-    surfaces at the run's end as the same one line, with the previous checkpoint in charge."""
-    out = run_on_a_full_disk(main_command(*FULL_DISK_ARGS, ASYNC), tmp_path)
-
-    first_err = (out / "first.err").read_text()
-    assert (out / "first.rc").read_text().strip() == "1", first_err[-3000:]
-    assert "Traceback" not in first_err
-    errors = [line for line in first_err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and first_err.strip().splitlines()[-1] == errors[0]
-    assert "saving checkpoint 40" in errors[0] and "No space left on device" in errors[0]
-    assert "ckpt-20 is intact" in errors[0]
-    assert not any(name.startswith("ckpt-40") for name in (out / "after_first.ls").read_text().split())
-    assert 'model_checkpoint_path: "ckpt-20"' in (out / "state").read_text()
-    assert (out / "second.rc").read_text().strip() == "0", (out / "second.err").read_text()[-3000:]
-    assert "ckpt-20; continuing from step 20" in (out / "second.out").read_text()
 
 
 @pytest.mark.parametrize("args,expected", [

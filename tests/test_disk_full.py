@@ -52,8 +52,11 @@ def run_on_a_full_disk(command: list[str], tmp_path) -> pathlib.Path:
 
 
 @pytest.mark.skipif(not _namespaces_allowed(), reason="needs unprivileged user and mount namespaces (unshare -rm)")
-def test_full_disk_during_a_save_is_one_line_and_a_rerun_continues(tmp_path):
-    out = run_on_a_full_disk([sys.executable, "-m", "trainer.main", *ARGS], tmp_path)
+@pytest.mark.parametrize("write", ["sync", "async"])
+def test_full_disk_during_a_save_is_one_line_and_a_rerun_continues(tmp_path, write):
+    """Async: the write of ckpt-40 fails on the writer thread and surfaces as the same one line."""
+    out = run_on_a_full_disk([sys.executable, "-m", "trainer.main", *ARGS,
+                              f"--gin_bindings=train.async_checkpoint={write == 'async'}"], tmp_path)
 
     first_err = (out / "first.err").read_text()
     assert (out / "first.rc").read_text().strip() == "1", first_err[-3000:]
@@ -64,6 +67,7 @@ def test_full_disk_during_a_save_is_one_line_and_a_rerun_continues(tmp_path):
     assert "ckpt-20 is intact" in errors[0]
     files = (out / "after_first.ls").read_text().split()
     assert "ckpt-20.index" in files and not any(name.startswith("ckpt-40") for name in files)  # partial files removed
+    assert 'model_checkpoint_path: "ckpt-20"' in (out / "state").read_text()
 
     second_out = (out / "second.out").read_text()
     assert (out / "second.rc").read_text().strip() == "0", (out / "second.err").read_text()[-3000:]
