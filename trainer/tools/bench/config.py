@@ -20,3 +20,11 @@ def setup(settings: dict):
 
     runtime, task = train_lib.setup_from(settings)
     return runtime.strategy, task
+
+
+def train_data(dist, inp, settings: dict):
+    """The train data of `inp` distributed as the loop gets it (trainer/core/controller.py), from step 0."""
+    from trainer import data
+
+    return data.distribute_train(dist, inp, settings["global_batch_size"], settings["seed"],
+                                 method=settings["distribute_method"], shard_policy=settings["shard_policy"])

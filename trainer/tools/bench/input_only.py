@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable
 
 from trainer.errors import UserError
-from trainer.tools.bench.config import setup, train_settings
+from trainer.tools.bench.config import setup, train_data, train_settings
 from trainer.tools.bench.limit import bare_step
 
 NUM_SHARDS = 4  # trainer.write_tfrecords' default
@@ -44,7 +44,7 @@ def run_input_bench(gin_files: list[str], gin_bindings: list[str], *, seconds: f
     dist, task = setup(settings)
 
     def pull(inp) -> dict:
-        return _pull_rate(dist, _train_data(dist, inp, settings), settings["steps_per_loop"], seconds)
+        return _pull_rate(dist, train_data(dist, inp, settings), settings["steps_per_loop"], seconds)
 
     sources = {"memory": {**pull(task.input), "in_memory": task.input.train_arrays() is not None}}
     with tempfile.TemporaryDirectory(prefix="bench-input-") as out_dir:
@@ -73,14 +73,6 @@ def run_input_bench(gin_files: list[str], gin_bindings: list[str], *, seconds: f
     }
     print_fn(text_table(result))
     return result
-
-
-def _train_data(dist, inp, settings: dict):
-    """The train data as the loop gets it (trainer/core/controller.py), from step 0."""
-    from trainer import data
-
-    return data.distribute_train(dist, inp, settings["global_batch_size"], settings["seed"],
-                                 method=settings["distribute_method"], shard_policy=settings["shard_policy"])
 
 
 def _pull_rate(dist, distributed_data, batches_per_call: int, seconds: float) -> dict:

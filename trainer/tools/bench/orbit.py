@@ -26,7 +26,7 @@ from __future__ import annotations
 import tempfile
 import time
 
-from trainer.tools.bench.config import setup
+from trainer.tools.bench.config import setup, train_data
 from trainer.tools.bench.protocol import Channel
 
 INSTALL = "tf-models-official==2.20.0"
@@ -55,14 +55,12 @@ def run_orbit(settings: dict, channel: Channel) -> None:
     import orbit
     import tensorflow as tf
 
-    from trainer import data
     from trainer.core import xla
     from trainer.core.loop import reduce_outputs
 
     dist, task = setup(settings)
     gb, log_every = settings["global_batch_size"], settings["log_every_steps"]
-    dataset = data.distribute_train(dist, task.input, gb, settings["seed"], method=settings["distribute_method"],
-                                    shard_policy=settings["shard_policy"])
+    dataset = train_data(dist, task.input, settings)
     step = xla.replica_step(dist, task.step_fn, task.models, task.optimizers, gb, jit_compile=settings["jit_compile"])
     global_step = task.global_step
     # One step's reduced outputs, traced now on the batch spec for their names (the metrics must exist
