@@ -113,8 +113,8 @@ def _step_rate(dist, task, settings: dict, seconds: float) -> dict:
         run_steps(per_call)
         return per_call * batch_size
 
-    _, steps, elapsed = _timed(call, per_call, seconds)
-    return {"examples_per_sec": steps * batch_size / elapsed, "steps": steps, "seconds": round(elapsed, 3)}
+    examples, steps, elapsed = _timed(call, per_call, seconds)
+    return {"examples_per_sec": examples / elapsed, "steps": steps, "seconds": round(elapsed, 3)}
 
 
 def _timed(call: Callable[[], int], batches_per_call: int, seconds: float) -> tuple[int, int, float]:
