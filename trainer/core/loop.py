@@ -1,8 +1,9 @@
 """The compiled parts of the synchronous loop: several train steps per call, and a full eval pass.
 
 Each call runs `num_steps` steps on device in a `tf.range` loop (a tensor, so a new count
-never retraces), calls the step in replica context with `strategy.run` and reduces its
-outputs with SUM in cross-replica context (DESIGN.md rule 3). Hooks run between calls.
+never retraces), calls the step in replica context with `strategy.run`, sums its outputs on
+each replica and reduces those sums with SUM in cross-replica context once per call
+(DESIGN.md rule 3; see `ReplicaTotals`). Hooks run between calls.
 """
 from __future__ import annotations
 
@@ -20,27 +21,87 @@ SUM = tf.distribute.ReduceOp.SUM
 WEIGHT_KEY = "__weight__"  # the real examples of a batch, counted by the loop itself
 
 
-def reduce_outputs(strategy: tf.distribute.Strategy, outputs, what: str = "train.step_fn") -> dict[str, tf.Tensor]:
-    """SUM across replicas of a step's `{name: scalar}` outputs (refused in one line otherwise)."""
+def check_outputs(outputs, what: str = "train.step_fn") -> Mapping[str, tf.Tensor]:
+    """`outputs` if it is a dict of scalar numbers (one replica's, or any replica's local value); else UserError."""
     if not isinstance(outputs, Mapping):
         raise UserError(f"{what} returned {type(outputs).__name__}; return a dict of scalar tensors, "
                         "e.g. {'loss': loss}")
     for name, value in outputs.items():
-        local = strategy.experimental_local_results(value)[0]
-        if not isinstance(name, str) or not hasattr(local, "shape") or local.shape.rank != 0 \
-                or not (local.dtype.is_floating or local.dtype.is_integer):
-            shown = getattr(local, "shape", type(local).__name__)
-            raise UserError(f"{what} output {name!r} is {shown} of {getattr(local, 'dtype', '?')}; each output must "
+        if not isinstance(name, str) or not hasattr(value, "shape") or value.shape.rank != 0 \
+                or not (value.dtype.is_floating or value.dtype.is_integer):
+            shown = getattr(value, "shape", type(value).__name__)
+            raise UserError(f"{what} output {name!r} is {shown} of {getattr(value, 'dtype', '?')}; each output must "
                             "be a scalar number (reduce a per-example vector with a sum or mean first)")
+    return outputs
+
+
+def reduce_outputs(strategy: tf.distribute.Strategy, outputs, what: str = "train.step_fn") -> dict[str, tf.Tensor]:
+    """SUM across replicas of a step's `{name: scalar}` outputs (refused in one line otherwise)."""
+    if isinstance(outputs, Mapping):
+        check_outputs({k: strategy.experimental_local_results(v)[0] for k, v in outputs.items()}, what)
+    else:
+        check_outputs(outputs, what)
     return {k: tf.cast(strategy.reduce(SUM, v, axis=None), tf.float32) for k, v in outputs.items()}
 
 
-def _all_finite(outputs: dict[str, tf.Tensor]) -> tf.Tensor:
-    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in outputs.values()])
+class ReplicaTotals:
+    """Sums a step's outputs over the steps of one call on each replica, reduced once per call.
+
+    For the train loop and the eval pass alike (`replica_fn` is their step in replica context,
+    `what` names it in the one-line refusal of outputs that are not a dict of scalars).
+
+    Each replica keeps its outputs' running totals as one float32 vector and counts the steps
+    after which that vector was still finite. A sum that went non-finite stays so, so the count
+    is the index of the replica's first non-finite step; the call's is the least over replicas.
+    Reducing once per call instead of once per step and output saves a cross-device (under
+    MultiWorkerMirroredStrategy a cross-process) reduction per output and step, and keeps the
+    per-step work to a few ops on one vector (DESIGN.md rule 3: still SUM, in cross-replica context).
+    """
+
+    def __init__(self, strategy: tf.distribute.Strategy, replica_fn: Callable, what: str):
+        self._strategy = strategy
+        self._replica_fn = replica_fn
+        self._what = what
+        self.names: list[str] = []  # the step's output keys, in its order, known once traced
+
+    def _vector(self, batch) -> tf.Tensor:
+        outputs = check_outputs(self._replica_fn(batch), self._what)
+        self.names = list(outputs)
+        if not outputs:
+            return tf.zeros([0], tf.float32)
+        return tf.stack([tf.cast(outputs[k], tf.float32) for k in self.names])
+
+    def first(self, batch):
+        """The per-replica totals and finite-step counts after one step on `batch` (cross-replica context)."""
+        def replica(batch):
+            totals = self._vector(batch)
+            return totals, _finite(totals)
+        return self._strategy.run(replica, args=(batch,))
+
+    def add(self, state, batch):
+        """`state` after one more step on `batch`."""
+        def replica(totals, finite_steps, batch):
+            totals = totals + self._vector(batch)
+            return totals, finite_steps + _finite(totals)
+        return self._strategy.run(replica, args=(*state, batch))
+
+    def reduce(self, state, num_steps: tf.Tensor) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+        """Each output's sum over the call's steps and the replicas, and the 0-based index of the
+        first step with a non-finite output on any replica (-1 if none)."""
+        totals, finite_steps = state
+        sums = self._strategy.reduce(SUM, totals, axis=None)
+        if self._strategy.num_replicas_in_sync == 1:
+            first = self._strategy.reduce(SUM, finite_steps, axis=None)
+        else:  # the least count over replicas, with SUM only: which counts occur, then the lowest of them
+            seen = self._strategy.reduce(SUM, self._strategy.run(
+                lambda count: tf.one_hot(count, num_steps + 1), args=(finite_steps,)), axis=None)
+            first = tf.cast(tf.argmax(tf.cast(seen > 0, tf.int32)), tf.int32)
+        first = tf.where(first < num_steps, first, -1)
+        return {name: sums[i] for i, name in enumerate(self.names)}, first
 
 
-def _add(a: dict[str, tf.Tensor], b: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-    return {k: a[k] + b[k] for k in a}
+def _finite(totals: tf.Tensor) -> tf.Tensor:
+    return tf.cast(tf.reduce_all(tf.math.is_finite(totals)), tf.int32)
 
 
 class TrainLoop:
@@ -67,23 +128,20 @@ class TrainLoop:
         replica_step = xla.replica_step(strategy, step_fn, model, optimizer, global_batch_size,
                                         jit_compile=jit_compile)
 
-        def one_step(iterator):
-            outputs = reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)))
-            if after_update is not None:  # cross-replica context, after this step's update (e.g. EMA)
-                after_update()
-            return outputs
+        totals = ReplicaTotals(strategy, replica_step, "train.step_fn")
 
         def train_steps(iterator, num_steps):
-            # The first step is peeled so the loop variables take the step's own output keys.
-            totals = one_step(iterator)
-            first_nonfinite = tf.where(_all_finite(totals), -1, 0)
-            for i in tf.range(1, num_steps):
-                outputs = one_step(iterator)
-                first_nonfinite = tf.where((first_nonfinite < 0) & ~_all_finite(outputs), i, first_nonfinite)
-                totals = _add(totals, outputs)
+            # The first step is peeled so the loop variables take the step's own outputs' shape.
+            state = totals.first(next(iterator))
+            if after_update is not None:  # cross-replica context, after each step's update (e.g. EMA)
+                after_update()
+            for _ in tf.range(1, num_steps):
+                state = totals.add(state, next(iterator))
+                if after_update is not None:
+                    after_update()
             global_step.assign_add(tf.cast(num_steps, global_step.dtype))
-            means = {k: v / tf.cast(num_steps, tf.float32) for k, v in totals.items()}
-            return means, first_nonfinite
+            sums, first_nonfinite = totals.reduce(state, num_steps)
+            return {k: v / tf.cast(num_steps, tf.float32) for k, v in sums.items()}, first_nonfinite
 
         self._train_steps = tf.function(train_steps)
         self.last_nonfinite_offset: int | None = None
@@ -172,14 +230,13 @@ class Evaluator:
             weight = batch[-1]
             return dict(outputs) | {WEIGHT_KEY: tf.reduce_sum(tf.cast(weight, tf.float32))}
 
-        def one_batch(iterator):
-            return reduce_outputs(strategy, strategy.run(replica_fn, args=(next(iterator),)), "train.eval_step_fn")
+        totals = ReplicaTotals(strategy, replica_fn, "train.eval_step_fn")
 
         def eval_batches(iterator, num_batches):
-            totals = one_batch(iterator)
-            for _ in tf.range(num_batches - 1):
-                totals = _add(totals, one_batch(iterator))
-            return totals
+            state = totals.first(next(iterator))
+            for _ in tf.range(1, num_batches):
+                state = totals.add(state, next(iterator))
+            return totals.reduce(state, num_batches)[0]
 
         self._eval_batches = tf.function(eval_batches)
 
