@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import read_jsonl, run_main
+from tests.support import read_jsonl, run_main, run_python
 from trainer import data
 from trainer.write_tfrecords import serialize
 
@@ -76,3 +76,45 @@ def test_rollback_mode_gives_up_after_max_rollbacks(poisoned, tmp_path):
                     "--gin_bindings=train.max_rollbacks=0")
     assert proc.returncode == 1
     assert "more than train.max_rollbacks 0" in proc.stderr.strip().splitlines()[-1]
+
+
+TOTALS_SCRIPT = """
+import json
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * {replicas})
+from trainer.core.loop import TrainLoop
+
+BAD = {bad}  # element value -> makes the loss of the replica whose batch holds it NaN
+
+def step(model, optimizer, batch, global_batch_size):
+    poisoned = tf.reduce_any([tf.reduce_any(tf.equal(batch, b)) for b in BAD] or [False])
+    loss = tf.where(poisoned, float("nan"), tf.reduce_sum(tf.cast(batch, tf.float32)))
+    return {{"loss": loss, "examples": tf.size(batch)}}
+
+strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.range(1000).batch(4))
+with strategy.scope():
+    step_counter = tf.Variable(0, dtype=tf.int64, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+loop = TrainLoop(strategy, None, None, step, 4, dataset, step_counter)
+calls = []
+for _ in range(3):
+    means = loop.run(4)
+    calls.append({{"means": means, "offset": loop.last_nonfinite_offset}})
+print(json.dumps({{"calls": calls, "step": int(step_counter.numpy()), "traces": loop.trace_count}}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_first_nonfinite_step_of_a_call_is_found_on_any_replica(replicas):
+    # Global batches of 4: step s holds 4s..4s+3, replica r of 2 the half r of it. The running sums
+    # are kept per replica and reduced once per call; step 5 is NaN on replica 1 only (23) and step 6
+    # on replica 0 only (24), so the second call's first non-finite step is its offset 1 (step 5),
+    # whichever replica saw it; the third call is finite again.
+    result = run_python(TOTALS_SCRIPT.format(replicas=replicas, bad=[23, 24]), timeout=100)
+    first, second, third = result["calls"]
+    assert first == {"means": {"loss": sum(range(16)) / 4, "examples": 4.0}, "offset": None}
+    assert second["offset"] == 1 and np.isnan(second["means"]["loss"]) and second["means"]["examples"] == 4.0
+    assert third == {"means": {"loss": sum(range(32, 48)) / 4, "examples": 4.0}, "offset": None}
+    assert result["step"] == 12 and result["traces"] == 1
