@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tests.support import write_idx
 from trainer import data
+from trainer.data import pipeline
 from trainer.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,6 +79,17 @@ def test_skip_and_drop_give_the_batches_of_the_full_stream():
     for skip in (1, 2, 6, 7):
         _assert_same(kept[skip:skip + 5],
                      _batches(data.train_dataset(source, 16, seed=3, skip_batches=skip, drop_batches=drops), 5))
+
+
+def test_batches_gathered_several_per_call_are_those_of_one_per_call(monkeypatch):
+    source = data.Synthetic(num_train=40, num_eval=8)
+    arrays = source.arrays("train")
+    indices = data.shuffled_index_batches(40, 16, seed=3)
+    expected = [tuple(a[i] for a in arrays) for i in (b.numpy() for b in indices.take(11))]
+    assert pipeline.GATHER_BATCHES > 1 and 16 * 64 * 4 * pipeline.GATHER_BATCHES < pipeline.MAX_GATHER_BYTES
+    _assert_same(_batches(pipeline.gathered(indices, arrays, 16), 11), expected)  # 11: across a partial call
+    monkeypatch.setattr(pipeline, "MAX_GATHER_BYTES", 1)  # batches bigger than the bound: one per call
+    _assert_same(_batches(pipeline.gathered(indices, arrays, 16), 11), expected)
 
 
 def test_no_prefetch_thread_where_the_cpu_runs_the_step():
@@ -181,6 +193,7 @@ import numpy as np, tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 from trainer import data
+from trainer.data import pipeline
 from trainer.errors import UserError
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -235,6 +248,7 @@ print("MIRRORED OK")
 PARAMETER_SERVER_SCRIPT = """
 import os, portpicker, tensorflow as tf
 from trainer import data
+from trainer.data import pipeline
 from trainer.errors import UserError
 
 ports = {"worker": [portpicker.pick_unused_port() for _ in range(2)], "ps": [portpicker.pick_unused_port()]}

