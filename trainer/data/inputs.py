@@ -24,7 +24,7 @@ from trainer.errors import UserError
 
 SPLITS = ("train", "eval")
 # Train data whose fixed-shape examples take at most this many bytes in all are held in
-# memory and gathered a whole batch at a time (see pipeline.shuffled_index_batches).
+# memory and gathered in whole batches (see pipeline.shuffled_index_batches and gathered).
 MAX_IN_MEMORY_BYTES = 2 * 1024**3
 Shard = tuple[int, int]  # (number of shards, this shard's index)
 InputFunction = Callable[..., tf.data.Dataset]

@@ -3,7 +3,7 @@
 It measures, in examples/s, each for `seconds` after a warm-up call, in this one process:
 
 - memory: the config's own train input exactly as the loop builds it (`distribute_train`:
-  in memory and gathered a batch at a time where the data fits, else streamed), pulled
+  in memory and gathered in batches where the data fits, else streamed), pulled
   through the distributed dataset by a `tf.function` shaped like the loop's (`steps_per_loop`
   `next(iterator)` per call, each batch handed to `strategy.run`) whose step only counts
   the examples;
