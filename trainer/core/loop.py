@@ -48,7 +48,8 @@ class ReplicaTotals:
     """Sums a step's outputs over the steps of one call on each replica, reduced once per call.
 
     For the train loop and the eval pass alike (`replica_fn` is their step in replica context,
-    `what` names it in the one-line refusal of outputs that are not a dict of scalars).
+    `what` names it in the one-line refusal of outputs that are not a dict of scalars; eval,
+    which has no use for it, sets `count_finite=False`).
 
     Each replica keeps its outputs' running totals as one float32 vector and counts the steps
     after which that vector was still finite. A sum that went non-finite stays so, so the count
@@ -58,10 +59,12 @@ class ReplicaTotals:
     per-step work to a few ops on one vector (DESIGN.md rule 3: still SUM, in cross-replica context).
     """
 
-    def __init__(self, strategy: tf.distribute.Strategy, replica_fn: Callable, what: str):
+    def __init__(self, strategy: tf.distribute.Strategy, replica_fn: Callable, what: str, *,
+                 count_finite: bool = True):
         self._strategy = strategy
         self._replica_fn = replica_fn
         self._what = what
+        self._count_finite = count_finite
         self.names: list[str] = []  # the step's output keys, in its order, known once traced
 
     def _vector(self, batch) -> tf.Tensor:
@@ -75,33 +78,36 @@ class ReplicaTotals:
         """The per-replica totals and finite-step counts after one step on `batch` (cross-replica context)."""
         def replica(batch):
             totals = self._vector(batch)
-            return totals, _finite(totals)
+            return totals, self._finite(totals)
         return self._strategy.run(replica, args=(batch,))
 
     def add(self, state, batch):
         """`state` after one more step on `batch`."""
         def replica(totals, finite_steps, batch):
             totals = totals + self._vector(batch)
-            return totals, finite_steps + _finite(totals)
+            return totals, finite_steps + self._finite(totals)
         return self._strategy.run(replica, args=(*state, batch))
 
-    def reduce(self, state, num_steps: tf.Tensor) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
-        """Each output's sum over the call's steps and the replicas, and the 0-based index of the
-        first step with a non-finite output on any replica (-1 if none)."""
-        totals, finite_steps = state
-        sums = self._strategy.reduce(SUM, totals, axis=None)
+    def _finite(self, totals: tf.Tensor) -> tf.Tensor:
+        if not self._count_finite:
+            return tf.constant(0)
+        return tf.cast(tf.reduce_all(tf.math.is_finite(totals)), tf.int32)
+
+    def sums(self, state) -> dict[str, tf.Tensor]:
+        """Each output's sum over the call's steps and the replicas (one reduce)."""
+        sums = self._strategy.reduce(SUM, state[0], axis=None)
+        return {name: sums[i] for i, name in enumerate(self.names)}
+
+    def first_nonfinite(self, state, num_steps: tf.Tensor) -> tf.Tensor:
+        """The 0-based index of the call's first step with a non-finite output on any replica (-1 if none)."""
+        finite_steps = state[1]
         if self._strategy.num_replicas_in_sync == 1:
             first = self._strategy.reduce(SUM, finite_steps, axis=None)
         else:  # the least count over replicas, with SUM only: which counts occur, then the lowest of them
             seen = self._strategy.reduce(SUM, self._strategy.run(
                 lambda count: tf.one_hot(count, num_steps + 1), args=(finite_steps,)), axis=None)
             first = tf.cast(tf.argmax(tf.cast(seen > 0, tf.int32)), tf.int32)
-        first = tf.where(first < num_steps, first, -1)
-        return {name: sums[i] for i, name in enumerate(self.names)}, first
-
-
-def _finite(totals: tf.Tensor) -> tf.Tensor:
-    return tf.cast(tf.reduce_all(tf.math.is_finite(totals)), tf.int32)
+        return tf.where(first < num_steps, first, -1)
 
 
 class TrainLoop:
@@ -140,8 +146,8 @@ class TrainLoop:
                 if after_update is not None:
                     after_update()
             global_step.assign_add(tf.cast(num_steps, global_step.dtype))
-            sums, first_nonfinite = totals.reduce(state, num_steps)
-            return {k: v / tf.cast(num_steps, tf.float32) for k, v in sums.items()}, first_nonfinite
+            means = {k: v / tf.cast(num_steps, tf.float32) for k, v in totals.sums(state).items()}
+            return means, totals.first_nonfinite(state, num_steps)
 
         self._train_steps = tf.function(train_steps)
         self.last_nonfinite_offset: int | None = None
@@ -230,13 +236,13 @@ class Evaluator:
             weight = batch[-1]
             return dict(outputs) | {WEIGHT_KEY: tf.reduce_sum(tf.cast(weight, tf.float32))}
 
-        totals = ReplicaTotals(strategy, replica_fn, "train.eval_step_fn")
+        totals = ReplicaTotals(strategy, replica_fn, "train.eval_step_fn", count_finite=False)
 
         def eval_batches(iterator, num_batches):
             state = totals.first(next(iterator))
             for _ in tf.range(1, num_batches):
                 state = totals.add(state, next(iterator))
-            return totals.reduce(state, num_batches)[0]
+            return totals.sums(state)
 
         self._eval_batches = tf.function(eval_batches)
 
