@@ -48,8 +48,8 @@ class ReplicaTotals:
     """Sums a step's outputs over the steps of one call on each replica, reduced once per call.
 
     For the train loop and the eval pass alike (`replica_fn` is their step in replica context,
-    `what` names it in the one-line refusal of outputs that are not a dict of scalars; eval,
-    which has no use for it, sets `count_finite=False`).
+    `what` names it in the one-line refusal of outputs that are not a dict of scalars; eval and
+    the bench's bare loop, which have no use for it, set `count_finite=False`).
 
     Each replica keeps its outputs' running totals as one float32 vector and counts the steps
     after which that vector was still finite. A sum that went non-finite stays so, so the count

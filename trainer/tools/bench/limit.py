@@ -2,8 +2,9 @@
 
 A `tf.function` with the structure of TrainLoop's compiled loop (`steps_per_loop` steps per
 call in a `tf.range` loop, each `strategy.run` of the same replica step with the same XLA and
-precision settings, its outputs added up on each replica and SUM-reduced once per call), but
-no `next(iterator)` and no non-finite check: no input pipeline, no hooks, no Python between steps.
+precision settings, its outputs added up on each replica and SUM-reduced once per call by the
+loop's own `ReplicaTotals`), but no `next(iterator)` and no non-finite check: no input pipeline,
+no hooks, no Python between steps.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def bare_step(dist, task, settings: dict) -> tuple[Callable[[int], None], Any]:
 
     from trainer import data
     from trainer.core import xla
-    from trainer.core.loop import SUM
+    from trainer.core.loop import ReplicaTotals
     from trainer.distribution import devices
 
     gb = settings["global_batch_size"]
@@ -56,17 +57,17 @@ def bare_step(dist, task, settings: dict) -> tuple[Callable[[int], None], Any]:
     step = xla.replica_step(dist, settings["step_fn"], task.models, task.optimizers, gb,
                             jit_compile=settings["jit_compile"])
 
-    def replica(totals, batch):  # the step's outputs added to this replica's running sums
-        return totals + tf.stack([tf.cast(v, tf.float32) for v in step(batch).values()])
+    totals = ReplicaTotals(dist, step, "train.step_fn", count_finite=False)
 
     @tf.function
     def limit(batch, num_steps):  # TrainLoop's loop, with the batch in memory instead of next(iterator)
-        totals = dist.run(lambda batch: replica(0.0, batch), args=(batch,))
+        state = totals.first(batch)
         for _ in tf.range(num_steps - 1):
-            totals = dist.run(replica, args=(totals, batch))
-        return dist.reduce(SUM, totals, axis=None)
+            state = totals.add(state, batch)
+        return totals.sums(state)
 
     def run_steps(count: int) -> None:
-        limit(batch, tf.constant(count, tf.int32)).numpy()  # waits for the call, like ours does
+        outputs = limit(batch, tf.constant(count, tf.int32))
+        {k: float(v) for k, v in outputs.items()}  # noqa: B018  (waits for the call, like ours does)
 
     return run_steps, limit
