@@ -80,7 +80,7 @@ class AnyWorker:
     def __init__(self, strategy: tf.distribute.Strategy):
         self._async = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
 
-        @tf.function
+        @tf.function(autograph=False)
         def total(flag):
             per_replica = strategy.run(tf.identity, args=(flag,))
             return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)

@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from trainer import data
 from trainer.core.task import all_variables, flat
+from trainer.core.user_code import call_user
 from trainer.errors import UserError
 
 EXACT_RTOL = 1e-4
@@ -110,7 +111,7 @@ def check_loss_scaling(
     def probe(batch, batch_size):
         catchers = ({k: _GradientCatcher(o) for k, o in optimizer.items()} if isinstance(optimizer, Mapping)
                     else _GradientCatcher(optimizer))
-        outputs = step_fn(model, catchers, batch, batch_size)
+        outputs = call_user(step_fn, model, catchers, batch, batch_size)
         return {k: tf.cast(v, tf.float32) for k, v in outputs.items()}, [g for c in flat(catchers) for g in c.gradients]
 
     try:
@@ -239,7 +240,7 @@ def _run_distributed(strategy, probe, shard):
     """The step on every replica, each on `shard`; outputs and gradients reduced with SUM."""
     SUM = tf.distribute.ReduceOp.SUM
 
-    @tf.function
+    @tf.function(autograph=False)  # the step itself is converted by `call_user`
     def run(values):
         outputs, gradients = strategy.run(probe, args=(values,))
         outputs = {k: strategy.reduce(SUM, v, axis=None) for k, v in outputs.items()}

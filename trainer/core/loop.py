@@ -1,7 +1,7 @@
 """The compiled parts of the synchronous loop: several train steps per call, and a full eval pass.
 
-Each call runs `num_steps` steps on device in a `tf.range` loop (a tensor, so a new count
-never retraces), calls the step in replica context with `strategy.run`, sums its outputs on
+Each call runs `num_steps` steps on device in a graph while loop (the count a tensor, so a new
+count never retraces), calls the step in replica context with `strategy.run`, sums its outputs on
 each replica and reduces those sums with SUM in cross-replica context once per call
 (DESIGN.md rule 3; see `ReplicaTotals`). Hooks run between calls.
 """
@@ -14,6 +14,7 @@ import keras
 import tensorflow as tf
 
 from trainer.core import checks, xla
+from trainer.core.user_code import call_user
 from trainer.errors import UserError
 
 StepFn = Callable[..., Mapping[str, tf.Tensor]]
@@ -42,6 +43,19 @@ def reduce_outputs(strategy: tf.distribute.Strategy, outputs, what: str = "train
     else:
         check_outputs(outputs, what)
     return {k: tf.cast(strategy.reduce(SUM, v, axis=None), tf.float32) for k, v in outputs.items()}
+
+
+def repeated(step: Callable, num_steps: tf.Tensor):
+    """The state after `num_steps` (>= 1) calls of `step` on it, `step(None)` the first.
+
+    The first call is peeled so that the loop variables take the shapes of the step's own
+    outputs; the others are a graph while loop (bounded by their count, as AutoGraph bounds a
+    `tf.range` loop), written out because the loops trace without AutoGraph.
+    """
+    state = step(None)
+    _, state = tf.while_loop(lambda i, _: i < num_steps, lambda i, state: (i + 1, step(state)),
+                             (tf.constant(1), state), maximum_iterations=tf.maximum(num_steps - 1, 0))
+    return state
 
 
 class ReplicaTotals:
@@ -137,19 +151,19 @@ class TrainLoop:
         totals = ReplicaTotals(strategy, replica_step, "train.step_fn")
 
         def train_steps(iterator, num_steps):
-            # The first step is peeled so the loop variables take the step's own outputs' shape.
-            state = totals.first(next(iterator))
-            if after_update is not None:  # cross-replica context, after each step's update (e.g. EMA)
-                after_update()
-            for _ in tf.range(1, num_steps):
-                state = totals.add(state, next(iterator))
-                if after_update is not None:
+            def one_step(state):
+                state = totals.first(next(iterator)) if state is None else totals.add(state, next(iterator))
+                if after_update is not None:  # cross-replica context, after each step's update (e.g. EMA)
                     after_update()
+                return state
+
+            state = repeated(one_step, num_steps)
             global_step.assign_add(tf.cast(num_steps, global_step.dtype))
             means = {k: v / tf.cast(num_steps, tf.float32) for k, v in totals.sums(state).items()}
             return means, totals.first_nonfinite(state, num_steps)
 
-        self._train_steps = tf.function(train_steps)
+        # Plain TF ops throughout: no AutoGraph (see trainer/core/user_code.py; the step is converted).
+        self._train_steps = tf.function(train_steps, autograph=False)
         self.last_nonfinite_offset: int | None = None
 
     def run(self, num_steps: int) -> dict[str, float]:
@@ -229,7 +243,8 @@ class Evaluator:
         self._step_name = getattr(eval_step_fn, "__name__", type(eval_step_fn).__name__)
 
         def replica_fn(batch):
-            outputs = eval_step_fn(model, batch, self._metrics) if takes_metrics else eval_step_fn(model, batch)
+            outputs = (call_user(eval_step_fn, model, batch, self._metrics) if takes_metrics
+                       else call_user(eval_step_fn, model, batch))
             if not isinstance(outputs, Mapping):
                 raise UserError(f"train.eval_step_fn {self._step_name} returned {type(outputs).__name__}; return "
                                 "a dict of per-replica sums with 'num_examples' (or {} when it only updates metrics)")
@@ -239,12 +254,12 @@ class Evaluator:
         totals = ReplicaTotals(strategy, replica_fn, "train.eval_step_fn", count_finite=False)
 
         def eval_batches(iterator, num_batches):
-            state = totals.first(next(iterator))
-            for _ in tf.range(1, num_batches):
-                state = totals.add(state, next(iterator))
-            return totals.sums(state)
+            def one_batch(state):
+                return totals.first(next(iterator)) if state is None else totals.add(state, next(iterator))
 
-        self._eval_batches = tf.function(eval_batches)
+            return totals.sums(repeated(one_batch, num_batches))
+
+        self._eval_batches = tf.function(eval_batches, autograph=False)
 
     def trace(self) -> None:
         """Traces the eval pass on the real batch spec now (the trace `evaluate` reuses) and checks

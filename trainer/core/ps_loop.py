@@ -16,7 +16,7 @@ Scheduling. `TrainLoop.run(num_steps)` is called by the driver with at most
 `train.steps_per_loop` steps (it ends every call on a hook boundary). One closure per
 call would keep a single worker busy, so the steps are cut into closures of
 `steps_per_closure` steps (default: about steps_per_loop / (2 x workers), so every
-worker gets some and a fast one can take a slow one's share), each a `tf.range` loop
+worker gets some and a fast one can take a slow one's share), each a graph while loop
 of steps on one worker. `run` then joins, so hooks (checkpoint, eval, logging) see a
 quiet cluster, and reads the metrics from the RemoteValues after the join (rule 8).
 
@@ -47,11 +47,12 @@ import tensorflow as tf
 
 from trainer import data
 from trainer.core import checks
-from trainer.core.loop import Evaluator, StepFn, reduce_outputs
+from trainer.core.loop import Evaluator, StepFn, reduce_outputs, repeated
 from trainer.core.options import LoopOptions
 from trainer.core.ps_schedules import count_steps_atomically
 from trainer.core.runtime import Runtime
 from trainer.core.task import Task, flat, trainable_variables
+from trainer.core.user_code import call_user
 from trainer.errors import RunFailure, UserError
 
 _LOST_TASK_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)
@@ -147,22 +148,20 @@ class PSTrainLoop:
         self._iterator = iter(per_worker_dataset)
 
         def replica_step(batch):
-            return step_fn(model, optimizer, batch, global_batch_size)
+            return call_user(step_fn, model, optimizer, batch, global_batch_size)
 
         self._replica_step = replica_step
         self._batch_spec = batch_spec
 
-        def one_step(iterator):
-            return reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)))
-
         def train_steps(iterator, num_steps):
-            totals = one_step(iterator)  # peeled: the loop variables take the step's keys
-            for _ in tf.range(num_steps - 1):
-                outputs = one_step(iterator)
-                totals = {k: totals[k] + outputs[k] for k in totals}
-            return totals  # sums over the closure's steps
+            def one_step(totals):
+                outputs = reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)))
+                return outputs if totals is None else {k: totals[k] + outputs[k] for k in totals}
 
-        self._train_steps = tf.function(train_steps)
+            return repeated(one_step, num_steps)  # sums over the closure's steps
+
+        # Plain TF ops: no AutoGraph but for the user's step (trainer/core/user_code.py).
+        self._train_steps = tf.function(train_steps, autograph=False)
 
     def run(self, num_steps: int) -> dict[str, float]:
         """Trains `num_steps` steps on the workers; returns each output's mean over them.
@@ -214,7 +213,7 @@ class PSTrainLoop:
         written (the closures themselves are traced where they are first scheduled). Tracing
         builds a graph and runs nothing, so the real model and optimizer take part unchanged."""
         checks.traced("train.step_fn", step_name, lambda: tf.function(
-            lambda batch: reduce_outputs(tf.distribute.get_strategy(), self._replica_step(batch))
+            lambda batch: reduce_outputs(tf.distribute.get_strategy(), self._replica_step(batch)), autograph=False
         ).get_concrete_function(self._batch_spec))
 
     @property

@@ -18,6 +18,7 @@ from typing import Callable, Mapping
 
 import tensorflow as tf
 
+from trainer.core.user_code import call_user
 from trainer.errors import UserError
 
 ReplicaStep = Callable[[object], Mapping[str, tf.Tensor]]
@@ -34,12 +35,12 @@ def replica_step(strategy, step_fn: Callable, model, optimizer, global_batch_siz
     """`batch -> step outputs` for `strategy.run`, compiled with XLA if `jit_compile`."""
 
     def step(batch):
-        return step_fn(model, optimizer, batch, global_batch_size)
+        return call_user(step_fn, model, optimizer, batch, global_batch_size)
 
     if not jit_compile:
         return step
     if update_inside_xla(strategy):
-        return tf.function(step, jit_compile=True)
+        return tf.function(step, jit_compile=True, autograph=False)  # the step: call_user
     if isinstance(optimizer, Mapping):
         raise UserError("train.jit_compile with several optimizers works on one device only (under a multi-device "
                         "strategy the update runs after the compiled step, for one optimizer); set "
@@ -48,9 +49,9 @@ def replica_step(strategy, step_fn: Callable, model, optimizer, global_batch_siz
     def step_then_update(batch):
         recorder = _GradientRecorder(optimizer)  # one per replica call: replicas trace in parallel threads
 
-        @tf.function(jit_compile=True)
+        @tf.function(jit_compile=True, autograph=False)
         def compiled(batch):
-            return step_fn(model, recorder, batch, global_batch_size), recorder.gradients
+            return call_user(step_fn, model, recorder, batch, global_batch_size), recorder.gradients
 
         outputs, gradients = compiled(batch)
         if recorder.calls:

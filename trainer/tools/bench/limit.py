@@ -1,7 +1,7 @@
 """The `limit` worker: the bare step on one batch already on the device(s).
 
 A `tf.function` with the structure of TrainLoop's compiled loop (`steps_per_loop` steps per
-call in a `tf.range` loop, each `strategy.run` of the same replica step with the same XLA and
+call in a graph while loop, each `strategy.run` of the same replica step with the same XLA and
 precision settings, its outputs added up on each replica and SUM-reduced once per call by the
 loop's own `ReplicaTotals`), but no `next(iterator)` and no non-finite check: no input pipeline,
 no hooks, no Python between steps.
@@ -44,7 +44,7 @@ def bare_step(dist, task, settings: dict) -> tuple[Callable[[int], None], Any]:
 
     from trainer import data
     from trainer.core import xla
-    from trainer.core.loop import ReplicaTotals
+    from trainer.core.loop import ReplicaTotals, repeated
     from trainer.distribution import devices
 
     gb = settings["global_batch_size"]
@@ -59,12 +59,12 @@ def bare_step(dist, task, settings: dict) -> tuple[Callable[[int], None], Any]:
 
     totals = ReplicaTotals(dist, step, "train.step_fn", count_finite=False)
 
-    @tf.function
+    @tf.function(autograph=False)
     def limit(batch, num_steps):  # TrainLoop's loop, with the batch in memory instead of next(iterator)
-        state = totals.first(batch)
-        for _ in tf.range(num_steps - 1):
-            state = totals.add(state, batch)
-        return totals.sums(state)
+        def one_step(state):
+            return totals.first(batch) if state is None else totals.add(state, batch)
+
+        return totals.sums(repeated(one_step, num_steps))
 
     def run_steps(count: int) -> None:
         outputs = limit(batch, tf.constant(count, tf.int32))
