@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 
+@tf.autograph.experimental.do_not_convert  # plain TF ops (trainer/core/user_code.py)
 def call_model(model, inputs: tf.Tensor, *, training: bool) -> tf.Tensor:
     """Calls a Keras model with `training`, a plain `tf.Module` without it."""
     if isinstance(model, keras.Layer):
@@ -23,6 +24,7 @@ def call_model(model, inputs: tf.Tensor, *, training: bool) -> tf.Tensor:
     return model(inputs)
 
 
+@tf.autograph.experimental.do_not_convert
 def regularization_loss(model) -> tf.Tensor:
     """This replica's share of the model's regularisation losses (sum over replicas = total)."""
     losses = list(getattr(model, "losses", []))
@@ -31,6 +33,7 @@ def regularization_loss(model) -> tf.Tensor:
     return tf.nn.scale_regularization_loss(tf.add_n([tf.cast(l, tf.float32) for l in losses]))
 
 
+@tf.autograph.experimental.do_not_convert
 def scale_loss(optimizer, loss: tf.Tensor) -> tf.Tensor:
     """The loss to take gradients of: `loss` times the optimizer's loss scale, if it has one.
 
@@ -43,6 +46,7 @@ def scale_loss(optimizer, loss: tf.Tensor) -> tf.Tensor:
     return scale(loss) if scale is not None else loss
 
 
+@tf.autograph.experimental.do_not_convert
 def classification_step(model, optimizer, batch, global_batch_size: int) -> Mapping[str, tf.Tensor]:
     """One SGD step of softmax cross-entropy on integer labels; returns loss and accuracy."""
     images, labels = batch[0], batch[1]
@@ -59,6 +63,7 @@ def classification_step(model, optimizer, batch, global_batch_size: int) -> Mapp
     return {"loss": loss, "accuracy": tf.reduce_sum(correct) / global_batch_size}
 
 
+@tf.autograph.experimental.do_not_convert
 def classification_eval_step(model, batch) -> Mapping[str, tf.Tensor]:
     """Sums of loss and correct predictions over the (weighted) examples of this replica's batch.
 

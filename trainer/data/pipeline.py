@@ -31,10 +31,19 @@ def options(shard_policy: str) -> tf.data.Options:
 
 
 def whole(fn: Callable[[Any], Any], spec: Any) -> Callable[..., Any]:
-    """`fn` of one whole element, for `Dataset.map`, which passes a plain tuple's parts as arguments."""
+    """`fn` of one whole element, for `Dataset.map`, which passes a plain tuple's parts as arguments.
+
+    For the framework's own functions, plain TF ops: `tf.data` runs them without AutoGraph (see
+    `graph_code`)."""
     if type(spec) is tuple:
-        return lambda *parts: fn(parts)
-    return fn
+        return graph_code(lambda *parts: fn(parts))
+    return graph_code(fn)
+
+
+def graph_code(fn: Callable) -> Callable:
+    """`fn`, which `tf.data` then traces as it is: the pipeline's own map, filter and scan functions
+    are plain TF ops, and converting each with AutoGraph costs start-up time (trainer/core/user_code.py)."""
+    return tf.autograph.experimental.do_not_convert(fn)
 
 
 def train_dataset(inp: Input | InputFunction, batch_size: int, seed: int, *, shard_policy: str = "AUTO",
@@ -67,8 +76,9 @@ def train_dataset(inp: Input | InputFunction, batch_size: int, seed: int, *, sha
         dataset = dataset.batch(batch_size, drop_remainder=True).skip(first)
     if dropped := [b for b in drop_batches if b >= first]:
         dropped = tf.constant(dropped, tf.int64)
-        dataset = dataset.enumerate(start=first).filter(lambda i, _: tf.reduce_all(tf.not_equal(i, dropped)))
-        dataset = dataset.map(lambda _, batch: batch)
+        dataset = dataset.enumerate(start=first).filter(
+            graph_code(lambda i, _: tf.reduce_all(tf.not_equal(i, dropped))))
+        dataset = dataset.map(graph_code(lambda _, batch: batch))
     if held is not None:
         dataset = gathered(dataset, held[0], batch_size)
     return prefetch_for_accelerators(dataset).with_options(dataset_options)
@@ -87,6 +97,7 @@ def gathered(index_batches: tf.data.Dataset, arrays: Any, batch_size: int) -> tf
     batch_bytes = batch_size * sum(t.dtype.size * t.shape[1:].num_elements() for t in tf.nest.flatten(tensors))
     chunk = max(1, min(GATHER_BATCHES, MAX_GATHER_BYTES // max(1, batch_bytes)))
 
+    @graph_code
     def gather(index):
         return tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)
 
@@ -158,6 +169,7 @@ def shuffled_index_batches(num_examples: int, batch_size: int, seed: int, *, fir
             tf.range(count, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), tf.cast(epoch, tf.int64)]))
         return tf.gather(ids, order)
 
+    @graph_code
     def cut(leftover, epoch):
         stream = tf.concat([leftover, permutation(epoch)], 0)
         whole_batches = tf.size(stream, out_type=tf.int64) // batch_size * batch_size
