@@ -170,12 +170,16 @@ def test_refused_in_one_line_before_model_dir_is_touched(tmp_path, args, expecte
     assert tree_digest(str(model_dir)) == before
 
 
-def test_save_stall_reports_sync_and_async_stalls():
+@pytest.mark.parametrize("step_threads", [0, 1])
+def test_save_stall_reports_sync_and_async_stalls(step_threads):
     result = run_python("import json\nfrom trainer.tools.bench.save_stall import run_save_stall\n"
-                        "print(json.dumps(run_save_stall(params=100_000, saves=2, print_fn=lambda _: None)))")
+                        f"print(json.dumps(run_save_stall(params=100_000, saves=2, step_threads={step_threads}, "
+                        "print_fn=lambda _: None)))")
     for key in ("params", "checkpoint_bytes", "sync_stall_s", "async_stall_s", "async_over_sync",
-                "sync_stalls", "async_stalls"):
+                "sync_stalls", "async_stalls", "sync_save_cpu_s", "cores", "step_threads"):
         assert key in result, key
+    assert result["sync_save_cpu_s"] > 0 and result["cores"] >= 1
+    assert result["step_threads"] == (step_threads or None)
     assert 50_000 <= result["params"] <= 200_000 and result["checkpoint_bytes"] > 3 * 4 * 50_000  # weights + 2 slots
     assert len(result["sync_stalls"]) == len(result["async_stalls"]) == 2
     assert result["sync_stall_s"] > 0 and result["async_over_sync"] >= 0

@@ -40,7 +40,8 @@ Exit 0 when everything ran, 1 when a variant other than fit failed, 2 on a user 
 
 `--mode` picks what is measured: `train` (the above), `input` (the input pipeline alone, for
 `--input_seconds`, against what the step consumes) or `save_stall` (the training stall per
-checkpoint save of a `--save_stall_params`-parameter model, `--saves` times); `--json` writes
+checkpoint save of a `--save_stall_params`-parameter model, `--saves` times, the step on
+`--save_stall_step_threads` threads or every core); `--json` writes
 what those modes return too.
 
 This module parses the flags; the parts are in trainer/tools/bench/ (its __init__ lists them).
@@ -79,6 +80,9 @@ def define_flags() -> None:
     flags.DEFINE_float("input_seconds", 5, "--mode=input: seconds each input source is read.")
     flags.DEFINE_integer("save_stall_params", 100_000_000, "--mode=save_stall: parameters of the saved model.")
     flags.DEFINE_integer("saves", 5, "--mode=save_stall: checkpoint saves measured.")
+    flags.DEFINE_integer("save_stall_step_threads", 0, "--mode=save_stall: threads of TensorFlow's op pools for the "
+                         "step (0: TensorFlow's default, every core); fewer leave cores free for the writer, as a step "
+                         "on an accelerator does.")
     flags.DEFINE_bool("install_orbit", False, f"First install Orbit into this Python: pip install --no-deps "
                       f"{ORBIT_INSTALL} (its metadata pins another TensorFlow; it works with this one).")
     flags.DEFINE_integer("steps", 0, "Steps per measured chunk, rounded up to a multiple of every call length (0: "
@@ -122,7 +126,8 @@ def dispatch(mode: str) -> tuple[int, dict | None]:
     if mode == "save_stall":
         from trainer.tools.bench.save_stall import run_save_stall
 
-        return 0, run_save_stall(params=FLAGS.save_stall_params, saves=FLAGS.saves, print_fn=print_fn)
+        return 0, run_save_stall(params=FLAGS.save_stall_params, saves=FLAGS.saves,
+                                 step_threads=FLAGS.save_stall_step_threads, print_fn=print_fn)
     return compare(FLAGS.gin_file, FLAGS.gin_bindings, variants=FLAGS.variants, steps=FLAGS.steps,
                    repeats=FLAGS.repeats, warmup_steps=FLAGS.warmup_steps,
                    fit_steps_per_execution=FLAGS.fit_steps_per_execution, timeout_secs=FLAGS.timeout_secs,

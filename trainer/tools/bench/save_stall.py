@@ -15,11 +15,19 @@ running after K steps (`wait()` blocks until it is done), so nothing is left out
 so that the steps cover about twice a synchronous save. Sync and async windows alternate (their
 order flips each round) so that drift in the machine's speed falls on both alike; the medians
 over `saves` rounds are reported, with every value.
+
+What async can reach: the write costs CPU wherever it runs (`sync_save_cpu_s`, the process's
+CPU time while a synchronous save blocks an idle step: serialising, checksums, the kernel's
+copy into the page cache). Where the step uses every core, as a CPU-only machine's step does,
+the writer takes its CPU-seconds from the steps, up to `sync_save_cpu_s / cores` of wall time
+(less where the step leaves gaps); where the step leaves cores idle (an accelerator runs it;
+here `step_threads` fewer than `cores`), the write runs beside it nearly for free.
 """
 from __future__ import annotations
 
 import math
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -35,8 +43,17 @@ LAYERS = 4
 BATCH = 8
 
 
-def run_save_stall(*, params: int = 100_000_000, saves: int = 5, print_fn: Callable[[str], None] = print) -> dict:
-    """Measures the stall per save (median over `saves` of each, interleaved); returns a JSON-able dict."""
+def run_save_stall(*, params: int = 100_000_000, saves: int = 5, step_threads: int = 0,
+                   print_fn: Callable[[str], None] = print) -> dict:
+    """Measures the stall per save (median over `saves` of each, interleaved); returns a JSON-able dict.
+
+    `step_threads` > 0 sets TensorFlow's intra- and inter-op pools to that many threads (before
+    anything runs in this process), so that the step leaves cores to the writer, as a step on an
+    accelerator leaves the host's; 0 keeps TensorFlow's default (every core).
+    """
+    if step_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(step_threads)
+        tf.config.threading.set_inter_op_parallelism_threads(step_threads)
     width = max(1, round(math.sqrt(params / LAYERS)))
     model = keras.Sequential([keras.Input((width,)), *(keras.layers.Dense(width) for _ in range(LAYERS))])
     optimizer = keras.optimizers.Adam(1e-5)
@@ -75,28 +92,33 @@ def run_save_stall(*, params: int = 100_000_000, saves: int = 5, print_fn: Calla
         checkpoint_bytes = sum(os.path.getsize(os.path.join(sync_dir, n)) for n in os.listdir(sync_dir)
                                if n.startswith("ckpt-"))
 
-        def with_save(saver: CheckpointSaver) -> tuple[float, float]:
-            started = time.perf_counter()
+        def with_save(saver: CheckpointSaver) -> tuple[float, float, float]:
+            started, cpu = time.perf_counter(), _cpu_seconds()
             saver.save(next(number))
-            blocked = time.perf_counter() - started
+            blocked, blocked_cpu = time.perf_counter() - started, _cpu_seconds() - cpu
             train(window)
             saver.wait()
-            return time.perf_counter() - started, blocked
+            return time.perf_counter() - started, blocked, blocked_cpu
 
         stalls: dict[str, list[float]] = {"sync": [], "async": []}
         blocks: dict[str, list[float]] = {"sync": [], "async": []}
+        save_cpu: list[float] = []
         before = train(window)
         for round_index in range(saves):
             for mode in (("sync", "async") if round_index % 2 == 0 else ("async", "sync")):
-                total, blocked = with_save(savers[mode])
+                total, blocked, blocked_cpu = with_save(savers[mode])
                 after = train(window)
                 stalls[mode].append(total - (before + after) / 2)
                 blocks[mode].append(blocked)
+                if mode == "sync":
+                    save_cpu.append(blocked_cpu)
                 before = after
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     sync_stall, async_stall = statistics.median(stalls["sync"]), statistics.median(stalls["async"])
+    cores = len(os.sched_getaffinity(0))
+    sync_save_cpu = statistics.median(save_cpu)
     result = {
         "params": model.count_params(),
         "checkpoint_bytes": checkpoint_bytes,
@@ -107,6 +129,9 @@ def run_save_stall(*, params: int = 100_000_000, saves: int = 5, print_fn: Calla
         "async_stalls": stalls["async"],
         "sync_save_blocks_s": statistics.median(blocks["sync"]),
         "async_save_blocks_s": statistics.median(blocks["async"]),
+        "sync_save_cpu_s": sync_save_cpu,
+        "cores": cores,
+        "step_threads": step_threads or None,
         "steps_per_window": window,
         "step_s": step_s,
     }
@@ -114,14 +139,23 @@ def run_save_stall(*, params: int = 100_000_000, saves: int = 5, print_fn: Calla
     return result
 
 
+def _cpu_seconds() -> float:
+    """This process's CPU time so far, user and system (the kernel's part of a write is most of it)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _print_table(result: dict, print_fn: Callable[[str], None]) -> None:
+    threads = f"{result['step_threads']} thread(s)" if result["step_threads"] else "every core"
     print_fn(f"save stall: {result['params'] / 1e6:.1f}M params, checkpoint {result['checkpoint_bytes'] / 1e9:.2f} GB, "
+             f"the step on {threads}, "
              f"{len(result['sync_stalls'])} saves each, window = save + {result['steps_per_window']} steps "
              f"({result['step_s']:.3f} s/step)")
     print_fn(f"{'':<7}{'stall (median)':>15}{'save() blocks':>15}   stalls (s)")
     for mode in ("sync", "async"):
         shown = " ".join(f"{s:.3f}" for s in result[f"{mode}_stalls"])
         print_fn(f"{mode:<7}{result[f'{mode}_stall_s']:>13.3f} s{result[f'{mode}_save_blocks_s']:>13.3f} s   {shown}")
-    ratio = result["async_over_sync"]
-    print_fn(f"async/sync stall: {ratio:.3f}" if ratio is not None else
-             "async/sync stall: n/a (no sync stall measured)")
+    ratio, cpu, cores = result["async_over_sync"], result["sync_save_cpu_s"], result["cores"]
+    shown = f"{ratio:.3f}" if ratio is not None else "n/a (no sync stall measured)"
+    print_fn(f"async/sync stall: {shown}; a save takes {cpu:.2f} CPU-s, which a step on all {cores} cores "
+             "shares its cores with (--save_stall_step_threads leaves some to the writer)")
