@@ -8,7 +8,7 @@ each replica and reduces those sums with SUM in cross-replica context once per c
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import keras
 import tensorflow as tf
@@ -88,19 +88,30 @@ class ReplicaTotals:
             return tf.zeros([0], tf.float32)
         return tf.stack([tf.cast(outputs[k], tf.float32) for k in self.names])
 
-    def first(self, batch):
-        """The per-replica totals and finite-step counts after one step on `batch` (cross-replica context)."""
-        def replica(batch):
-            totals = self._vector(batch)
-            return totals, self._finite(totals)
-        return self._strategy.run(replica, args=(batch,))
+    def accumulate(self, num_steps: tf.Tensor, next_batch: Callable[[], Any], *,
+                   after_step: Callable[[], None] | None = None):
+        """The per-replica totals and finite-step counts after `num_steps` steps, each on `next_batch()`.
 
-    def add(self, state, batch):
-        """`state` after one more step on `batch`."""
-        def replica(totals, finite_steps, batch):
-            totals = totals + self._vector(batch)
-            return totals, finite_steps + self._finite(totals)
-        return self._strategy.run(replica, args=(*state, batch))
+        Call in cross-replica context; `after_step` runs there after each step's update (e.g. EMA).
+        """
+        def one_step(state):
+            if state is None:
+                state = self._strategy.run(self._first, args=(next_batch(),))
+            else:
+                state = self._strategy.run(self._add, args=(*state, next_batch()))
+            if after_step is not None:
+                after_step()
+            return state
+
+        return repeated(one_step, num_steps)
+
+    def _first(self, batch):
+        totals = self._vector(batch)
+        return totals, self._finite(totals)
+
+    def _add(self, totals, finite_steps, batch):
+        totals = totals + self._vector(batch)
+        return totals, finite_steps + self._finite(totals)
 
     def _finite(self, totals: tf.Tensor) -> tf.Tensor:
         if not self._count_finite:
@@ -151,13 +162,7 @@ class TrainLoop:
         totals = ReplicaTotals(strategy, replica_step, "train.step_fn")
 
         def train_steps(iterator, num_steps):
-            def one_step(state):
-                state = totals.first(next(iterator)) if state is None else totals.add(state, next(iterator))
-                if after_update is not None:  # cross-replica context, after each step's update (e.g. EMA)
-                    after_update()
-                return state
-
-            state = repeated(one_step, num_steps)
+            state = totals.accumulate(num_steps, lambda: next(iterator), after_step=after_update)
             global_step.assign_add(tf.cast(num_steps, global_step.dtype))
             means = {k: v / tf.cast(num_steps, tf.float32) for k, v in totals.sums(state).items()}
             return means, totals.first_nonfinite(state, num_steps)
@@ -254,10 +259,7 @@ class Evaluator:
         totals = ReplicaTotals(strategy, replica_fn, "train.eval_step_fn", count_finite=False)
 
         def eval_batches(iterator, num_batches):
-            def one_batch(state):
-                return totals.first(next(iterator)) if state is None else totals.add(state, next(iterator))
-
-            return totals.sums(repeated(one_batch, num_batches))
+            return totals.sums(totals.accumulate(num_batches, lambda: next(iterator)))
 
         self._eval_batches = tf.function(eval_batches, autograph=False)
 

@@ -44,7 +44,7 @@ def bare_step(dist, task, settings: dict) -> tuple[Callable[[int], None], Any]:
 
     from trainer import data
     from trainer.core import xla
-    from trainer.core.loop import ReplicaTotals, repeated
+    from trainer.core.loop import ReplicaTotals
     from trainer.distribution import devices
 
     gb = settings["global_batch_size"]
@@ -61,10 +61,7 @@ def bare_step(dist, task, settings: dict) -> tuple[Callable[[int], None], Any]:
 
     @tf.function(autograph=False)
     def limit(batch, num_steps):  # TrainLoop's loop, with the batch in memory instead of next(iterator)
-        def one_step(state):
-            return totals.first(batch) if state is None else totals.add(state, batch)
-
-        return totals.sums(repeated(one_step, num_steps))
+        return totals.sums(totals.accumulate(num_steps, lambda: batch))
 
     def run_steps(count: int) -> None:
         outputs = limit(batch, tf.constant(count, tf.int32))
