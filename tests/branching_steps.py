@@ -6,7 +6,7 @@ vectorised op, and returns both counts, so the test can check the loop ran on re
 import gin
 import tensorflow as tf
 
-from trainer.core import steps
+from trainer.task import steps
 
 
 def count_high(labels: tf.Tensor) -> tf.Tensor:

@@ -3,7 +3,7 @@ import gin
 import keras
 import tensorflow as tf
 
-from trainer.core import optimizers
+from trainer.task import optimizers
 
 
 @gin.configurable

@@ -9,7 +9,7 @@ import gin
 import keras
 import tensorflow as tf
 
-from trainer.core.steps import call_model, regularization_loss
+from trainer.task.steps import call_model, regularization_loss
 
 
 def _train(model, optimizer, images, labels, loss_fn, *, gradient_scale: float = 1.0):

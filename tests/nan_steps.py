@@ -3,7 +3,7 @@ the loss NaN (the CNN alone would not show it: fused conv+relu kernels turn NaN 
 import gin
 import tensorflow as tf
 
-from trainer.core import steps
+from trainer.task import steps
 
 
 @gin.configurable

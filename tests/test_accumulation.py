@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tests.support import read_jsonl, run_main, run_python
 from tests.update_runs import STEPS, max_difference
-from trainer.core import accumulation
+from trainer.update import accumulation
 from trainer.errors import UserError
 
 

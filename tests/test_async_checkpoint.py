@@ -77,7 +77,7 @@ def test_killed_async_run_resumes_bit_for_bit_like_an_uninterrupted_sync_one(tmp
 
 SNAPSHOT = """
 import json, threading, numpy as np, tensorflow as tf, keras
-from trainer.core.checkpoints import CheckpointSaver
+from trainer.files.checkpoints import CheckpointSaver
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

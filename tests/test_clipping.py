@@ -8,7 +8,7 @@ import pytest
 
 from tests.support import read_jsonl, run_main, run_module, run_python
 from tests.update_runs import CLIP, STEPS, max_difference
-from trainer.core import accumulation
+from trainer.update import accumulation
 from trainer.errors import UserError
 
 

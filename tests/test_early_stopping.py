@@ -10,7 +10,7 @@ import pytest
 
 from tests.support import read_jsonl, run_main, run_module, subprocess_env, tree_digest
 from tests.test_multiworker import trainer_pids_for
-from trainer.core.early_stopping import EarlyStoppingHook, monitored
+from trainer.extensions.early_stopping import EarlyStoppingHook, monitored
 
 # A metric that stops improving: no change of the eval loss beats min_delta 100, so the first
 # eval is the best and the run stops `patience` evals later.

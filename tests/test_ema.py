@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.support import read_jsonl, run_main, run_module, run_python, subprocess_env
-from trainer.core import ema
+from trainer.extensions import ema
 from trainer.errors import UserError
 
 SMALL = ["--gin_file=gin/single.gin", "--gin_bindings=cnn.filters=(8,)", "--gin_bindings=cnn.dense_units=16",
@@ -49,8 +49,10 @@ import keras
 import tensorflow as tf
 from trainer.distribution import devices, strategies
 devices.configure_devices(devices.DeviceConfig(logical_cpus_without_gpu=2))
-from trainer.core import ema, models, steps
-from trainer.core.loop import TrainLoop
+from trainer.extensions import ema
+from trainer.task import models
+from trainer.task import steps
+from trainer.loops.sync import TrainLoop
 from trainer import data
 
 source = data.Digits()

@@ -68,7 +68,7 @@ def test_batchnorm_cnn_learns_and_eval_uses_checkpointed_moving_statistics(mode,
 
     from experiments.batchnorm.batchnorm import batchnorm_cnn
     from trainer import data
-    from trainer.core.steps import classification_eval_step
+    from trainer.task.steps import classification_eval_step
 
     model_dir = str(tmp_path)
     final = _split(_run("batchnorm", mode, model_dir), "eval")[-1]

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.support import run_main, run_python
-from trainer.core import export
+from trainer.extensions import export
 from trainer.errors import UserError
 
 SMALL = ["--gin_bindings=cnn.filters=(8,)", "--gin_bindings=cnn.dense_units=16", "--gin_bindings=train.total_steps=20",
@@ -19,7 +19,8 @@ import json
 import numpy as np
 import tensorflow as tf
 from trainer import data
-from trainer.core import models, ema
+from trainer.task import models
+from trainer.extensions import ema
 
 model_dir, with_ema, checkpoint_path, step = MODEL_DIR, WITH_EMA, CHECKPOINT, STEP
 source = data.Digits()

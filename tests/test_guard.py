@@ -10,7 +10,7 @@ import os
 import pytest
 
 from tests.support import run_main, run_python
-from trainer.core import guard
+from trainer.safety import loss_scaling as guard
 
 SMALL = ["--gin_bindings=cnn.filters=(8, 8, 8)", "--gin_bindings=cnn.dense_units=16",
          "--gin_bindings=train.total_steps=2", "--gin_bindings=train.log_every_steps=1",
@@ -76,7 +76,9 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 from tests import guard_steps
 from trainer import data
-from trainer.core import guard, optimizers, steps
+from trainer.safety import loss_scaling as guard
+from trainer.task import optimizers
+from trainer.task import steps
 from trainer.errors import UserError
 
 source = data.Digits()

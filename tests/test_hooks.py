@@ -12,7 +12,7 @@ def test_boundaries_need_not_divide_steps_per_loop_and_user_hooks_plug_in(tmp_pa
     (tmp_path / "my_hooks.py").write_text(textwrap.dedent('''
         import json
         import gin
-        from trainer.core.hooks import Hook
+        from trainer.hooks.base import Hook
 
         @gin.configurable
         class StepRecorder(Hook):

@@ -20,8 +20,9 @@ COMPARE_WITH_FIT = textwrap.dedent("""
     import json, os, sys
     import keras, numpy as np, tensorflow as tf
     from trainer import data
-    from trainer.core import models, optimizers
-    from trainer.core.train import train
+    from trainer.task import models
+    from trainer.task import optimizers
+    from trainer.run.train import train
 
     EVERY, TOTAL, out = 20, 200, sys.argv[1] if len(sys.argv) > 1 else {out!r}
 

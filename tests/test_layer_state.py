@@ -14,8 +14,10 @@ import keras
 import tensorflow as tf
 from trainer.distribution import devices, strategies
 devices.configure_devices(devices.DeviceConfig(logical_cpus_without_gpu=2))
-from trainer.core import layer_state, models, steps
-from trainer.core.loop import TrainLoop
+from trainer.task import layer_state
+from trainer.task import models
+from trainer.task import steps
+from trainer.loops.sync import TrainLoop
 from trainer import data
 
 source = data.Digits()
@@ -122,7 +124,7 @@ def test_batchnorm_statistics_train_and_stay_equal_on_every_replica(layer_runs):
 def test_scope_is_a_no_op_without_aggregating_variables():
     import tensorflow as tf
 
-    from trainer.core import layer_state
+    from trainer.task import layer_state
 
     default = tf.distribute.get_strategy()
     assert not layer_state.needs_state_aggregation(default)

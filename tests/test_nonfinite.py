@@ -83,7 +83,7 @@ import json
 import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * {replicas})
-from trainer.core.loop import TrainLoop
+from trainer.loops.sync import TrainLoop
 
 BAD = {bad}  # element value -> makes the loss of the replica whose batch holds it NaN
 

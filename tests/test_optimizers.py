@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-from trainer.core import optimizers
+from trainer.task import optimizers
 from trainer.errors import UserError
 
 

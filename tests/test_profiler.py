@@ -11,7 +11,7 @@ from tests.support import read_jsonl
 
 
 def test_trace_lands_where_the_profile_plugin_reads_it(profiled_run):
-    from trainer.core.profiler import trace_files
+    from trainer.extensions.profiler import trace_files
 
     model_dir, proc = profiled_run
     # The loop calls ended exactly at steps 7 and 13 (not boundaries of any other hook: logs
@@ -43,7 +43,7 @@ def test_the_profile_plugin_itself_lists_the_trace(profiled_run):
 
 def test_bad_steps_are_a_user_error_and_boundaries_are_exact():
     from trainer.errors import UserError
-    from trainer.core.profiler import ProfilerHook
+    from trainer.extensions.profiler import ProfilerHook
 
     for bad in [(5, 5), (-1, 3), (9, 2), (3,), "10-20"]:
         with pytest.raises(UserError):

@@ -109,7 +109,7 @@ class _Optimizer:
 
 
 def _run_context(is_chief: bool, printed: list[str]):
-    from trainer.core.hooks import RunContext
+    from trainer.hooks.base import RunContext
 
     return RunContext(
         model_dir="unused", is_chief=is_chief, total_steps=30, start_step=0, global_batch_size=8,
@@ -131,7 +131,7 @@ def _drive(logger, run, calls, eval_at=None):
 
 
 def test_non_chief_workers_print_one_line_unless_asked():
-    from trainer.core.hooks import ProgressLogger
+    from trainer.hooks.base import ProgressLogger
 
     quiet, chatty = [], []
     _drive(ProgressLogger(10), _run_context(False, quiet), [10, 10, 10])
@@ -141,7 +141,7 @@ def test_non_chief_workers_print_one_line_unless_asked():
 
 
 def test_forced_bar_keeps_metrics_records_and_prints_other_lines_above_it():
-    from trainer.core.hooks import ProgressLogger
+    from trainer.hooks.base import ProgressLogger
 
     printed, screen = [], io.StringIO()
     logger = ProgressLogger(10, live=True, refresh_secs=0.0, stream=screen)

@@ -303,7 +303,8 @@ def test_a_partitioner_with_a_keras_model_is_a_user_error():
     """Keras 3 layers fail on ShardedVariable (DESIGN rule 8): refused before the first step.
     (End to end the same config exits 2 with this line; checked here in-process, to keep
     one more cluster start out of the suite.)"""
-    from trainer.core import models, ps_loop
+    from trainer.task import models
+    from trainer.loops import ps as ps_loop
     from trainer.errors import UserError
 
     model = models.cnn((8, 8, 1), 10, filters=(4,), dense_units=8)
@@ -329,7 +330,7 @@ def test_workers_and_ps_tasks_are_refused_by_main_and_servers_check_tf_config(tm
 
 
 def test_split_steps_is_exact_and_even():
-    from trainer.core.ps_loop import split_steps
+    from trainer.loops.ps import split_steps
 
     assert split_steps(50, 13) == [13, 13, 12, 12]
     assert split_steps(7, 50) == [7]
@@ -381,7 +382,7 @@ class _RejectingCoordinator:
 
 
 def _loop(coordinator, printed):
-    from trainer.core.ps_loop import PSTrainLoop
+    from trainer.loops.ps import PSTrainLoop
 
     step = tf.Variable(0, dtype=tf.int64)
     loop = PSTrainLoop(tf.distribute.get_strategy(), coordinator, None, None, None, 8, [], step,
@@ -400,7 +401,7 @@ def test_a_closure_a_worker_rejected_unread_runs_again_with_the_ones_cancelled_w
 
 
 def test_other_closure_errors_and_a_fourth_rejection_still_end_the_call():
-    from trainer.core.ps_loop import MAX_RESCHEDULES
+    from trainer.loops.ps import MAX_RESCHEDULES
 
     loop, step = _loop(_RejectingCoordinator(rejections=MAX_RESCHEDULES + 1), [])
     with pytest.raises(tf.errors.InternalError, match="Unable to parse request"):

@@ -10,8 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from tests.support import read_jsonl, run_main
-from trainer.core.optimizers import ScaledWarmupSchedule
-from trainer.core.ps_schedules import count_steps_atomically
+from trainer.task.optimizers import ScaledWarmupSchedule
+from trainer.loops.ps_schedules import count_steps_atomically
 
 TOTAL, WARMUP, LR = 200, 20, 0.002
 

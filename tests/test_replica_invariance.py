@@ -21,8 +21,10 @@ NUM_REPLICAS, OUT = {num_replicas}, {out!r}
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_REPLICAS)
 from trainer import data
-from trainer.core import models, optimizers, steps
-from trainer.core.loop import TrainLoop
+from trainer.task import models
+from trainer.task import optimizers
+from trainer.task import steps
+from trainer.loops.sync import TrainLoop
 
 source = data.Digits()
 GB, K = 32, 8

@@ -12,8 +12,10 @@ RUN = textwrap.dedent('''
     import keras
     from trainer import data
     from trainer.distribution import devices
-    from trainer.core import models, optimizers, train as train_lib
-    from trainer.core.hooks import Hook
+    from trainer.task import models
+    from trainer.task import optimizers
+    from trainer.run import train as train_lib
+    from trainer.hooks.base import Hook
 
     class Calls(Hook):
         """Records each loop call's length, its outputs and the loop's trace count."""

@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 from tests.support import run_main, tree_digest
-from trainer.core import models, warm_start
+from trainer.task import models
+from trainer.extensions import warm_start
 from trainer.errors import UserError
 
 SMALL = ["--gin_file=gin/single.gin", "--gin_bindings=cnn.filters=(8,)", "--gin_bindings=train.steps_per_loop=10"]

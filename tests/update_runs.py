@@ -31,8 +31,9 @@ def main(replicas: int, runs: list[tuple[int, float | None]]) -> None:
     import tensorflow as tf
 
     from trainer import data
-    from trainer.core import accumulation, steps
-    from trainer.core.loop import TrainLoop
+    from trainer.update import accumulation
+    from trainer.task import steps
+    from trainer.loops.sync import TrainLoop
 
     source = data.Digits()
     # One MirroredStrategy per process: two of different sizes in one process share collective keys.

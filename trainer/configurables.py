@@ -12,13 +12,20 @@ import keras
 import tensorflow as tf
 
 from trainer import data
-from trainer.core import early_stopping, hooks, models, optimizers, steps
-from trainer.core import train as train_lib
+from trainer.extensions import early_stopping
+from trainer.hooks import base as hooks
+from trainer.task import models
+from trainer.task import optimizers
+from trainer.task import steps
+from trainer.run import train as train_lib
 from trainer.distribution import devices
 from trainer.distribution import local_cluster as local_cluster_lib
 from trainer.tools import gin_config
 from trainer.tools.parity import config as parity_config
-from trainer.core import mlflow_hook, profiler, ps_loop, sidecar
+from trainer.extensions import mlflow_tracking as mlflow_hook
+from trainer.extensions import profiler
+from trainer.loops import ps as ps_loop
+from trainer.loops import sidecar
 
 REGISTERED = {
     "train": train_lib.train,

@@ -33,7 +33,7 @@ gin @reference to a loss function or object; default SparseCategoricalCrossentro
 the loss of the default step), and fit gets exactly our batches, of any structure the input
 function yields, as (x, y) or (x, y, sample_weight). `parity.metric` names the eval output
 compared under parameter_server with several workers (default 'accuracy'). Both sides are
-built by `train`'s own setup (trainer/core/train.py `setup_from`); see trainer/tools/parity/.
+built by `train`'s own setup (trainer/run/train.py `setup_from`); see trainer/tools/parity/.
 
 Both sides follow `train.mixed_precision` (fit's `compile` adds its own loss scaling under
 mixed_float16) and `train.jit_compile` (fit compiled with `jit_compile` too). Against

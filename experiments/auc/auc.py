@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from trainer import data
-from trainer.core.steps import call_model, regularization_loss, scale_loss
+from trainer.task.steps import call_model, regularization_loss, scale_loss
 
 FIRST_POSITIVE_DIGIT = 5
 

@@ -26,7 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from trainer.core.steps import scale_loss
+from trainer.task.steps import scale_loss
 
 
 @gin.configurable

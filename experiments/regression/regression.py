@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from trainer.core.steps import call_model, regularization_loss, scale_loss
+from trainer.task.steps import call_model, regularization_loss, scale_loss
 
 
 @gin.configurable

@@ -42,7 +42,7 @@ def whole(fn: Callable[[Any], Any], spec: Any) -> Callable[..., Any]:
 
 def graph_code(fn: Callable) -> Callable:
     """`fn`, which `tf.data` then traces as it is: the pipeline's own map, filter and scan functions
-    are plain TF ops, and converting each with AutoGraph costs start-up time (trainer/core/user_code.py)."""
+    are plain TF ops, and converting each with AutoGraph costs start-up time (trainer/task/user_code.py)."""
     return tf.autograph.experimental.do_not_convert(fn)
 
 

@@ -8,7 +8,7 @@ def train_settings(gin_files: list[str], gin_bindings: list[str]) -> dict:
     """Parses the gin config; the `train` parameters it binds, over `train`'s defaults."""
     import gin
 
-    from trainer.core import train as train_lib
+    from trainer.run import train as train_lib
 
     main_lib.parse_gin(gin_files, gin_bindings)
     return train_lib.defaults_with(gin.get_bindings("train"))
@@ -16,14 +16,14 @@ def train_settings(gin_files: list[str], gin_bindings: list[str]) -> dict:
 
 def setup(settings: dict):
     """Strategy and task (model, built optimizer, input), by `train`'s own setup."""
-    from trainer.core import train as train_lib
+    from trainer.run import train as train_lib
 
     runtime, task = train_lib.setup_from(settings)
     return runtime.strategy, task
 
 
 def train_data(dist, inp, settings: dict):
-    """The train data of `inp` distributed as the loop gets it (trainer/core/controller.py), from step 0."""
+    """The train data of `inp` distributed as the loop gets it (trainer/loops/controller.py), from step 0."""
     from trainer import data
 
     return data.distribute_train(dist, inp, settings["global_batch_size"], settings["seed"],

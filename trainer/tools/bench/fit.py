@@ -34,7 +34,7 @@ def run_fit(settings: dict, channel: Channel, steps_per_execution: int, total_st
     import keras
 
     from trainer import data
-    from trainer.core import xla
+    from trainer.update import xla
 
     dist, task = setup(settings)  # the optimizer built as ours (rule 1); fit would build it itself
     model, optimizer = task.models, task.optimizers

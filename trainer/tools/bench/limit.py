@@ -43,8 +43,8 @@ def bare_step(dist, task, settings: dict) -> tuple[Callable[[int], None], Any]:
     import tensorflow as tf
 
     from trainer import data
-    from trainer.core import xla
-    from trainer.core.loop import ReplicaTotals
+    from trainer.update import xla
+    from trainer.loops.sync import ReplicaTotals
     from trainer.distribution import devices
 
     gb = settings["global_batch_size"]

@@ -55,8 +55,8 @@ def run_orbit(settings: dict, channel: Channel) -> None:
     import orbit
     import tensorflow as tf
 
-    from trainer.core import xla
-    from trainer.core.loop import reduce_outputs
+    from trainer.update import xla
+    from trainer.loops.sync import reduce_outputs
 
     dist, task = setup(settings)
     gb, log_every = settings["global_batch_size"], settings["log_every_steps"]

@@ -6,7 +6,7 @@ import sys
 import tempfile
 import time
 
-from trainer.core.hooks import Hook
+from trainer.hooks.base import Hook
 from trainer.errors import UserError
 from trainer.tools.bench.protocol import Channel
 

@@ -2,7 +2,7 @@
 
 A Keras model of about `params` float32 parameters (square Dense layers) with Adam, so the
 checkpoint holds the weights and two slot variables each, trains with a compiled step. Both
-savers are the run's own `CheckpointSaver` (trainer/core/checkpoints.py), on the same
+savers are the run's own `CheckpointSaver` (trainer/files/checkpoints.py), on the same
 checkpoint object, each in a directory of its own.
 
 What is measured, and why this way: the training thread's loss of wall time per save. A window
@@ -37,7 +37,7 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
-from trainer.core.checkpoints import CheckpointSaver
+from trainer.files.checkpoints import CheckpointSaver
 
 LAYERS = 4
 BATCH = 8

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tempfile
 
-from trainer.core import train as train_lib
+from trainer.run import train as train_lib
 from trainer.errors import UserError
 from trainer.tools.parity import runs
 from trainer.tools.parity.config import ParityConfig

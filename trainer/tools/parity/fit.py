@@ -16,8 +16,8 @@ import numpy as np
 import tensorflow as tf
 
 from trainer import data
-from trainer.core.runtime import Runtime
-from trainer.core.task import Task, build_task
+from trainer.distribution.runtime import Runtime
+from trainer.task.task import Task, build_task
 from trainer.errors import UserError
 from trainer.tools.parity.config import ParityConfig
 from trainer.tools.parity.runs import Settings, single_model

@@ -15,12 +15,12 @@ import numpy as np
 import tensorflow as tf
 
 from trainer import data
-from trainer.core import controller
-from trainer.core import train as train_lib
-from trainer.core.loop import Evaluator
-from trainer.core.options import LoopOptions
-from trainer.core.runtime import Runtime
-from trainer.core.task import Task, build_eval_models
+from trainer.loops import controller
+from trainer.run import train as train_lib
+from trainer.loops.sync import Evaluator
+from trainer.run.settings import LoopOptions
+from trainer.distribution.runtime import Runtime
+from trainer.task.task import Task, build_eval_models
 from trainer.errors import UserError
 
 Settings = Mapping[str, Any]  # `train`'s parameters by name (train.defaults_with)

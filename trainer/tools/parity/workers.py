@@ -10,8 +10,8 @@ import dataclasses
 import os
 
 from trainer import data
-from trainer.core import train as train_lib
-from trainer.core.runtime import Runtime
+from trainer.run import train as train_lib
+from trainer.distribution.runtime import Runtime
 from trainer.distribution import devices
 from trainer.errors import UserError
 from trainer.tools.parity import runs

@@ -1,1 +1,0 @@
-"""The core: runtime, task, controller, loops, hooks, checkpoints, steps."""

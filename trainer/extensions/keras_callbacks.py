@@ -1,0 +1,138 @@
+"""Standard Keras 3 callbacks (EarlyStopping, ReduceLROnPlateau, CSVLogger, TerminateOnNaN, your own)
+run as one hook, with the calls they get from `fit`.
+
+An "epoch" is the interval between two evals (`train.eval_every_steps` steps; the last one may be
+shorter when `total_steps` is not a multiple). The calls, as `fit` makes them:
+  set_model / set_params(epochs, steps)  at the start (the model's `optimizer` is the run's, so
+                                         ReduceLROnPlateau sets the rate the next step uses)
+  on_train_begin, on_epoch_begin(epoch)  at the start and after each epoch
+  on_train_batch_end(batch, logs)        after each compiled loop call (not each step): `batch` is
+                                         the epoch's last step index, logs the train outputs'
+                                         running mean over the epoch so far
+  on_epoch_end(epoch, logs)              at each eval: the epoch's train means plus the eval
+                                         outputs prefixed 'val_' (other eval splits: 'val_<split>_')
+  on_train_end(logs)                     at the end
+`model.stop_training` set by any callback on any worker ends the run on every worker after the
+same loop call (agreed with an all-reduce), with a final checkpoint there. Callbacks run on every
+worker, so that learning-rate changes stay alike; CSVLogger writes on the chief only (elsewhere
+into a temp file, deleted at the end). Callback state (e.g. EarlyStopping's wait) is not
+checkpointed: a resumed run starts it afresh; the learning rate itself is in the checkpoint.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from typing import Any, Sequence
+
+import keras
+
+from trainer.extensions.early_stopping import AnyWorker, eval_done_at
+from trainer.hooks.base import Hook, RunContext
+from trainer.errors import UserError
+
+REFUSED = {
+    "ModelCheckpoint": "the run checkpoints itself (train.checkpoint_every_steps; best ones: train.keep_best)",
+    "BackupAndRestore": "the run resumes from its newest checkpoint by itself",
+    "TensorBoard": "the run writes TensorBoard event files to model_dir itself",
+}
+SETS_LEARNING_RATE = (keras.callbacks.ReduceLROnPlateau, keras.callbacks.LearningRateScheduler)
+
+
+def make_hooks(callbacks: Any, *, model: Any, optimizer: Any, eval_every_steps: int,
+               parameter_server: bool) -> list[Hook]:
+    """The hook of `train.keras_callbacks` (checked, before anything is written), or none."""
+    if not isinstance(callbacks, (list, tuple)) or not all(isinstance(c, keras.callbacks.Callback) for c in callbacks):
+        raise UserError(f"train.keras_callbacks must be a list of keras.callbacks.Callback instances, got {callbacks!r}")
+    if not callbacks:
+        return []
+    if parameter_server:
+        raise UserError("train.keras_callbacks works with the synchronous strategies only, not 'parameter_server' "
+                        "(use train.early_stopping there)")
+    for callback in callbacks:
+        for refused, instead in REFUSED.items():
+            if isinstance(callback, getattr(keras.callbacks, refused)):
+                raise UserError(f"train.keras_callbacks: keras.callbacks.{refused} is not needed here: {instead}")
+    if not isinstance(model, keras.Model) or not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise UserError("train.keras_callbacks needs one Keras model and one Keras optimizer (train.model_fn / "
+                        f"train.optimizer_fn returned {type(model).__name__} / {type(optimizer).__name__})")
+    schedule = isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule)
+    for callback in callbacks:
+        if schedule and isinstance(callback, SETS_LEARNING_RATE):
+            raise UserError(f"train.keras_callbacks: {type(callback).__name__} sets the learning rate, but the "
+                            "optimizer's rate is a schedule (make_optimizer's reference_batch_size, warmup_steps or "
+                            "decay); use a constant rate or leave the callback out")
+    return [KerasCallbacksHook(list(callbacks), model, optimizer, eval_every_steps)]
+
+
+class KerasCallbacksHook(Hook):
+    """Keras callbacks driven from the loop's boundaries and evals (see the module doc)."""
+
+    def __init__(self, callbacks: Sequence[keras.callbacks.Callback], model: keras.Model,
+                 optimizer: keras.optimizers.Optimizer, eval_every_steps: int):
+        self._callbacks, self._model, self._optimizer = list(callbacks), model, optimizer
+        self._eval_every = eval_every_steps
+        self._list: keras.callbacks.CallbackList | None = None
+        self._temp_dirs: list[str] = []
+        self._sums: dict[str, float] = {}  # step-weighted train outputs of this epoch's steps so far
+        self._count = 0  # those steps
+        self._epoch_start = 0  # the step the current epoch started after
+        self._last_step = 0
+        self._last_logs: dict[str, float] = {}
+        self._any_worker: AnyWorker | None = None
+
+    def begin(self, run: RunContext) -> None:
+        self._any_worker = AnyWorker(run.strategy)
+        if not run.is_chief:
+            for callback in self._callbacks:
+                if isinstance(callback, keras.callbacks.CSVLogger):
+                    self._temp_dirs.append(tempfile.mkdtemp(prefix="trainer-csvlogger-"))
+                    callback.filename = f"{self._temp_dirs[-1]}/log.csv"
+        self._model.optimizer = self._optimizer
+        self._model.stop_training = False
+        self._list = keras.callbacks.CallbackList(
+            self._callbacks, model=self._model, verbose=0, steps=self._eval_every,
+            epochs=math.ceil(run.total_steps / self._eval_every))
+        self._list.on_train_begin()
+        self._epoch_start = run.start_step - run.start_step % self._eval_every
+        self._last_step = run.start_step
+        self._list.on_epoch_begin(self._epoch(run.start_step + 1))
+
+    def _epoch(self, step: int) -> int:
+        return math.ceil(step / self._eval_every) - 1
+
+    def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
+        steps, self._last_step = step - self._last_step, step
+        self._count += steps
+        for key, value in metrics.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value * steps
+        logs = self._train_logs()
+        self._list.on_train_batch_end(step - self._epoch_start - 1, logs)
+        if eval_done_at(run, step):
+            self._end_epoch(run, step, logs)
+            if step < run.total_steps:
+                self._list.on_epoch_begin(self._epoch(step + 1))
+        if self._any_worker(bool(self._model.stop_training)):
+            self._model.stop_training = run.stop_requested = True
+
+    def _end_epoch(self, run: RunContext, step: int, logs: dict[str, float]) -> None:
+        for index, (split, results) in enumerate(run.eval_results.items()):
+            prefix = "val_" if index == 0 else f"val_{split}_"
+            logs = logs | {prefix + k: v for k, v in results.items()}
+        self._list.on_epoch_end(self._epoch(step), logs)
+        self._last_logs = logs
+        self._sums, self._count, self._epoch_start = {}, 0, step
+
+    def _train_logs(self) -> dict[str, float]:
+        return {k: v / self._count for k, v in self._sums.items()} if self._count else {}
+
+    def end(self, run: RunContext, step: int) -> None:
+        if eval_done_at(run, step) and self._epoch_start != step:  # the final eval (or one after a stop)
+            self._end_epoch(run, step, self._train_logs())
+        self._list.on_train_end(self._last_logs)
+        for temp_dir in self._temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+    def rewind(self, run: RunContext, step: int) -> None:
+        self._sums, self._count, self._last_step = {}, 0, step
+        self._epoch_start = step - step % self._eval_every

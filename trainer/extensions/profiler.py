@@ -1,0 +1,85 @@
+"""A hook that traces a window of steps with TensorFlow's profiler, for TensorBoard's Profile tab.
+
+Gin: `train.hooks = [@profiler_hook()]` and `profiler_hook.steps = (10, 20)`. The loop calls
+end exactly at both steps (this hook's boundaries), so the trace holds steps 11..20 and nothing
+else. The chief writes `<model_dir>/plugins/profile/<time>/<host>.xplane.pb`, where the profile
+plugin (`pip install 'trainer[profile]'`, then `tensorboard --logdir <model_dir>`) finds it.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import tensorflow as tf
+
+from trainer.errors import UserError
+from trainer.hooks.base import Hook, RunContext
+
+PROFILE_SUBDIR = os.path.join("plugins", "profile")
+
+
+class ProfilerHook(Hook):
+    """Traces the steps after step `steps[0]` up to step `steps[1]` (chief only).
+
+    Args:
+      steps: (start, stop) global steps, 0 <= start < stop; the trace starts when the run
+        reaches `start` and stops at `stop` (or at the end of the run, if that comes first).
+    """
+
+    def __init__(self, steps: tuple[int, int] = (10, 20)):
+        try:
+            start, stop = (int(s) for s in steps)
+        except (TypeError, ValueError):
+            raise UserError(f"profiler_hook.steps must be two steps (start, stop), got {steps!r}") from None
+        if not 0 <= start < stop:
+            raise UserError(f"profiler_hook.steps must satisfy 0 <= start < stop, got {tuple(steps)!r}")
+        self.start, self.stop = start, stop
+        self._active = False
+
+    def steps_to_boundary(self, step: int) -> int | None:
+        # Every worker ends its loop calls here, so collectives stay in step across workers.
+        if step < self.start:
+            return self.start - step
+        if step < self.stop:
+            return self.stop - step
+        return None
+
+    def begin(self, run: RunContext) -> None:
+        if run.start_step >= self.stop:
+            if run.is_chief:
+                run.print_fn(f"profiler: the run starts at step {run.start_step}, after steps "
+                             f"{self.start}-{self.stop}; nothing to trace")
+        elif run.start_step >= self.start:
+            self._start(run, run.start_step)
+
+    def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
+        if step == self.start:
+            self._start(run, step)
+        elif step == self.stop:
+            self._stop(run, step)
+
+    def end(self, run: RunContext, step: int) -> None:
+        self._stop(run, step)
+
+    def _start(self, run: RunContext, step: int) -> None:
+        if not run.is_chief or self._active:
+            return
+        try:
+            tf.profiler.experimental.start(run.model_dir)
+        except (tf.errors.AlreadyExistsError, tf.errors.UnavailableError) as e:
+            run.print_fn(f"profiler: not tracing, another profiler session is running ({e.message})")
+            return
+        self._active, self._from = True, step
+
+    def _stop(self, run: RunContext, step: int) -> None:
+        if not self._active:
+            return
+        tf.profiler.experimental.stop()
+        self._active = False
+        run.print_fn(f"profiler: traced steps {self._from + 1}-{step} into "
+                     f"{os.path.join(run.model_dir, PROFILE_SUBDIR)} (TensorBoard's Profile tab)")
+
+
+def trace_files(model_dir: str) -> list[str]:
+    """The profile traces of a run, where TensorBoard's profile plugin reads them."""
+    return sorted(glob.glob(os.path.join(model_dir, PROFILE_SUBDIR, "*", "*.xplane.pb")))

@@ -1,0 +1,1 @@
+"""What a run writes to model_dir: checkpoints, metrics.jsonl and event files, the run record."""

@@ -1,0 +1,91 @@
+"""The run record: what a run was started with, kept to refuse a resume that would silently differ.
+
+Written once by the chief at step 0 as `model_dir/run_record.json` (operative config,
+versions, strategy, replica and worker counts, global batch size, model variables) and never
+overwritten. A later start that changes the global batch size, the replica count or the
+model's variables is refused with a message naming the difference, unless allowed.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+
+import keras
+import tensorflow as tf
+
+from trainer.task.task import named
+from trainer.errors import UserError
+from trainer.files.model_dir import write_text_atomic
+
+RECORD_FILE = "run_record.json"
+CHECKED = ("global_batch_size", "num_replicas", "model_variables")
+
+
+def variable_shapes(models) -> dict[str, list[int]]:
+    """Name -> shape of every model variable (Keras path, or tf.Module variable name); for a
+    dict of models each name starts with the model's key (`generator/dense/kernel`)."""
+    shapes = {}
+    for key, model in named(models, default="").items():
+        variables = list(model.trainable_variables) + list(getattr(model, "non_trainable_variables", []))
+        for v in variables:
+            name = getattr(v, "path", None) or v.name
+            shapes[f"{key}/{name}" if key else name] = [int(d) for d in v.shape]
+    return shapes
+
+
+def make_record(
+    *, strategy: str, num_replicas: int, num_workers: int, global_batch_size: int, model, config_text: str
+) -> dict:
+    return {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "python": platform.python_version(),
+        "strategy": strategy,
+        "num_replicas": num_replicas,
+        "num_workers": num_workers,
+        "global_batch_size": global_batch_size,
+        "model_variables": variable_shapes(model),
+        "operative_config": config_text,
+    }
+
+
+def read_record(model_dir: str) -> dict | None:
+    path = os.path.join(model_dir, RECORD_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_record(model_dir: str, record: dict) -> None:
+    write_text_atomic(os.path.join(model_dir, RECORD_FILE), json.dumps(record, indent=2) + "\n")
+
+
+def differences(recorded: dict, current: dict) -> list[str]:
+    """What a resume would change, in words; empty when nothing checked differs."""
+    found = []
+    for key in ("global_batch_size", "num_replicas"):
+        if recorded.get(key) != current[key]:
+            found.append(f"{key} {recorded.get(key)} -> {current[key]}")
+    old, new = recorded.get("model_variables", {}), current["model_variables"]
+    for name in sorted(set(old) | set(new)):
+        if old.get(name) != new.get(name):
+            found.append(f"variable {name} {old.get(name, 'absent')} -> {new.get(name, 'absent')}")
+    return found
+
+
+def check_resume(model_dir: str, current: dict, *, allow_changes: bool) -> None:
+    """Raises UserError if the recorded run differs from `current` in what must not change."""
+    recorded = read_record(model_dir)
+    if recorded is None or allow_changes:
+        return
+    found = differences(recorded, current)
+    if found:
+        shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+        raise UserError(
+            f"model_dir {model_dir} was started with other settings ({shown}); resume with the "
+            "original settings, use a fresh --model_dir, or set train.allow_resume_changes = True"
+        )

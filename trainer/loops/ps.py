@@ -1,0 +1,323 @@
+"""The asynchronous loop: ParameterServerStrategy driven by a ClusterCoordinator.
+
+Same interface as the synchronous loop (`run(num_steps) -> {name: float}`, `evaluate() ->
+{name: float, num_examples}`), so train.py's hooks run unchanged, and the same step
+function: it is called in replica context on a worker, its outputs reduced with SUM.
+
+What the global batch means here. Workers do not synchronise: each scheduled step runs
+on one worker and applies one update to the variables on the ps tasks. That step
+processes one batch of `train.global_batch_size` examples (split over the worker's own
+replicas if it has several GPUs: `input_context.get_per_replica_batch_size`), so the
+global batch stays "the examples behind one update", as in every other mode, and a
+step's loss is the mean over that batch. N workers do N such updates concurrently,
+each computed from variables that may be a few updates old.
+
+Scheduling. `TrainLoop.run(num_steps)` is called by the driver with at most
+`train.steps_per_loop` steps (it ends every call on a hook boundary). One closure per
+call would keep a single worker busy, so the steps are cut into closures of
+`steps_per_closure` steps (default: about steps_per_loop / (2 x workers), so every
+worker gets some and a fast one can take a slow one's share), each a graph while loop
+of steps on one worker. `run` then joins, so hooks (checkpoint, eval, logging) see a
+quiet cluster, and reads the metrics from the RemoteValues after the join (rule 8).
+
+The global step is counted by the coordinator: it adds `num_steps` after the join,
+when every closure has finished exactly once from its point of view. (A closure that
+was running on a worker that died is run again elsewhere, so its updates may be
+partly applied twice; that is the ClusterCoordinator's contract.) The optimizer's own
+`iterations` counter is made to count every step (trainer/loops/ps_schedules.py), so
+learning-rate schedules and Adam's bias correction follow the global step.
+
+Data. Each worker builds its dataset inside the per-worker dataset function (rule 8).
+With one worker it is exactly the single-device pipeline, so one worker trains
+exactly like one device. With N workers, worker k reads the whole training set
+shuffled with seed `seed + k` (k from a counter on the ps, taken when its dataset is
+built), so workers see different batches and a worker that dies takes no part of the
+data with it. On resume each worker skips `start_step / N` batches; with several
+workers that is approximate, since who ran which step is not recorded.
+
+Evaluation runs on the coordinator itself over the whole eval set, each example once,
+reading the current variables from the ps tasks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import tensorflow as tf
+
+from trainer import data
+from trainer.safety import tracing as checks
+from trainer.loops.sync import Evaluator, StepFn, reduce_outputs, repeated
+from trainer.run.settings import LoopOptions
+from trainer.loops.ps_schedules import count_steps_atomically
+from trainer.distribution.runtime import Runtime
+from trainer.task.task import Task, flat, trainable_variables
+from trainer.task.user_code import call_user
+from trainer.errors import RunFailure, UserError
+
+_LOST_TASK_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)
+MAX_RESCHEDULES = 3
+
+
+def rejected_by_worker(error: Exception) -> bool:
+    """Whether a worker's gRPC server refused a request it could not parse: the closure never ran.
+
+    Seen once in CI (TF 2.21, 2 workers on localhost, the run's first closures): the chief's
+    RunComponentFunction request reached worker 0 and its server answered INTERNAL "Unable to
+    parse request". The worker executed nothing (the request never got past parsing), so the
+    closure can run again without applying any of its steps twice. TF's coordinator treats it
+    as a user error and cancels the other closures; `PSTrainLoop.run` schedules those again
+    too. A cancelled closure that was already running on another worker may have applied
+    part of its steps, which are then applied again: what a worker failure does too.
+    """
+    text = str(error)
+    return isinstance(error, tf.errors.InternalError) and "Unable to parse request" in text and "/job:worker" in text
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterServerConfig:
+    """Settings of ParameterServer training (gin: `train.parameter_server = @parameter_server()`).
+
+    Attributes:
+      steps_per_closure: steps in one scheduled function; None: about
+        steps_per_loop / (2 x workers).
+      variable_partitioner: shards variables across the ps tasks, e.g.
+        `@min_size_partitioner()`; for tf.Module models only (Keras 3 layers cannot
+        use sharded variables).
+    """
+
+    steps_per_closure: int | None = None
+    variable_partitioner: Callable | None = None
+
+
+def check_partitioner(model, variable_partitioner) -> None:
+    """Refuses a variable partitioner with a Keras model (Keras 3 layers fail on ShardedVariable)."""
+    import keras
+
+    if variable_partitioner is not None and isinstance(model, keras.Layer):
+        raise UserError(
+            f"parameter_server.variable_partitioner does not work with Keras 3 models "
+            f"({type(model).__name__}: its layers cannot use sharded variables); remove the "
+            "partitioner or use a tf.Module model"
+        )
+
+
+def describe_placement(models) -> str:
+    """Where the models' variables live, and which are sharded (components named `<v>/part_<i>`)."""
+    variables = trainable_variables(models)
+    tasks = sorted({v.device.split("/device:")[0].replace("/replica:0", "") for v in variables})
+    parts: dict[str, int] = {}
+    for v in variables:
+        base, sep, _ = v.name.partition("/part_")
+        if sep:
+            parts[base] = parts.get(base, 0) + 1
+    sharded = ", ".join(f"{name} in {count}" for name, count in sorted(parts.items())) or "none"
+    return f"{len(variables)} variables on {', '.join(tasks)}; sharded: {sharded}"
+
+
+def split_steps(num_steps: int, steps_per_closure: int) -> list[int]:
+    """`num_steps` as closures of at most `steps_per_closure` steps, sizes within 1 of each other."""
+    count = -(-num_steps // steps_per_closure)
+    size, extra = divmod(num_steps, count)
+    return [size + 1] * extra + [size] * (count - extra)
+
+
+class PSTrainLoop:
+    """Schedules `num_steps` steps as closures on the workers, joins, returns the step means."""
+
+    def __init__(
+        self,
+        strategy: tf.distribute.Strategy,
+        coordinator: tf.distribute.coordinator.ClusterCoordinator,
+        model,
+        optimizer,
+        step_fn: StepFn,
+        global_batch_size: int,
+        per_worker_dataset,
+        global_step: tf.Variable,
+        *,
+        steps_per_closure: int,
+        batch_spec=None,
+        print_fn: Callable[[str], None] = print,
+    ):
+        self._coordinator = coordinator
+        self._print = print_fn
+        self._global_step = global_step
+        self._step = int(global_step.numpy())  # kept here too: no ps read before a loop
+        self._steps_per_closure = steps_per_closure
+        self._iterator = iter(per_worker_dataset)
+
+        def replica_step(batch):
+            return call_user(step_fn, model, optimizer, batch, global_batch_size)
+
+        self._replica_step = replica_step
+        self._batch_spec = batch_spec
+
+        def train_steps(iterator, num_steps):
+            def one_step(totals):
+                outputs = reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)))
+                return outputs if totals is None else {k: totals[k] + outputs[k] for k in totals}
+
+            return repeated(one_step, num_steps)  # sums over the closure's steps
+
+        # Plain TF ops: no AutoGraph but for the user's step (trainer/task/user_code.py).
+        self._train_steps = tf.function(train_steps, autograph=False)
+
+    def run(self, num_steps: int) -> dict[str, float]:
+        """Trains `num_steps` steps on the workers; returns each output's mean over them.
+
+        A closure a worker's server rejected before running it (see `rejected_by_worker`) is
+        scheduled again, with every closure the coordinator cancelled because of it, as TF asks
+        of a cancelled function ("Please reschedule the function"): up to `MAX_RESCHEDULES`
+        times per call, one warning line each time.
+        """
+        step = self._step
+        pending = split_steps(num_steps, self._steps_per_closure)
+        totals: dict[str, float] = {}
+        rescheduled = 0
+        try:
+            while pending:
+                scheduled = [
+                    (n, self._coordinator.schedule(self._train_steps, args=(self._iterator, tf.constant(n, tf.int32))))
+                    for n in pending
+                ]
+                try:
+                    self._coordinator.join()
+                except tf.errors.InternalError as error:
+                    if not rejected_by_worker(error) or rescheduled == MAX_RESCHEDULES:
+                        raise
+                    rescheduled += 1
+                    self._print(f"warning: a worker's server rejected a closure in steps {step + 1}-"
+                                f"{step + num_steps} before running it ({checks.first_line(error)}); scheduling it "
+                                f"and the closures cancelled with it again ({rescheduled}/{MAX_RESCHEDULES})")
+                pending = []
+                for n, result in scheduled:
+                    try:
+                        outputs = result.fetch()
+                    except (tf.errors.CancelledError, tf.errors.InternalError) as error:
+                        if not rescheduled or not (isinstance(error, tf.errors.CancelledError)
+                                                   or rejected_by_worker(error)):
+                            raise
+                        pending.append(n)
+                        continue
+                    for k, v in outputs.items():
+                        totals[k] = totals.get(k, 0.0) + float(v)
+            self._global_step.assign_add(num_steps)
+            self._step += num_steps
+        except _LOST_TASK_ERRORS as error:
+            raise lost_task_failure(error, f"in steps {step + 1}-{step + num_steps}") from error
+        return {k: v / num_steps for k, v in totals.items()}
+
+    def trace(self, step_name: str) -> None:
+        """Traces the step alone on the coordinator, on a worker's batch spec, before anything is
+        written (the closures themselves are traced where they are first scheduled). Tracing
+        builds a graph and runs nothing, so the real model and optimizer take part unchanged."""
+        checks.traced("train.step_fn", step_name, lambda: tf.function(
+            lambda batch: reduce_outputs(tf.distribute.get_strategy(), self._replica_step(batch)), autograph=False
+        ).get_concrete_function(self._batch_spec))
+
+    @property
+    def trace_count(self) -> int:
+        return self._train_steps.experimental_get_tracing_count()
+
+
+class CoordinatorEvaluator:
+    """Evaluates on the coordinator's own device: every eval example once, variables read from ps."""
+
+    def __init__(self, evaluator: Evaluator):
+        self._evaluator = evaluator
+
+    def trace(self) -> None:
+        self._evaluator.trace()
+
+    def evaluate(self) -> dict[str, float]:
+        try:
+            return self._evaluator.evaluate()
+        except _LOST_TASK_ERRORS as error:
+            raise lost_task_failure(error, "during evaluation") from error
+
+
+def lost_task_failure(error: Exception, when: str) -> RunFailure:
+    """A one-line RunFailure for an error that means a ps (or the cluster) is gone."""
+    detail = next(
+        (line.strip() for line in str(error).splitlines()
+         if line.strip() and not line.strip().startswith(("Graph execution error", "Detected at node", "<stack"))),
+        type(error).__name__,
+    )
+    return RunFailure(
+        f"lost a parameter server {when} ({type(error).__name__}: {detail[:160]}); its variables "
+        "are gone, so training stopped: rerun the same command to continue from the last checkpoint"
+    )
+
+
+def per_worker_train_data(
+    strategy: tf.distribute.Strategy,
+    coordinator: tf.distribute.coordinator.ClusterCoordinator,
+    inp: data.Input,
+    global_batch_size: int,
+    seed: int,
+    *,
+    start_step: int,
+    shard_policy: str,
+):
+    """Per-worker datasets, each built on its worker inside the dataset function (see module doc)."""
+    workers = data.num_workers(strategy)
+    with strategy.scope():
+        stream_counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="worker_stream_counter")
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        batch_size = context.get_per_replica_batch_size(global_batch_size)
+        skip = start_step // workers * context.num_replicas_in_sync
+        if workers == 1:
+            return data.train_dataset(inp, batch_size, seed, shard_policy=shard_policy, skip_batches=skip)
+        streams = [
+            data.train_dataset(inp, batch_size, seed + k, shard_policy=shard_policy, skip_batches=skip)
+            for k in range(workers)
+        ]
+        which = (stream_counter.assign_add(1) - 1) % workers
+        return tf.data.Dataset.choose_from_datasets(streams, tf.data.Dataset.from_tensors(which).repeat())
+
+    return coordinator.create_per_worker_dataset(
+        lambda: strategy.distribute_datasets_from_function(dataset_fn)
+    )
+
+
+def build_ps_loops(
+    runtime: Runtime, task: Task, options: LoopOptions, *, start_step: int,
+    eval_metrics_fn: Callable | None = None, config: ParameterServerConfig | None = None,
+    print_fn: Callable[[str], None] = print,
+) -> tuple[PSTrainLoop, dict[str, CoordinatorEvaluator]]:
+    """The ParameterServer loop and, per eval split, an evaluator on the coordinator."""
+    config = config or ParameterServerConfig()
+    for model in flat(task.models):
+        check_partitioner(model, config.variable_partitioner)
+    if config.variable_partitioner is not None:
+        print_fn(f"variable placement: {describe_placement(task.models)}")
+    if config.steps_per_closure is not None and (isinstance(config.steps_per_closure, bool) or not isinstance(
+            config.steps_per_closure, int) or config.steps_per_closure <= 0):
+        raise UserError(f"parameter_server.steps_per_closure must be a positive integer or None, "
+                        f"got {config.steps_per_closure!r}")
+    dist = runtime.strategy
+    workers = data.num_workers(dist)
+    steps_per_closure = config.steps_per_closure or max(1, -(-options.steps_per_loop // (2 * workers)))
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(dist)
+    count_steps_atomically(task.optimizers, task.global_step)  # schedules and Adam follow every step
+    train_data = per_worker_train_data(
+        dist, coordinator, task.input, options.global_batch_size, options.seed, start_step=start_step,
+        shard_policy=options.shard_policy,
+    )
+    loop = PSTrainLoop(
+        dist, coordinator, task.models, task.optimizers, task.step_fn, options.global_batch_size, train_data,
+        task.global_step, steps_per_closure=steps_per_closure, print_fn=print_fn,
+        batch_spec=tf.nest.map_structure(lambda s: tf.TensorSpec([None, *s.shape], s.dtype), task.input.element_spec),
+    )
+    local = tf.distribute.get_strategy()  # the default strategy: the coordinator's own device
+    metrics = eval_metrics_fn() if eval_metrics_fn else None  # on the coordinator, where eval runs
+    evaluators = {}
+    for split in task.input.eval_splits:
+        eval_data = data.eval_dataset(task.input, options.global_batch_size, split=split,
+                                      shard_policy=options.shard_policy)
+        num_batches = -(-task.input.num_examples(split) // options.global_batch_size)
+        evaluators[split] = CoordinatorEvaluator(
+            Evaluator(local, task.models, task.eval_step_fn, eval_data, num_batches, metrics=metrics))
+    return loop, evaluators

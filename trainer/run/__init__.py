@@ -1,0 +1,1 @@
+"""The facade: `train()` as a short composition over one validated `Settings` object."""

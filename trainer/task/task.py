@@ -1,0 +1,182 @@
+"""The task: what is trained (models, optimizers, steps, eval metrics, input), built under the scope.
+
+A research task is not always one classifier with one optimizer. `model_fn` may return a Keras
+model, a `tf.Module` or a dict of them (a GAN's generator and discriminator); `optimizer_fn`
+one optimizer or a dict. The step functions receive them exactly as returned. Everything that
+holds state is created under `strategy.scope()` and built before the first step (DESIGN.md
+rule 1: a Keras 3 optimizer built lazily inside tf.function fails under Mirrored), and all of it
+goes into one `tf.train.Checkpoint`, so a resumed run continues exactly.
+
+`model_fn` and `optimizer_fn` get only the keyword arguments they declare: `input_shape`,
+`num_classes` and `element_spec` (of the train example) for models; `global_batch_size` and
+`total_steps` for optimizers. A parameter the loop cannot supply is one UserError line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from typing import Any, Callable, Mapping
+
+import tensorflow as tf
+
+from trainer import data
+from trainer.task import layer_state
+from trainer.safety import nonfinite
+from trainer.task import precision
+from trainer.distribution.runtime import Runtime
+from trainer.errors import UserError
+
+MODEL_ARGUMENTS = ("input_shape", "num_classes", "element_spec")
+OPTIMIZER_ARGUMENTS = ("global_batch_size", "total_steps")
+_MISSING_ARGUMENT = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?")
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def call_with_declared(fn: Callable, available: Mapping[str, Any], *, what: str) -> Any:
+    """Calls `fn` with those of `available` that it declares (all of them if it takes **kwargs).
+
+    A declared parameter without a default that is not available (None) is refused in one
+    line, unless something else supplies it (a gin binding): then the call itself tells.
+    """
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in available.items() if v is not None and (takes_any or k in params)}
+    unsupplied = [k for k, p in params.items() if k in available and k not in kwargs
+                  and p.default is inspect.Parameter.empty
+                  and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    try:
+        return fn(**kwargs)
+    except TypeError as error:
+        text = str(error)
+        if not _MISSING_ARGUMENT.search(text):
+            raise
+        names = unsupplied or re.findall(r"'(\w+)'", text.split("argument", 1)[-1]) or ["?"]
+        offered = ", ".join(f"{k}" for k in available)
+        raise UserError(
+            f"{what} {_name(fn)} needs parameter '{names[0]}', which the loop cannot supply (it passes only "
+            f"those of {offered} that it knows); give '{names[0]}' a default or bind it in gin "
+            f"({_name(fn)}.{names[0]} = ...)"
+        ) from error
+
+
+def flat(structure: Any) -> list:
+    """The values of a dict (in key order), or the one object itself."""
+    if isinstance(structure, Mapping):
+        return [structure[k] for k in sorted(structure)]
+    return [structure]
+
+
+def named(structure: Any, default: str) -> dict[str, Any]:
+    """`{key: value}` of a dict, `{default: value}` of a single object."""
+    if isinstance(structure, Mapping):
+        return {str(k): structure[k] for k in sorted(structure)}
+    return {default: structure}
+
+
+def trainable_variables(models: Any) -> list:
+    return [v for m in flat(models) for v in m.trainable_variables]
+
+
+def all_variables(structure: Any) -> list:
+    return [v for m in flat(structure) for v in getattr(m, "variables", [])]
+
+
+def make_models(model_fn: Callable, inp: data.Input) -> Any:
+    """Calls `model_fn` with what it declares; checks it returned models."""
+    available = {"input_shape": inp.input_shape, "num_classes": inp.num_classes, "element_spec": inp.element_spec}
+    models = call_with_declared(model_fn, available, what="train.model_fn")
+    for model in flat(models):
+        if not isinstance(model, tf.Module) and not hasattr(model, "trainable_variables"):
+            raise UserError(f"train.model_fn {_name(model_fn)} returned {type(model).__name__}, not a Keras model, "
+                            "a tf.Module or a dict of them")
+    return models
+
+
+def make_optimizers(optimizer_fn: Callable, *, global_batch_size: int, total_steps: int, policy: str) -> Any:
+    """Calls `optimizer_fn` with what it declares; wraps each for loss scaling where the policy needs it."""
+    optimizers = call_with_declared(optimizer_fn, {"global_batch_size": global_batch_size,
+                                                   "total_steps": total_steps}, what="train.optimizer_fn")
+    if isinstance(optimizers, Mapping):
+        return {k: precision.wrap_optimizer(o, policy) for k, o in optimizers.items()}
+    return precision.wrap_optimizer(optimizers, policy)
+
+
+def build_optimizers(models: Any, optimizers: Any) -> None:
+    """Creates every optimizer's variables now, under the scope, from the variables it trains.
+
+    One optimizer trains every model; a dict of optimizers is matched to a dict of models by
+    key (the optimizer 'generator' trains the model 'generator').
+    """
+    if not isinstance(optimizers, Mapping):
+        if hasattr(optimizers, "build"):
+            optimizers.build(trainable_variables(models))
+        return
+    model_keys = set(models) if isinstance(models, Mapping) else set()
+    if not set(optimizers) <= model_keys:
+        raise UserError(
+            f"train.optimizer_fn returned optimizers {sorted(optimizers)} but train.model_fn returned "
+            f"{'models ' + str(sorted(model_keys)) if model_keys else 'one model'}: key each optimizer like the "
+            "model it trains, so it can be built with that model's variables before the first step"
+        )
+    for key, optimizer in optimizers.items():
+        if hasattr(optimizer, "build"):
+            optimizer.build(list(models[key].trainable_variables))
+
+
+@dataclasses.dataclass
+class Task:
+    """What is trained, built under the scope; `checkpoint` holds all of its state."""
+
+    models: Any
+    optimizers: Any
+    step_fn: Callable
+    eval_step_fn: Callable
+    input: data.Input
+    global_step: tf.Variable
+    dropped_batches: tf.Variable
+    checkpoint: tf.train.Checkpoint
+
+
+def build_task(
+    runtime: Runtime,
+    inp: data.Input,
+    *,
+    model_fn: Callable,
+    optimizer_fn: Callable,
+    step_fn: Callable,
+    eval_step_fn: Callable,
+    global_batch_size: int,
+    total_steps: int,
+) -> Task:
+    """Models, built optimizers, the global step and the checkpoint, all under `runtime`'s scope."""
+    with runtime.strategy.scope(), layer_state.model_creation_scope(runtime.strategy):
+        models = make_models(model_fn, inp)
+    with runtime.strategy.scope():
+        optimizers = make_optimizers(optimizer_fn, global_batch_size=global_batch_size, total_steps=total_steps,
+                                     policy=runtime.policy)
+        build_optimizers(models, optimizers)  # rule 1: never lazily inside tf.function
+        global_step = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="global_step",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        dropped = nonfinite.dropped_batches_variable()
+        checkpoint = tf.train.Checkpoint(
+            model=models, optimizer=optimizers, global_step=global_step, dropped_batches=dropped,
+            random_state=layer_state.random_states(models),
+        )
+    return Task(models=models, optimizers=optimizers, step_fn=step_fn, eval_step_fn=eval_step_fn, input=inp,
+                global_step=global_step, dropped_batches=dropped, checkpoint=checkpoint)
+
+
+def build_eval_models(inp: data.Input, model_fn: Callable) -> tuple[Any, tf.Variable, tf.train.Checkpoint]:
+    """Models and a global step for evaluation only (the sidecar): no optimizer, no strategy."""
+    models = make_models(model_fn, inp)
+    global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    return models, global_step, tf.train.Checkpoint(model=models, global_step=global_step)

@@ -1,0 +1,1 @@
+"""The update path of a step: gradient accumulation, global-norm clipping, XLA, and the recorder they share."""
