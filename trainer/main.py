@@ -1,6 +1,6 @@
 """Entry point: `python -m trainer.main --gin_file=gin/mwms.gin [--gin_bindings=...] [--model_dir=DIR]`.
 
-Exit codes (DESIGN.md): 0 done; 2 a user mistake, with one line on stderr; 1 anything else.
+Exit codes (docs/design.md): 0 done; 2 a user mistake, with one line on stderr; 1 anything else.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import sys  # noqa: E402
 
-from trainer.distribution import local_cluster  # noqa: E402  (no TensorFlow: nothing runs threads yet)
+from trainer.distribution import early_isolation  # noqa: E402  (no TensorFlow: nothing runs threads yet)
 
-local_cluster.isolate_early(sys.argv[1:])  # an embedded cluster's private network (DESIGN.md rule 12)
+early_isolation.isolate_early(sys.argv[1:])  # an embedded cluster's private network (docs/design.md, rule 12)
 
 from trainer import quiet_start  # noqa: E402
 

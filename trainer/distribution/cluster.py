@@ -15,14 +15,9 @@ import shutil
 import tempfile
 from typing import Any
 
+from trainer.distribution import modes
 from trainer.errors import UserError
 
-_SINGLE_MACHINE_STRATEGIES = ("default", "one_device", "mirrored", "central_storage", "tpu")
-_ALLOWED_TASK_TYPES = {
-    "multi_worker_mirrored": {"chief", "worker"},
-    "parameter_server": {"chief", "worker", "ps", "evaluator"},
-    **{name: {"chief", "worker"} for name in _SINGLE_MACHINE_STRATEGIES},
-}
 _RESOLVER_KINDS = ("tf_config", "slurm")
 _FIX_HINT = (
     'write it like {"cluster": {"worker": ["host:port", ...]}, '
@@ -105,13 +100,14 @@ def allowed_task_types_for(strategy_name: str) -> set[str] | None:
 
     The strategy builder rejects unknown names; this only narrows TF_CONFIG.
     """
-    allowed = _ALLOWED_TASK_TYPES.get(strategy_name)
-    return set(allowed) if allowed is not None else None
+    mode = modes.MODES.get(strategy_name)
+    return set(mode.task_types) if mode is not None else None
 
 
 def check_single_machine(info: ClusterInfo, strategy_name: str) -> None:
     """Rejects a multi-worker TF_CONFIG for a strategy that runs on one machine."""
-    if strategy_name in _SINGLE_MACHINE_STRATEGIES and info.num_workers > 1:
+    mode = modes.MODES.get(strategy_name)
+    if mode is not None and not mode.multi_worker and info.num_workers > 1:
         raise UserError(
             f"strategy '{strategy_name}' runs on one machine but TF_CONFIG describes "
             f"{info.num_workers} workers; use gin/mwms.gin or unset TF_CONFIG"

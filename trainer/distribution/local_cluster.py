@@ -6,13 +6,14 @@ each a `python -m trainer.server` subprocess on a free port (portpicker), and ru
 as the coordinator (task `chief`) by setting TF_CONFIG for its own process.
 
 Subprocesses, not in-process servers: TensorFlow's gRPC servers never shut down, so
-in-process ones would outlive the run (DESIGN.md rule 8). The servers are ended in a
+in-process ones would outlive the run (docs/design.md, rule 8). The servers are ended in a
 `finally` (SIGTERM, then SIGKILL after `grace_secs`), also on an error or a SIGTERM to
 this process; if this process is killed outright, each server notices its parent is
 gone and exits by itself (see trainer/server.py). So no process is left behind.
 
 The whole cluster, this process included, runs in a private network namespace with
-only loopback (see `isolate_early`), since TensorFlow's servers listen on every address.
+only loopback (see trainer/distribution/early_isolation.py), since TensorFlow's servers listen
+on every address.
 
 A worker that dies is restarted on its port (up to `max_worker_restarts` times): the
 coordinator works around it meanwhile and gives it work again once it is back. A ps
@@ -25,20 +26,18 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
-from trainer.distribution import netns
+from trainer.distribution import modes, netns
 from trainer.errors import RunFailure
 from trainer.validation import check_int, check_number
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WHAT = "the embedded ParameterServer cluster"  # as the network warning names it
 SERVER_MODULE = "trainer.server"
 READY_MESSAGE = "listening at"  # printed by trainer.server once it serves
@@ -267,7 +266,8 @@ def _environ(name: str, value: str) -> Iterator[None]:
 
 def needs_local_cluster(strategy: str) -> bool:
     """A ParameterServer run with no cluster given (no TF_CONFIG) gets an embedded one."""
-    return strategy == "parameter_server" and not os.environ.get("TF_CONFIG", "").strip()
+    mode = modes.MODES.get(strategy)
+    return mode is not None and mode.coordinates_workers and not os.environ.get("TF_CONFIG", "").strip()
 
 
 @contextlib.contextmanager
@@ -281,68 +281,6 @@ def embedded_cluster(
 
 
 _coordinates_ps_cluster = False
-_STRATEGY = re.compile(r"""\bstrategy\s*=\s*['"](\w+)['"]""")
-_INCLUDE = re.compile(r"""^\s*include\s+['"]([^'"]+)['"]""", re.M)
-
-
-def isolate_early(argv: Sequence[str]) -> None:
-    """An entry point's first line, before TensorFlow starts threads: enters the private
-    network namespace (trainer/distribution/netns.py) if this run will start an embedded
-    cluster, or if the image that exec'd this one asked to.
-
-    Entering needs a single-threaded process, and only the gin config says whether the run
-    is a ParameterServer one, so this reads the flags' gin files and bindings as text (the
-    last `strategy = '...'` wins). A run this misses is caught by `cluster_for`, which
-    re-executes the process into the namespace.
-    """
-    netns.enter_if_requested(WHAT)
-    if not netns.is_private() and expects_embedded_cluster(argv):
-        netns.isolate(WHAT)
-
-
-def expects_embedded_cluster(argv: Sequence[str]) -> bool:
-    """Whether `python -m trainer.main argv` (no TF_CONFIG) trains ParameterServer, by text."""
-    modes, print_config = _flag_values(argv, "mode"), _flag_values(argv, "print_config")
-    if os.environ.get("TF_CONFIG", "").strip() or modes[-1:] not in ([], ["train"]):
-        return False
-    if print_config[-1:] not in ([], ["false"], ["False"], ["0"]):
-        return False
-    texts = [text for path in _flag_values(argv, "gin_file") for text in _gin_texts(path, set())]
-    strategies = [m for text in texts + _flag_values(argv, "gin_bindings") for m in _STRATEGY.findall(text)]
-    return bool(strategies) and strategies[-1] == "parameter_server"
-
-
-def _flag_values(argv: Sequence[str], name: str) -> list[str]:
-    """Values of `--name=V`, `--name V` (or a bare `--name`, as "1") in absl's spellings."""
-    values = []
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.lstrip("-").partition("=")
-        if not arg.startswith("-") or flag != name:
-            continue
-        if eq:
-            values.append(value)
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):
-            values.append(argv[i + 1])
-        else:
-            values.append("1")
-    return values
-
-
-def _gin_texts(path: str, seen: set[str]) -> list[str]:
-    """The file's text without comments, its includes' texts spliced in where they stand."""
-    found = next((p for p in (path, os.path.join(REPO_ROOT, path)) if os.path.isfile(p)), None)
-    if found is None or os.path.abspath(found) in seen:
-        return []
-    seen.add(os.path.abspath(found))
-    with open(found) as f:
-        text = re.sub(r"#.*", "", f.read())
-    texts, start = [], 0
-    for include in _INCLUDE.finditer(text):
-        texts += [text[start:include.start()], *_gin_texts(include.group(1), seen)]
-        start = include.end()
-    return texts + [text[start:]]
-
-
 def cluster_for(
     strategy: str,
     make_config: Callable[[], LocalClusterConfig],
@@ -353,13 +291,13 @@ def cluster_for(
     """What an entry point runs `train` in: an embedded cluster when `needs_local_cluster`.
 
     The embedded cluster, coordinator included, must not be reachable from the network
-    (DESIGN.md rule 12). `isolate_early` has usually entered the private namespace; if
+    (docs/design.md, rule 12). `early_isolation.isolate_early` has usually entered the private namespace; if
     not, before the servers start (and their ports are picked) this process re-executes
     itself into it (same pid and flags; `model_dir`, when given, is passed on so the new
     image uses the one already printed). Where that is impossible it warns once and goes on.
     """
     global _coordinates_ps_cluster
-    _coordinates_ps_cluster = strategy == "parameter_server"
+    _coordinates_ps_cluster = strategy in modes.MODES and modes.MODES[strategy].coordinates_workers
     if not needs_local_cluster(strategy):
         return contextlib.nullcontext()
     netns.reexec_isolated(WHAT, [f"--model_dir={model_dir}"] if model_dir else [])

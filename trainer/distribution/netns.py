@@ -1,7 +1,7 @@
 """A private network namespace with only loopback, for clusters that run on this machine.
 
 TensorFlow's gRPC servers listen on `0.0.0.0:<port>` whatever host the cluster spec names,
-unauthenticated, and run any graph sent to them (DESIGN.md rule 12). A local cluster (the
+unauthenticated, and run any graph sent to them (docs/design.md, rule 12). A local cluster (the
 embedded ParameterServer cluster, `trainer.launch`) only talks over loopback, so it runs in
 a network namespace of its own: there its servers still listen on every address, but the
 only interface is `lo`, invisible from the host's network and from its other processes.

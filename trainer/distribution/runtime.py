@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 import tensorflow as tf
 
 from trainer.task import precision
-from trainer.distribution import cluster, devices, strategies
+from trainer.distribution import cluster, devices, modes, strategies
 from trainer.distribution.cluster import ClusterInfo
 from trainer.errors import UserError
 from trainer.validation import check_choice, check_number
@@ -27,7 +27,7 @@ class RuntimeConfig:
     """Where and how a run computes (gin: the `train.*` parameters of the same names).
 
     Attributes:
-      strategy: one of `strategies.STRATEGY_NAMES`.
+      strategy: one of `modes.STRATEGY_NAMES`.
       device_config: logical devices, memory growth, visible GPUs (None: the defaults).
       cluster_resolver: 'tf_config' or 'slurm', for the multi-worker strategies.
       cluster_resolver_options: keyword arguments of the Slurm resolver.
@@ -45,7 +45,7 @@ class RuntimeConfig:
     mixed_precision: str | None = None
 
     def __post_init__(self) -> None:
-        check_choice("train.strategy", self.strategy, strategies.STRATEGY_NAMES)
+        modes.get(self.strategy)  # an unknown name is one line
         check_choice("train.cluster_resolver", self.cluster_resolver, RESOLVERS)
         if self.device_config is not None and not isinstance(self.device_config, devices.DeviceConfig):
             raise UserError(f"train.device_config must be @devices(), got {self.device_config!r}")
@@ -80,8 +80,13 @@ class Runtime:
         return self.cluster.is_chief
 
     @property
-    def is_parameter_server(self) -> bool:
-        return self.config.strategy == "parameter_server"
+    def mode(self) -> modes.Mode:
+        return modes.get(self.config.strategy)
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether a loop call involves other processes (several synchronous workers, or remote ones)."""
+        return self.num_workers > 1 or self.mode.coordinates_workers
 
     def check_batch_size(self, global_batch_size: int) -> None:
         """Refuses a global batch that the replicas cannot share evenly."""

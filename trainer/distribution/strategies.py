@@ -5,19 +5,8 @@ import os
 
 import tensorflow as tf
 
-from trainer.distribution import devices
+from trainer.distribution import devices, modes
 from trainer.errors import UserError
-
-STRATEGY_NAMES = (
-    "default",
-    "one_device",
-    "mirrored",
-    "central_storage",
-    "multi_worker_mirrored",
-    "parameter_server",
-    "tpu",
-)
-MULTI_WORKER = ("multi_worker_mirrored", "parameter_server")
 
 
 def make_strategy(
@@ -31,7 +20,7 @@ def make_strategy(
     """Returns the strategy called `name`, on the devices set up by `trainer.devices`.
 
     Args:
-      name: one of STRATEGY_NAMES.
+      name: one of `modes.STRATEGY_NAMES`.
       cluster_resolver: where the cluster comes from for the multi-worker strategies
         (TF_CONFIG when None).
       collective_timeout_secs: MultiWorkerMirrored only: a collective that waits longer
@@ -39,33 +28,25 @@ def make_strategy(
       variable_partitioner: ParameterServer only: shards variables across ps tasks.
       tpu: TPU name or address for `TPUClusterResolver` ('' = the local/default TPU).
     """
-    if name == "default":
-        return tf.distribute.get_strategy()
-    if name == "one_device":
-        return tf.distribute.OneDeviceStrategy(devices.compute_devices()[0])
-    if name == "mirrored":
-        return tf.distribute.MirroredStrategy(devices.compute_devices())
-    if name == "central_storage":
-        return tf.distribute.experimental.CentralStorageStrategy(devices.compute_devices())
-    if name == "multi_worker_mirrored":
-        options = tf.distribute.experimental.CommunicationOptions(
-            timeout_seconds=collective_timeout_secs
-        )
-        return tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=cluster_resolver, communication_options=options
-        )
-    if name == "parameter_server":
-        return _parameter_server_strategy(cluster_resolver, variable_partitioner)
-    if variable_partitioner is not None:
+    mode = modes.get(name)
+    if variable_partitioner is not None and not mode.coordinates_workers:
         raise UserError(
             f"a variable_partitioner shards variables across ps tasks and only works with strategy "
             f"'parameter_server', not {name!r}; remove it or use gin/ps.gin"
         )
-    if name == "tpu":
-        return _tpu_strategy(tpu)
-    raise UserError(
-        f"unknown strategy {name!r}; set train.strategy to one of: {', '.join(STRATEGY_NAMES)}"
-    )
+    builders = {
+        "default": tf.distribute.get_strategy,
+        "one_device": lambda: tf.distribute.OneDeviceStrategy(devices.compute_devices()[0]),
+        "mirrored": lambda: tf.distribute.MirroredStrategy(devices.compute_devices()),
+        "central_storage": lambda: tf.distribute.experimental.CentralStorageStrategy(devices.compute_devices()),
+        "multi_worker_mirrored": lambda: tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=cluster_resolver,
+            communication_options=tf.distribute.experimental.CommunicationOptions(
+                timeout_seconds=collective_timeout_secs)),
+        "parameter_server": lambda: _parameter_server_strategy(cluster_resolver, variable_partitioner),
+        "tpu": lambda: _tpu_strategy(tpu),
+    }
+    return builders[mode.name]()
 
 
 def _parameter_server_strategy(resolver, variable_partitioner) -> tf.distribute.Strategy:

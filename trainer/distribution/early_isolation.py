@@ -1,0 +1,77 @@
+"""The first thing an entry point does, before TensorFlow starts threads: enter a private
+network namespace if this run will start an embedded cluster (trainer/distribution/local_cluster.py).
+
+Entering needs a single-threaded process, and only the gin config says whether the run starts a
+cluster, so the flags' gin files and bindings are read here as text, without TensorFlow or gin.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Sequence
+
+from trainer.distribution import netns
+from trainer.distribution.local_cluster import WHAT, needs_local_cluster
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_STRATEGY = re.compile(r"""\bstrategy\s*=\s*['"](\w+)['"]""")
+_INCLUDE = re.compile(r"""^\s*include\s+['"]([^'"]+)['"]""", re.M)
+
+
+def isolate_early(argv: Sequence[str]) -> None:
+    """An entry point's first line, before TensorFlow starts threads: enters the private
+    network namespace (trainer/distribution/netns.py) if this run will start an embedded
+    cluster, or if the image that exec'd this one asked to.
+
+    Entering needs a single-threaded process, and only the gin config says whether the run
+    is a ParameterServer one, so this reads the flags' gin files and bindings as text (the
+    last `strategy = '...'` wins). A run this misses is caught by `cluster_for`, which
+    re-executes the process into the namespace.
+    """
+    netns.enter_if_requested(WHAT)
+    if not netns.is_private() and expects_embedded_cluster(argv):
+        netns.isolate(WHAT)
+
+
+def expects_embedded_cluster(argv: Sequence[str]) -> bool:
+    """Whether `python -m trainer.main argv` (no TF_CONFIG) trains ParameterServer, by text."""
+    run_modes, print_config = _flag_values(argv, "mode"), _flag_values(argv, "print_config")
+    if os.environ.get("TF_CONFIG", "").strip() or run_modes[-1:] not in ([], ["train"]):
+        return False
+    if print_config[-1:] not in ([], ["false"], ["False"], ["0"]):
+        return False
+    texts = [text for path in _flag_values(argv, "gin_file") for text in _gin_texts(path, set())]
+    strategies = [m for text in texts + _flag_values(argv, "gin_bindings") for m in _STRATEGY.findall(text)]
+    return bool(strategies) and needs_local_cluster(strategies[-1])
+
+
+def _flag_values(argv: Sequence[str], name: str) -> list[str]:
+    """Values of `--name=V`, `--name V` (or a bare `--name`, as "1") in absl's spellings."""
+    values = []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.lstrip("-").partition("=")
+        if not arg.startswith("-") or flag != name:
+            continue
+        if eq:
+            values.append(value)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            values.append(argv[i + 1])
+        else:
+            values.append("1")
+    return values
+
+
+def _gin_texts(path: str, seen: set[str]) -> list[str]:
+    """The file's text without comments, its includes' texts spliced in where they stand."""
+    found = next((p for p in (path, os.path.join(REPO_ROOT, path)) if os.path.isfile(p)), None)
+    if found is None or os.path.abspath(found) in seen:
+        return []
+    seen.add(os.path.abspath(found))
+    with open(found) as f:
+        text = re.sub(r"#.*", "", f.read())
+    texts, start = [], 0
+    for include in _INCLUDE.finditer(text):
+        texts += [text[start:include.start()], *_gin_texts(include.group(1), seen)]
+        start = include.end()
+    return texts + [text[start:]]
