@@ -1,28 +1,21 @@
-"""The controller: restore -> loop calls -> hooks between them -> model_dir, for any loop.
+"""The controller: the outer loop of every mode, compiled calls with hooks between them.
 
-The synchronous loop (`loop.TrainLoop`: strategy.run/reduce inside tf.function) and the
-asynchronous one (`ps_loop.PSTrainLoop`: closures scheduled on a ClusterCoordinator) implement
-the same `TrainLoopLike` protocol, and their evaluators `EvaluatorLike`; `build_loops` is the
-one place that chooses between them. `drive` is the outer loop of every mode: compiled calls
-that end on the nearest hook boundary, the non-finite guard after each, hooks in between.
+The synchronous loop (`sync.TrainLoop`: strategy.run/reduce inside tf.function) and the
+asynchronous one (`ps.PSTrainLoop`: closures scheduled on a ClusterCoordinator) implement the
+same `TrainLoopLike` protocol, and their evaluators `EvaluatorLike`; trainer/loops/build.py
+chooses between them. `drive` runs either: each call ends on the nearest hook boundary; after
+it, any hook may throw the call's results away (`rollback_to`: the non-finite guard), else
+every hook's `after_loop` runs, in the registry's order.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import tensorflow as tf
 
-from trainer import data
-from trainer.safety import nonfinite as nonfinite_lib
-from trainer.files.checkpoints import CheckpointSaver
-from trainer.hooks.base import Hook, RunContext
-from trainer.loops.sync import Evaluator, TrainLoop
-from trainer.run.settings import LoopOptions
-from trainer.loops.ps import ParameterServerConfig, build_ps_loops
-from trainer.distribution.runtime import Runtime
-from trainer.task.task import Task
 from trainer.errors import RunFailure
+from trainer.hooks.base import Hook, Run
 
 PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError,
                tf.errors.CancelledError, tf.errors.InternalError)
@@ -34,8 +27,9 @@ class TrainLoopLike(Protocol):
     def run(self, num_steps: int) -> dict[str, float]:
         """Trains `num_steps` steps; returns each step output's mean over them."""
 
-    def trace(self, step_name: str) -> None:
-        """Traces the step on the real batch spec; a broken user function is one UserError line."""
+    def trace(self, step_name: str) -> tuple[str, ...]:
+        """Traces the step on the real batch spec (a broken user function is one UserError line);
+        returns the names of the step's outputs."""
 
     @property
     def trace_count(self) -> int:
@@ -46,44 +40,9 @@ class EvaluatorLike(Protocol):
     def evaluate(self) -> dict[str, float]:
         """One pass over an eval split: per-example means, metric results and `num_examples`."""
 
-    def trace(self) -> None:
-        """Traces the eval pass on the real batch spec and checks what the eval step returns."""
-
-
-def build_sync_loops(
-    runtime: Runtime, task: Task, options: LoopOptions, *, start_step: int, drop_batches: Sequence[int] = (),
-    eval_metrics_fn: Callable | None = None, after_update: Callable[[], None] | None = None,
-) -> tuple[TrainLoop, dict[str, Evaluator]]:
-    """The compiled train loop and, per eval split, an evaluator, for the synchronous strategies."""
-    dist = runtime.strategy
-    train_data = data.distribute_train(
-        dist, task.input, options.global_batch_size, options.seed, method=options.distribute_method,
-        shard_policy=options.shard_policy, skip_steps=start_step, drop_batches=drop_batches,
-    )
-    loop = TrainLoop(dist, task.models, task.optimizers, task.step_fn, options.global_batch_size, train_data,
-                     task.global_step, jit_compile=options.jit_compile, after_update=after_update)
-    with dist.scope():  # metric variables aggregate across replicas (and workers)
-        metrics = eval_metrics_fn() if eval_metrics_fn else None
-    evaluators = {}
-    for split in task.input.eval_splits:
-        eval_data = data.distribute_eval(dist, task.input, options.global_batch_size, split=split,
-                                         method=options.distribute_method, shard_policy=options.shard_policy)
-        num_batches = -(-task.input.num_examples(split) // options.global_batch_size)
-        evaluators[split] = Evaluator(dist, task.models, task.eval_step_fn, eval_data, num_batches, metrics=metrics)
-    return loop, evaluators
-
-
-def build_loops(
-    runtime: Runtime, task: Task, options: LoopOptions, *, start_step: int, drop_batches: Sequence[int] = (),
-    eval_metrics_fn: Callable | None = None, parameter_server: ParameterServerConfig | None = None,
-    print_fn: Callable[[str], None] = print, after_update: Callable[[], None] | None = None,
-) -> tuple[TrainLoopLike, Mapping[str, EvaluatorLike]]:
-    """The loop of the runtime's strategy: asynchronous for parameter_server, else synchronous."""
-    if runtime.is_parameter_server:
-        return build_ps_loops(runtime, task, options, start_step=start_step, eval_metrics_fn=eval_metrics_fn,
-                              config=parameter_server, print_fn=print_fn)
-    return build_sync_loops(runtime, task, options, start_step=start_step, drop_batches=drop_batches,
-                            eval_metrics_fn=eval_metrics_fn, after_update=after_update)
+    def trace(self) -> tuple[str, ...]:
+        """Traces the eval pass on the real batch spec, checks what the eval step returns and
+        returns the names of its results."""
 
 
 def op_error_summary(error: Exception) -> str:
@@ -95,21 +54,35 @@ def op_error_summary(error: Exception) -> str:
     return "no detail"
 
 
-def peer_failure(error: Exception, step: int, num_steps: int, saver: CheckpointSaver) -> RunFailure:
+def peer_failure(error: Exception, step: int, num_steps: int, latest_checkpoint: str | None) -> RunFailure:
     """A collective or remote call that failed: name the steps and where a rerun continues."""
-    latest = saver.latest()
-    resume = f"a rerun continues from {latest}" if latest else "no checkpoint yet: a rerun starts over"
+    resume = f"a rerun continues from {latest_checkpoint}" if latest_checkpoint else \
+        "no checkpoint yet: a rerun starts over"
     return RunFailure(
         f"training failed in steps {step + 1}-{step + num_steps} ({type(error).__name__}: "
         f"{op_error_summary(error)}); a peer task may have died or timed out; {resume}"
     )
 
 
-def drive(
-    loop: TrainLoopLike, run: RunContext, hooks: Sequence[Hook], steps_per_loop: int,
-    guard_nonfinite: nonfinite_lib.NonFiniteGuard,
-) -> None:
-    """The outer loop: compiled calls that end on the nearest hook boundary, hooks in between."""
+def drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: int) -> int:
+    """The outer loop: compiled calls that end on the nearest hook boundary, hooks in between.
+
+    Returns the step the run ended at (before `total_steps` if a hook asked to stop). Whatever
+    happens, the pending checkpoint write is finished (or its failure said in one line) and the
+    metrics log closed: a run that stops (a non-finite loss, preemption, a lost peer) keeps its
+    event records too.
+    """
+    try:
+        return _drive(loop, run, hooks, steps_per_loop)
+    finally:
+        try:
+            if run.saver is not None:
+                run.saver.wait()
+        finally:
+            run.metrics_log.close()
+
+
+def _drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: int) -> int:
     for hook in hooks:
         hook.begin(run)
     step = run.start_step
@@ -120,11 +93,11 @@ def drive(
         try:
             metrics = loop.run(num_steps)
         except PEER_ERRORS as e:
-            raise peer_failure(e, step, num_steps, run.saver) from e
-        run.train_seconds += time.monotonic() - started
-        bad_step = guard_nonfinite.first_bad_step(loop, metrics, step)
-        if bad_step is not None:
-            step = guard_nonfinite.recover(bad_step, metrics)
+            raise peer_failure(e, step, num_steps, run.saver.latest() if run.saver else None) from e
+        run.clock.train_seconds += time.monotonic() - started
+        back = next((s for h in hooks if (s := h.rollback_to(run, step, num_steps, metrics)) is not None), None)
+        if back is not None:
+            step = back
             for hook in hooks:
                 hook.rewind(run, step)
             continue
@@ -133,3 +106,4 @@ def drive(
             hook.after_loop(run, step, metrics)
     for hook in hooks:
         hook.end(run, step)
+    return step

@@ -40,20 +40,20 @@ reading the current variables from the ps tasks.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
+from typing import Callable, Mapping
 
 import tensorflow as tf
 
 from trainer import data
-from trainer.safety import tracing as checks
-from trainer.loops.sync import Evaluator, StepFn, reduce_outputs, repeated
-from trainer.run.settings import LoopOptions
-from trainer.loops.ps_schedules import count_steps_atomically
-from trainer.distribution.runtime import Runtime
-from trainer.task.task import Task, flat, trainable_variables
-from trainer.task.user_code import call_user
 from trainer.errors import RunFailure, UserError
+from trainer.loops.evaluator import Evaluator
+from trainer.loops.totals import reduce_outputs, repeated
+from trainer.safety import tracing
+from trainer.task.structure import trainable_variables
+from trainer.task.user_code import call_step
+from trainer.update.recorder import GradientRecorder
+
+StepFn = Callable[..., dict]
 
 _LOST_TASK_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)
 MAX_RESCHEDULES = 3
@@ -72,22 +72,6 @@ def rejected_by_worker(error: Exception) -> bool:
     """
     text = str(error)
     return isinstance(error, tf.errors.InternalError) and "Unable to parse request" in text and "/job:worker" in text
-
-
-@dataclasses.dataclass(frozen=True)
-class ParameterServerConfig:
-    """Settings of ParameterServer training (gin: `train.parameter_server = @parameter_server()`).
-
-    Attributes:
-      steps_per_closure: steps in one scheduled function; None: about
-        steps_per_loop / (2 x workers).
-      variable_partitioner: shards variables across the ps tasks, e.g.
-        `@min_size_partitioner()`; for tf.Module models only (Keras 3 layers cannot
-        use sharded variables).
-    """
-
-    steps_per_closure: int | None = None
-    variable_partitioner: Callable | None = None
 
 
 def check_partitioner(model, variable_partitioner) -> None:
@@ -148,9 +132,10 @@ class PSTrainLoop:
         self._iterator = iter(per_worker_dataset)
 
         def replica_step(batch):
-            return call_user(step_fn, model, optimizer, batch, global_batch_size)
+            return call_step(step_fn, model, optimizer, batch, global_batch_size)
 
-        self._replica_step = replica_step
+        self._model, self._optimizer, self._step_fn, self._global_batch_size = model, optimizer, step_fn, \
+            global_batch_size
         self._batch_spec = batch_spec
 
         def train_steps(iterator, num_steps):
@@ -188,7 +173,7 @@ class PSTrainLoop:
                         raise
                     rescheduled += 1
                     self._print(f"warning: a worker's server rejected a closure in steps {step + 1}-"
-                                f"{step + num_steps} before running it ({checks.first_line(error)}); scheduling it "
+                                f"{step + num_steps} before running it ({tracing.first_line(error)}); scheduling it "
                                 f"and the closures cancelled with it again ({rescheduled}/{MAX_RESCHEDULES})")
                 pending = []
                 for n, result in scheduled:
@@ -208,13 +193,29 @@ class PSTrainLoop:
             raise lost_task_failure(error, f"in steps {step + 1}-{step + num_steps}") from error
         return {k: v / num_steps for k, v in totals.items()}
 
-    def trace(self, step_name: str) -> None:
+    def trace(self, step_name: str) -> tuple[str, ...]:
         """Traces the step alone on the coordinator, on a worker's batch spec, before anything is
-        written (the closures themselves are traced where they are first scheduled). Tracing
-        builds a graph and runs nothing, so the real model and optimizer take part unchanged."""
-        checks.traced("train.step_fn", step_name, lambda: tf.function(
-            lambda batch: reduce_outputs(tf.distribute.get_strategy(), self._replica_step(batch)), autograph=False
-        ).get_concrete_function(self._batch_spec))
+        written (the closures themselves are traced where they are first scheduled), and returns
+        the names of its outputs. Tracing builds a graph and runs nothing; the step gets stand-ins
+        of its optimizers (they record the gradients), so that a cross-replica call it makes is
+        its own: refused, since no replica context spans asynchronous workers."""
+        optimizers = self._optimizer
+        stand_ins = ({k: GradientRecorder(o, once=False) for k, o in optimizers.items()}
+                     if isinstance(optimizers, Mapping) else GradientRecorder(optimizers, once=False))
+
+        def traced_step(batch):
+            outputs = call_step(self._step_fn, self._model, stand_ins, batch, self._global_batch_size)
+            return reduce_outputs(tf.distribute.get_strategy(), outputs)
+
+        with tracing.cross_replica_calls() as calls:
+            concrete = tracing.traced("train.step_fn", step_name, lambda: tf.function(
+                traced_step, autograph=False).get_concrete_function(self._batch_spec))
+        if calls:
+            raise UserError(f"train.step_fn {step_name} calls get_replica_context().{calls[0]}, a cross-replica call, "
+                            "which parameter_server does not support: its workers run their steps on their own, "
+                            "asynchronously, and no replica context spans them; use a synchronous strategy "
+                            "(gin/mwms.gin) for this step")
+        return tuple(concrete.structured_outputs)
 
     @property
     def trace_count(self) -> int:
@@ -227,8 +228,8 @@ class CoordinatorEvaluator:
     def __init__(self, evaluator: Evaluator):
         self._evaluator = evaluator
 
-    def trace(self) -> None:
-        self._evaluator.trace()
+    def trace(self) -> tuple[str, ...]:
+        return self._evaluator.trace()
 
     def evaluate(self) -> dict[str, float]:
         try:
@@ -280,44 +281,3 @@ def per_worker_train_data(
     return coordinator.create_per_worker_dataset(
         lambda: strategy.distribute_datasets_from_function(dataset_fn)
     )
-
-
-def build_ps_loops(
-    runtime: Runtime, task: Task, options: LoopOptions, *, start_step: int,
-    eval_metrics_fn: Callable | None = None, config: ParameterServerConfig | None = None,
-    print_fn: Callable[[str], None] = print,
-) -> tuple[PSTrainLoop, dict[str, CoordinatorEvaluator]]:
-    """The ParameterServer loop and, per eval split, an evaluator on the coordinator."""
-    config = config or ParameterServerConfig()
-    for model in flat(task.models):
-        check_partitioner(model, config.variable_partitioner)
-    if config.variable_partitioner is not None:
-        print_fn(f"variable placement: {describe_placement(task.models)}")
-    if config.steps_per_closure is not None and (isinstance(config.steps_per_closure, bool) or not isinstance(
-            config.steps_per_closure, int) or config.steps_per_closure <= 0):
-        raise UserError(f"parameter_server.steps_per_closure must be a positive integer or None, "
-                        f"got {config.steps_per_closure!r}")
-    dist = runtime.strategy
-    workers = data.num_workers(dist)
-    steps_per_closure = config.steps_per_closure or max(1, -(-options.steps_per_loop // (2 * workers)))
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(dist)
-    count_steps_atomically(task.optimizers, task.global_step)  # schedules and Adam follow every step
-    train_data = per_worker_train_data(
-        dist, coordinator, task.input, options.global_batch_size, options.seed, start_step=start_step,
-        shard_policy=options.shard_policy,
-    )
-    loop = PSTrainLoop(
-        dist, coordinator, task.models, task.optimizers, task.step_fn, options.global_batch_size, train_data,
-        task.global_step, steps_per_closure=steps_per_closure, print_fn=print_fn,
-        batch_spec=tf.nest.map_structure(lambda s: tf.TensorSpec([None, *s.shape], s.dtype), task.input.element_spec),
-    )
-    local = tf.distribute.get_strategy()  # the default strategy: the coordinator's own device
-    metrics = eval_metrics_fn() if eval_metrics_fn else None  # on the coordinator, where eval runs
-    evaluators = {}
-    for split in task.input.eval_splits:
-        eval_data = data.eval_dataset(task.input, options.global_batch_size, split=split,
-                                      shard_policy=options.shard_policy)
-        num_batches = -(-task.input.num_examples(split) // options.global_batch_size)
-        evaluators[split] = CoordinatorEvaluator(
-            Evaluator(local, task.models, task.eval_step_fn, eval_data, num_batches, metrics=metrics))
-    return loop, evaluators

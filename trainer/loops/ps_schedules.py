@@ -26,7 +26,7 @@ import functools
 
 import tensorflow as tf
 
-from trainer.task.task import flat
+from trainer.task.structure import flat
 
 
 @functools.cache

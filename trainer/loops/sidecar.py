@@ -25,28 +25,22 @@ import json
 import os
 import re
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
+import keras
 import tensorflow as tf
 
 from trainer import data
-from trainer.task import models
-from trainer.task import steps
-from trainer.loops.sync import Evaluator
-from trainer.files.metrics_log import METRICS_FILE
 from trainer.distribution.runtime import RuntimeConfig, make_runtime
-from trainer.task.task import build_eval_models
-from trainer.distribution import devices
 from trainer.errors import UserError
+from trainer.files.metrics_log import METRICS_FILE
+from trainer.loops.evaluator import Evaluator, make_metrics
+from trainer.task.task import build_eval_models
+
+if TYPE_CHECKING:
+    from trainer.run.settings import Settings
 
 _CHECKPOINT_NUMBER = re.compile(r"-(\d+)$")
-
-
-def train_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """The parameters of `train` (see `train.defaults_with`) that the sidecar needs."""
-    needed = ("total_steps", "global_batch_size", "seed", "model_fn", "eval_step_fn", "eval_metrics_fn", "input_fn",
-              "data_source", "eval_splits", "device_config", "mixed_precision")
-    return {name: settings.get(name) for name in needed}
 
 
 def checkpoints_in(model_dir: str) -> list[tuple[int, str]]:
@@ -74,42 +68,29 @@ def append_line(path: str, record: dict) -> None:
 
 
 def evaluate_continuously(
+    settings: Settings,
     *,
-    model_dir: str,
-    total_steps: int = 1000,
-    global_batch_size: int = 64,
-    seed: int = 0,
-    model_fn: Callable = models.cnn,
-    eval_step_fn: Callable = steps.classification_eval_step,
-    eval_metrics_fn: Callable | None = None,
-    input_fn: Callable | None = None,
-    data_source: Callable | None = None,
-    eval_splits: Sequence[str] | None = None,
-    device_config: devices.DeviceConfig | None = None,
-    mixed_precision: str | None = None,
     timeout_secs: float = 600.0,
     poll_secs: float = 1.0,
     print_fn: Callable[[str], None] = print,
 ) -> dict[str, float]:
-    """Evaluates each new checkpoint in `model_dir` until the one at `total_steps`.
+    """Evaluates each new checkpoint in `settings.model_dir` until the one at `settings.total_steps`.
 
     Returns the eval metrics of the last checkpoint evaluated on the first eval split (empty if none).
     """
-    from trainer.run.train import make_input
-
     if timeout_secs <= 0 or poll_secs <= 0:
         raise UserError(f"eval_continuous timeout_secs and poll_secs must be positive, got {timeout_secs}, {poll_secs}")
-    inp = make_input(input_fn, data_source, eval_splits)
-    runtime = make_runtime(RuntimeConfig(device_config=device_config, mixed_precision=mixed_precision),
+    model_dir, total_steps, global_batch_size = settings.model_dir, settings.total_steps, settings.global_batch_size
+    inp = settings.make_input()
+    runtime = make_runtime(RuntimeConfig(device_config=settings.device_config, mixed_precision=settings.mixed_precision),
                            standalone=True)
     inp.validate()
-    import keras
-
-    keras.utils.set_random_seed(seed)
-    model, global_step, checkpoint = build_eval_models(inp, model_fn)
-    metrics = eval_metrics_fn() if eval_metrics_fn else None
+    keras.utils.set_random_seed(settings.seed)
+    model, global_step, checkpoint = build_eval_models(inp, settings.model_fn)
+    metrics = make_metrics(settings.eval_metrics_fn)
     evaluators = {
-        split: Evaluator(runtime.strategy, model, eval_step_fn, data.eval_dataset(inp, global_batch_size, split=split),
+        split: Evaluator(runtime.strategy, model, settings.eval_step_fn,
+                         data.eval_dataset(inp, global_batch_size, split=split),
                          -(-inp.num_examples(split) // global_batch_size), metrics=metrics)
         for split in inp.eval_splits
     }

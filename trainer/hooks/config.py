@@ -1,0 +1,49 @@
+"""What a run records about itself at start: the operative config (file and TensorBoard text) and
+the hyperparameters (TensorBoard's HParams tab), written by the chief."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from trainer.files.atomic import write_text_atomic
+from trainer.hooks.base import Hook, Run
+
+OPERATIVE_CONFIG_FILE = "operative_config.gin"
+
+
+class ConfigWriter(Hook):
+    """Writes the operative config (chief): at start, so a crashed run still has it, and
+    again after the first loop call, once tracing has called the step and its parameters
+    are known. Also a text summary, so TensorBoard shows the config beside the curves."""
+
+    name = "config"
+
+    def __init__(self, describe_config: Callable[[], str]):
+        self._describe_config = describe_config
+        self._complete = False
+
+    def begin(self, run: Run) -> None:
+        self._write(run)
+
+    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+        if not self._complete:
+            self._write(run)
+            run.metrics_log.text(step, "operative_config", "```\n" + self._describe_config() + "\n```")
+            self._complete = True
+
+    def _write(self, run: Run) -> None:
+        if run.is_chief:
+            write_text_atomic(os.path.join(run.model_dir, OPERATIVE_CONFIG_FILE), self._describe_config())
+
+
+class HParamsWriter(Hook):
+    """Writes the run's hyperparameters (e.g. its flattened gin bindings) at start as a
+    TensorBoard hparams summary (chief), so sibling run directories compare in the HParams tab."""
+
+    name = "hparams"
+
+    def __init__(self, hparams: dict[str, bool | int | float | str]):
+        self._hparams = dict(hparams)
+
+    def begin(self, run: Run) -> None:
+        run.metrics_log.hparams(self._hparams, trial_id=os.path.basename(os.path.normpath(run.model_dir)))

@@ -1,0 +1,37 @@
+"""The eval hook: every eval split over all of its examples, every N steps and at the end.
+
+Its results are the run's `evaluations`: hooks and extensions that act on eval results (best
+checkpoints, early stopping, Keras callbacks, an EMA's own eval) run after it and read
+`run.evaluations.at(step)`, which holds the results only at a step where an eval ran.
+"""
+from __future__ import annotations
+
+from trainer.hooks.base import Hook, Run
+from trainer.validation import check_int
+
+
+class EvalHook(Hook):
+    """Evaluates every eval split every `every_steps` steps and at the end of the run.
+
+    At the end it does not evaluate again a step it already evaluated, nor a run that trained
+    no step (one started again after early stopping: its last eval is already recorded).
+    """
+
+    name = "eval"
+
+    def __init__(self, every_steps: int):
+        check_int("eval_hook.every_steps", every_steps)
+        self.every_steps = every_steps
+        self._last_step: int | None = None
+
+    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+        if self.at_boundary(step):
+            self._evaluate(run, step)
+
+    def end(self, run: Run, step: int) -> None:
+        if self._last_step != step and step != run.start_step:
+            self._evaluate(run, step)
+
+    def _evaluate(self, run: Run, step: int) -> None:
+        run.evaluations.record(step, run.evaluate(step))
+        self._last_step = step

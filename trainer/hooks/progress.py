@@ -1,0 +1,169 @@
+"""Progress: a live bar on a terminal, plain lines elsewhere, and a train record every N steps.
+
+Every long run shows step, loss, steps/s and ETA. The train records (the step outputs' means
+over the interval, the learning rate, steps/s and examples/s) go to metrics.jsonl and
+TensorBoard through the run's metrics log.
+"""
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from typing import IO
+
+import keras
+
+from trainer.hooks.base import Hook, Run
+from trainer.hooks.live_bar import LiveBar, is_terminal
+from trainer.validation import check_bool, check_number
+
+
+def current_learning_rate(optimizer) -> float:
+    """The rate the next step uses, for a float, a schedule or a distributed variable."""
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+def learning_rates(optimizers) -> dict[str, float]:
+    """`{"learning_rate": r}` of one optimizer, `{"learning_rate/<key>": r}` of a dict of them
+    (optimizers without a `learning_rate` are left out)."""
+    named = optimizers.items() if isinstance(optimizers, dict) else [(None, optimizers)]
+    return {("learning_rate" if key is None else f"learning_rate/{key}"): current_learning_rate(o)
+            for key, o in named if hasattr(o, "learning_rate")}
+
+
+def format_duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+
+
+class ProgressLogger(Hook):
+    """Progress on stdout, and every N steps a train record in metrics (loss, ..., steps/s).
+
+    On a terminal (the chief's stdout is a tty) a live bar (step/total, loss, steps/s, ETA)
+    redraws in place after loop calls, at most every `refresh_secs`; on a single worker the
+    driver also ends loop calls about every `refresh_secs` so the bar moves. Lines printed by
+    other hooks (eval) appear above it. Elsewhere (CI, log files) a plain line every N steps.
+    Non-chief workers print only a finish line (train prints the start), unless `all_workers`.
+
+    Args:
+      every_steps: steps between train records and plain lines (train.log_every_steps).
+      live: True/False forces the bar on/off; None (default): on when stdout is a terminal.
+      refresh_secs: least time between two redraws of the bar (0: after every loop call).
+      all_workers: non-chief workers print plain progress lines too.
+      stream: where the bar is drawn (default: sys.stdout).
+    """
+
+    name = "progress"
+
+    def __init__(self, every_steps: int, *, live: bool | None = None, refresh_secs: float = 0.5,
+                 all_workers: bool = False, stream: IO[str] | None = None):
+        check_bool("progress_logger.live", live, optional=True)
+        check_number("progress_logger.refresh_secs", refresh_secs, strictly=False)
+        check_bool("progress_logger.all_workers", all_workers)
+        self.every_steps = every_steps
+        self.live, self.refresh_secs, self.all_workers = live, refresh_secs, all_workers
+        self._stream = stream
+        self._sums: dict[str, float] = {}
+        self._count = 0
+        self._last_step = 0
+        self._last_train_seconds = 0.0
+        self._bar: LiveBar | None = None
+        self._split = False  # may the driver cut loop calls short for the bar?
+        self._chunk: int | None = None  # loop-call length that takes about refresh_secs
+        self._call_step, self._call_train_seconds = 0, 0.0
+        self._rate: float | None = None  # recent steps/s, without the first call (tracing)
+        self._paced_from: tuple[int, float] | None = None  # (step, time) after the first call
+        self._drawn_at = 0.0
+
+    def begin(self, run: Run) -> None:
+        self._last_step = self._call_step = run.start_step
+        self._last_train_seconds = self._call_train_seconds = run.train_seconds
+        stream = self._stream or sys.stdout
+        if run.is_chief and (is_terminal(stream) if self.live is None else self.live):
+            self._bar = LiveBar(stream)
+            run.console.show_live(self._bar)  # other lines print above the bar
+            # Loop calls must stay alike on every worker (collectives), and a PS call schedules
+            # closures: cut them short only for one synchronous worker.
+            self._split = self.refresh_secs > 0 and not run.spans_processes
+        if run.is_chief and run.start_step:
+            run.print_fn(f"starting at step {run.start_step}/{run.total_steps}")
+
+    def steps_to_boundary(self, step: int) -> int | None:
+        to_log = super().steps_to_boundary(step)
+        if self._chunk is None:
+            return to_log
+        return self._chunk if to_log is None else min(to_log, self._chunk)
+
+    def rewind(self, run: Run, step: int) -> None:
+        self._sums, self._count = {}, 0
+        self._last_step = self._call_step = step
+        self._last_train_seconds = self._call_train_seconds = run.train_seconds
+
+    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+        steps = step - self._last_step - self._count
+        self._count += steps
+        for k, v in metrics.items():
+            self._sums[k] = self._sums.get(k, 0.0) + v * steps
+        if self._bar is not None:
+            self._update_bar(run, step)
+        if self.at_boundary(step) or step >= run.total_steps:
+            self._flush(run, step)
+
+    def _update_bar(self, run: Run, step: int) -> None:
+        now = time.monotonic()
+        call_seconds = run.train_seconds - self._call_train_seconds
+        steps = step - self._call_step  # not positive after a rewind
+        rate = steps / call_seconds if steps > 0 and call_seconds > 0 else None
+        if rate is not None and self._split:  # the first call's rate is low: safe for this
+            self._chunk = max(1, int(rate * self.refresh_secs))
+        if self._paced_from is None:  # the first call traced the step: no pace to show
+            self._paced_from = (step, now)
+        elif rate is not None:
+            self._rate = rate if self._rate is None else 0.7 * self._rate + 0.3 * rate
+        self._call_step, self._call_train_seconds = step, run.train_seconds
+        if now - self._drawn_at < self.refresh_secs and step < run.total_steps:
+            return
+        paced_step, paced_time = self._paced_from
+        if step > paced_step:  # evals and checkpoints count, tracing does not
+            eta = (run.total_steps - step) * (now - paced_time) / (step - paced_step)
+        else:
+            eta = _eta_secs(run, step)
+        means = {k: v / self._count for k, v in self._sums.items()} if self._count else {}
+        line = self._bar.render(step, run.total_steps, means, steps_per_sec=self._rate,
+                                eta=format_duration(eta))
+        self._bar.draw(line)
+        self._drawn_at = now
+
+    def _flush(self, run: Run, step: int) -> None:
+        if not self._count:
+            return
+        means = {k: v / self._count for k, v in self._sums.items()}
+        seconds = max(run.train_seconds - self._last_train_seconds, 1e-9)
+        steps_per_sec = self._count / seconds
+        record = means | learning_rates(run.optimizer) | {
+            "steps_per_sec": steps_per_sec,
+            "examples_per_sec": steps_per_sec * run.global_batch_size,
+        }
+        run.metrics_log.record(step, "train", record)
+        if self._bar is None and (run.is_chief or self.all_workers):
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in means.items())
+            run.print_fn(
+                f"step {step}/{run.total_steps}  {shown}  {steps_per_sec:.1f} steps/s  "
+                f"{record['examples_per_sec']:.0f} ex/s  ETA {format_duration(_eta_secs(run, step))}"
+            )
+        self._sums, self._count = {}, 0
+        self._last_step, self._last_train_seconds = step, run.train_seconds
+
+    def end(self, run: Run, step: int) -> None:
+        self._flush(run, step)
+        if self._bar is not None:
+            self._bar.finish()
+            run.console.hide_live()
+            self._bar, self._chunk = None, None
+        if not run.is_chief:
+            run.print_fn(f"finished at step {step}/{run.total_steps}")
+
+
+def _eta_secs(run: Run, step: int) -> float:
+    """Wall time left at the run's average pace so far (evals and checkpoints included)."""
+    done = step - run.start_step
+    return (run.total_steps - step) * (time.monotonic() - run.clock.start_time) / max(done, 1)

@@ -1,0 +1,132 @@
+"""The eval pass: every example of an eval split once, in one compiled call.
+
+The eval step returns per-replica SUMS (divided here by `num_examples`, its own or, if it
+returns none, the weight of the batch's real examples), and/or updates Keras metric objects.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Mapping
+
+import keras
+import tensorflow as tf
+
+from trainer.errors import UserError
+from trainer.loops.totals import ReplicaTotals
+from trainer.safety import tracing
+from trainer.task.user_code import call_user
+
+StepFn = Callable[..., Mapping[str, tf.Tensor]]
+WEIGHT_KEY = "__weight__"  # the real examples of a batch, counted by the loop itself
+
+
+def declares(fn: Callable, name: str) -> bool:
+    """True if `fn` has a parameter called `name`."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def make_metrics(eval_metrics_fn: Callable | None) -> dict[str, keras.metrics.Metric] | None:
+    """`eval_metrics_fn()` (call it under the scope the metrics must live in), checked to be a dict
+    of names to metric objects; None without a function."""
+    if eval_metrics_fn is None:
+        return None
+    metrics = eval_metrics_fn()
+    name = getattr(eval_metrics_fn, "__name__", type(eval_metrics_fn).__name__)
+    if not isinstance(metrics, Mapping) or not all(
+            isinstance(k, str) and all(callable(getattr(m, a, None)) for a in ("update_state", "result", "reset_state"))
+            for k, m in metrics.items()):
+        shown = type(metrics).__name__ if not isinstance(metrics, Mapping) else \
+            "{" + ", ".join(f"{k!r}: {type(m).__name__}" for k, m in metrics.items()) + "}"
+        raise UserError(f"train.eval_metrics_fn {name} returned {shown}; return a dict of names to Keras metrics, "
+                        "e.g. {'auc': keras.metrics.AUC()}")
+    return dict(metrics)
+
+
+def metric_results(metrics: Mapping[str, keras.metrics.Metric]) -> dict[str, float]:
+    """Each metric's result as a float; a metric returning a dict gives `name/key` entries."""
+    results = {}
+    for name, metric in metrics.items():
+        value = metric.result()
+        if isinstance(value, Mapping):
+            results.update({f"{name}/{k}": float(v) for k, v in value.items()})
+        else:
+            results[name] = float(value)
+    return results
+
+
+class Evaluator:
+    """One pass over an eval split, every example once.
+
+    The eval step returns per-replica SUMS (divided here by `num_examples`, its own or, if it
+    returns none, the weight of the batch's real examples), and/or updates the Keras metric
+    objects it gets as `metrics` (if it declares that parameter): they are reset before the
+    pass, updated in replica context, and read once after it.
+    """
+
+    def __init__(
+        self,
+        strategy: tf.distribute.Strategy,
+        model,
+        eval_step_fn: StepFn,
+        dataset,
+        num_batches: int,
+        *,
+        metrics: Mapping[str, keras.metrics.Metric] | None = None,
+    ):
+        self._dataset = dataset
+        self._num_batches = num_batches
+        self._metrics = dict(metrics or {})
+        takes_metrics = declares(eval_step_fn, "metrics")
+        if self._metrics and not takes_metrics:
+            raise UserError(f"train.eval_metrics_fn gives metrics {sorted(self._metrics)} but train.eval_step_fn "
+                            f"{getattr(eval_step_fn, '__name__', eval_step_fn)} takes no `metrics` parameter; "
+                            "declare eval_step_fn(model, batch, metrics) and update them there")
+        self._step_name = getattr(eval_step_fn, "__name__", type(eval_step_fn).__name__)
+
+        def replica_fn(batch):
+            outputs = (call_user(eval_step_fn, model, batch, self._metrics) if takes_metrics
+                       else call_user(eval_step_fn, model, batch))
+            if not isinstance(outputs, Mapping):
+                raise UserError(f"train.eval_step_fn {self._step_name} returned {type(outputs).__name__}; return "
+                                "a dict of per-replica sums with 'num_examples' (or {} when it only updates metrics)")
+            weight = batch[-1]
+            return dict(outputs) | {WEIGHT_KEY: tf.reduce_sum(tf.cast(weight, tf.float32))}
+
+        totals = ReplicaTotals(strategy, replica_fn, "train.eval_step_fn", count_finite=False)
+
+        def eval_batches(iterator, num_batches):
+            return totals.sums(totals.accumulate(num_batches, lambda: next(iterator)))
+
+        self._eval_batches = tf.function(eval_batches, autograph=False)
+
+    def trace(self) -> tuple[str, ...]:
+        """Traces the eval pass on the real batch spec now (the trace `evaluate` reuses) and checks
+        what the eval step returns, before anything is written; returns the names of the results
+        (the step's means and the metrics' results, without `num_examples`)."""
+        concrete = tracing.traced("train.eval_step_fn", self._step_name, lambda: self._eval_batches.get_concrete_function(
+            iter(self._dataset), tf.TensorSpec([], tf.int32)))
+        self._check_keys(concrete.structured_outputs)
+        sums = [k for k in concrete.structured_outputs if k not in (WEIGHT_KEY, "num_examples")]
+        return (*sums, *metric_results(self._metrics))
+
+    def _check_keys(self, outputs: Mapping) -> None:
+        keys = set(outputs) - {WEIGHT_KEY}
+        if keys and "num_examples" not in keys:
+            raise UserError(f"train.eval_step_fn {self._step_name} returns {sorted(keys)} but no 'num_examples'; "
+                            "return per-replica sums and 'num_examples' (the sum of the batch weights), so the loop "
+                            "can divide the sums over every replica and batch")
+
+    def evaluate(self) -> dict[str, float]:
+        """Per-example means of the step's sums, each metric's result, and `num_examples`."""
+        for metric in self._metrics.values():
+            metric.reset_state()
+        totals = self._eval_batches(iter(self._dataset), tf.constant(self._num_batches, tf.int32))
+        self._check_keys(totals)
+        totals = {k: float(v) for k, v in totals.items()}
+        weight = totals.pop(WEIGHT_KEY)
+        count = totals.pop("num_examples", weight)
+        means = {k: v / count for k, v in totals.items()} if count else dict(totals)
+        return means | metric_results(self._metrics) | {"num_examples": count}

@@ -1,0 +1,129 @@
+"""A call's worth of steps on every replica: the step outputs checked, summed on each replica,
+and reduced with SUM across replicas once per call (docs/design.md, rule 3).
+
+Shared by the train loop, the eval pass and the bench's bare loop, so that all of them run
+their steps the same way: a graph while loop whose count is a tensor (a new count never
+retraces), the step in replica context through `strategy.run`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import tensorflow as tf
+
+from trainer.errors import UserError
+
+SUM = tf.distribute.ReduceOp.SUM
+
+
+def check_outputs(outputs, what: str = "train.step_fn") -> Mapping[str, tf.Tensor]:
+    """`outputs` if it is a dict of scalar numbers (one replica's, or any replica's local value); else UserError."""
+    if not isinstance(outputs, Mapping):
+        raise UserError(f"{what} returned {type(outputs).__name__}; return a dict of scalar tensors, "
+                        "e.g. {'loss': loss}")
+    for name, value in outputs.items():
+        if not isinstance(name, str) or not hasattr(value, "shape") or value.shape.rank != 0 \
+                or not (value.dtype.is_floating or value.dtype.is_integer):
+            shown = getattr(value, "shape", type(value).__name__)
+            raise UserError(f"{what} output {name!r} is {shown} of {getattr(value, 'dtype', '?')}; each output must "
+                            "be a scalar number (reduce a per-example vector with a sum or mean first)")
+    return outputs
+
+
+def reduce_outputs(strategy: tf.distribute.Strategy, outputs, what: str = "train.step_fn") -> dict[str, tf.Tensor]:
+    """SUM across replicas of a step's `{name: scalar}` outputs (refused in one line otherwise)."""
+    if isinstance(outputs, Mapping):
+        check_outputs({k: strategy.experimental_local_results(v)[0] for k, v in outputs.items()}, what)
+    else:
+        check_outputs(outputs, what)
+    return {k: tf.cast(strategy.reduce(SUM, v, axis=None), tf.float32) for k, v in outputs.items()}
+
+
+def repeated(step: Callable, num_steps: tf.Tensor):
+    """The state after `num_steps` (>= 1) calls of `step` on it, `step(None)` the first.
+
+    The first call is peeled so that the loop variables take the shapes of the step's own
+    outputs; the others are a graph while loop (bounded by their count, as AutoGraph bounds a
+    `tf.range` loop), written out because the loops trace without AutoGraph.
+    """
+    state = step(None)
+    _, state = tf.while_loop(lambda i, _: i < num_steps, lambda i, state: (i + 1, step(state)),
+                             (tf.constant(1), state), maximum_iterations=tf.maximum(num_steps - 1, 0))
+    return state
+
+
+class ReplicaTotals:
+    """Sums a step's outputs over the steps of one call on each replica, reduced once per call.
+
+    For the train loop and the eval pass alike (`replica_fn` is their step in replica context,
+    `what` names it in the one-line refusal of outputs that are not a dict of scalars; eval and
+    the bench's bare loop, which have no use for it, set `count_finite=False`).
+
+    Each replica keeps its outputs' running totals as one float32 vector and counts the steps
+    after which that vector was still finite. A sum that went non-finite stays so, so the count
+    is the index of the replica's first non-finite step; the call's is the least over replicas.
+    Reducing once per call instead of once per step and output saves a cross-device (under
+    MultiWorkerMirroredStrategy a cross-process) reduction per output and step, and keeps the
+    per-step work to a few ops on one vector (docs/design.md, rule 3: still SUM, in cross-replica context).
+    """
+
+    def __init__(self, strategy: tf.distribute.Strategy, replica_fn: Callable, what: str, *,
+                 count_finite: bool = True):
+        self._strategy = strategy
+        self._replica_fn = replica_fn
+        self._what = what
+        self._count_finite = count_finite
+        self.names: list[str] = []  # the step's output keys, in its order, known once traced
+
+    def _vector(self, batch) -> tf.Tensor:
+        outputs = check_outputs(self._replica_fn(batch), self._what)
+        self.names = list(outputs)
+        if not outputs:
+            return tf.zeros([0], tf.float32)
+        return tf.stack([tf.cast(outputs[k], tf.float32) for k in self.names])
+
+    def accumulate(self, num_steps: tf.Tensor, next_batch: Callable[[], Any], *,
+                   after_step: Callable[[], None] | None = None):
+        """The per-replica totals and finite-step counts after `num_steps` steps, each on `next_batch()`.
+
+        Call in cross-replica context; `after_step` runs there after each step's update (e.g. EMA).
+        """
+        def one_step(state):
+            if state is None:
+                state = self._strategy.run(self._first, args=(next_batch(),))
+            else:
+                state = self._strategy.run(self._add, args=(*state, next_batch()))
+            if after_step is not None:
+                after_step()
+            return state
+
+        return repeated(one_step, num_steps)
+
+    def _first(self, batch):
+        totals = self._vector(batch)
+        return totals, self._finite(totals)
+
+    def _add(self, totals, finite_steps, batch):
+        totals = totals + self._vector(batch)
+        return totals, finite_steps + self._finite(totals)
+
+    def _finite(self, totals: tf.Tensor) -> tf.Tensor:
+        if not self._count_finite:
+            return tf.constant(0)
+        return tf.cast(tf.reduce_all(tf.math.is_finite(totals)), tf.int32)
+
+    def sums(self, state) -> dict[str, tf.Tensor]:
+        """Each output's sum over the call's steps and the replicas (one reduce)."""
+        sums = self._strategy.reduce(SUM, state[0], axis=None)
+        return {name: sums[i] for i, name in enumerate(self.names)}
+
+    def first_nonfinite(self, state, num_steps: tf.Tensor) -> tf.Tensor:
+        """The 0-based index of the call's first step with a non-finite output on any replica (-1 if none)."""
+        finite_steps = state[1]
+        if self._strategy.num_replicas_in_sync == 1:
+            first = self._strategy.reduce(SUM, finite_steps, axis=None)
+        else:  # the least count over replicas, with SUM only: which counts occur, then the lowest of them
+            seen = self._strategy.reduce(SUM, self._strategy.run(
+                lambda count: tf.one_hot(count, num_steps + 1), args=(finite_steps,)), axis=None)
+            first = tf.cast(tf.argmax(tf.cast(seen > 0, tf.int32)), tf.int32)
+        return tf.where(first < num_steps, first, -1)
