@@ -21,7 +21,7 @@ For the config's model, data, optimizer, strategy and speed options it measures,
 - fit: Keras 3 `model.fit` on the same model, optimizer, input pipeline and strategy, with
   the step's loss and an accuracy metric, at each `--fit_steps_per_execution` (default 1
   and `steps_per_loop`); the best one is "fit best". Under multi_worker_mirrored and
-  parameter_server Keras 3 `fit` cannot run (DESIGN.md rule 7): the table says so.
+  parameter_server Keras 3 `fit` cannot run (docs/design.md, rule 7): the table says so.
 
 Method. Each variant runs in its own process (so peak RSS is its own), started one after
 the other (so start-up and first step are timed on a quiet machine). Time to first step

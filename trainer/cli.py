@@ -1,6 +1,6 @@
 """What every entry point does with a mistake: one line on stderr and a meaningful exit code.
 
-Exit codes (DESIGN.md): 2 a user mistake (bad flag, gin, TF_CONFIG, data path), 1 a run
+Exit codes (docs/design.md): 2 a user mistake (bad flag, gin, TF_CONFIG, data path), 1 a run
 that could not go on; absl alone would print usage and exit 1 for a bad flag.
 """
 from __future__ import annotations

@@ -12,23 +12,54 @@ import keras
 import tensorflow as tf
 
 from trainer import data
-from trainer.extensions import early_stopping
-from trainer.hooks import base as hooks
-from trainer.task import models
-from trainer.task import optimizers
-from trainer.task import steps
-from trainer.run import train as train_lib
 from trainer.distribution import devices
 from trainer.distribution import local_cluster as local_cluster_lib
-from trainer.tools import gin_config
-from trainer.tools.parity import config as parity_config
-from trainer.extensions import mlflow_tracking as mlflow_hook
-from trainer.extensions import profiler
-from trainer.loops import ps as ps_loop
+from trainer.extensions import early_stopping, mlflow_tracking, profiler
+from trainer.hooks.checkpointing import CheckpointHook
+from trainer.hooks.evaluation import EvalHook
+from trainer.hooks.progress import ProgressLogger
+from trainer.loops import options as loop_options
 from trainer.loops import sidecar
+from trainer.run import settings as settings_lib
+from trainer.run import train as train_lib
+from trainer.task import models, optimizers, steps
+from trainer.tools import gin_config, gin_functions
+from trainer.tools.parity import config as parity_config
+
+# The train parameters that hold functions the loop calls, and how many arguments it passes
+# them positionally (their gin bindings of those parameters are dropped, as gin drops them).
+FUNCTIONS = {"step_fn": 4, "eval_step_fn": 3, "model_fn": 0, "optimizer_fn": 0, "eval_metrics_fn": 0}
+
+
+def resolve_functions(arguments: dict) -> dict:
+    """`train`'s arguments with each function bound as `train.<name> = @fn` replaced by the plain
+    function with its own bindings applied once (trainer/tools/gin_functions.py)."""
+    raw = gin.get_bindings("train", resolve_references=False)
+    resolved = dict(arguments)
+    for name, positional in FUNCTIONS.items():
+        reference = raw.get(name)
+        if isinstance(reference, gin.config.ConfigurableReference) and \
+                arguments.get(name) is reference.scoped_configurable_fn:
+            resolved[name] = gin_functions.plain_function(reference, positional=positional) or arguments[name]
+    return resolved
+
+
+def train_from_gin(**arguments):
+    """Trains as `train` does, with gin's bindings resolved at the edge (see `resolve_functions`)."""
+    return train_lib.train(**resolve_functions(arguments))
+
+
+train_from_gin.__signature__ = settings_lib.signature()
+train_from_gin.__doc__ = train_lib.train.__doc__
+
+
+def settings_from_gin(**overrides) -> settings_lib.Settings:
+    """The parsed config's `train.*` bindings as Settings (functions resolved as for a run), for
+    the entry points that build what a run builds: the sidecar, trainer.bench, trainer.parity."""
+    return settings_lib.Settings.of(resolve_functions(gin.get_bindings("train")) | overrides)
 
 REGISTERED = {
-    "train": train_lib.train,
+    "train": train_from_gin,
     "cnn": models.cnn,
     "mlp": models.mlp,
     "classification_step": steps.classification_step,
@@ -46,20 +77,19 @@ REGISTERED = {
     "jpeg_feature": data.jpeg_feature,
     "int64_sequence_feature": data.int64_sequence_feature,
     "devices": devices.DeviceConfig,
-    "checkpoint_hook": hooks.CheckpointHook,
-    "eval_hook": hooks.EvalHook,
+    "checkpoint_hook": CheckpointHook,
+    "eval_hook": EvalHook,
     "early_stopping": early_stopping.EarlyStopping,
     # Keras callbacks for train.keras_callbacks, under their Keras names
     **{f"keras.callbacks.{c.__name__}": c for c in (keras.callbacks.EarlyStopping, keras.callbacks.ReduceLROnPlateau,
                                                     keras.callbacks.CSVLogger, keras.callbacks.TerminateOnNaN)},
     "profiler_hook": profiler.ProfilerHook,
-    "mlflow_hook": mlflow_hook.MlflowHook,
-    "parameter_server": ps_loop.ParameterServerConfig,
+    "mlflow_hook": mlflow_tracking.MlflowHook,
+    "parameter_server": loop_options.ParameterServerConfig,
     "local_cluster": local_cluster_lib.LocalClusterConfig,
     "min_size_partitioner": tf.distribute.experimental.partitioners.MinSizePartitioner,
     "max_size_partitioner": tf.distribute.experimental.partitioners.MaxSizePartitioner,
     "fixed_shards_partitioner": tf.distribute.experimental.partitioners.FixedShardsPartitioner,
-    "eval_continuous": sidecar.evaluate_continuously,
     "parity": parity_config.ParityConfig,  # read by trainer.parity only; other entry points accept it
 }
 """Gin name -> library object. Models are bound as `train.model_fn = @cnn` (called with the
@@ -68,10 +98,13 @@ arguments it declares among input_shape, num_classes and element_spec), input fu
 TFRecord features as `@png_feature()` etc. inside `tfrecord_files.features = {...}`."""
 
 CONFIGURABLES = {name: gin.external_configurable(target, name) for name, target in REGISTERED.items()}
+# The sidecar's own options; the rest of its setup is the run's (`settings_from_gin`).
+CONFIGURABLES["eval_continuous"] = gin.external_configurable(
+    sidecar.evaluate_continuously, "eval_continuous", denylist=["settings", "print_fn"])
 # `train` builds its progress logger itself, so that class is registered in place: the class
 # reads its own bindings (`progress_logger.live = False`); every_steps is train.log_every_steps.
 CONFIGURABLES["progress_logger"] = gin.configurable(
-    "progress_logger", denylist=["every_steps", "stream"])(hooks.ProgressLogger)
+    "progress_logger", denylist=["every_steps", "stream"])(ProgressLogger)
 train = CONFIGURABLES["train"]
 local_cluster = CONFIGURABLES["local_cluster"]
 
@@ -79,8 +112,7 @@ local_cluster = CONFIGURABLES["local_cluster"]
 def evaluate_continuously(*, model_dir: str, print_fn=print) -> dict[str, float]:
     """--mode=eval_continuous: the sidecar evaluator, set up by the run's own `train.*` bindings
     (`eval_continuous.timeout_secs` and `.poll_secs` are its own)."""
-    settings = sidecar.train_settings(train_lib.defaults_with(gin.get_bindings("train")))
-    return CONFIGURABLES["eval_continuous"](model_dir=model_dir, print_fn=print_fn, **settings)
+    return CONFIGURABLES["eval_continuous"](settings_from_gin(model_dir=model_dir), print_fn=print_fn)
 
 
 def main() -> None:

@@ -282,7 +282,7 @@ def _define_flags() -> None:
 def main(passthrough: list[str]) -> int:
     values = flags.FLAGS
     # Before any task (and any thread) starts: the tasks, and the ports picked for them,
-    # are then in a network namespace with only loopback (DESIGN.md rule 12).
+    # are then in a network namespace with only loopback (docs/design.md, rule 12).
     netns.isolate("the local cluster of trainer.launch")
     try:
         return launch(

@@ -9,7 +9,7 @@ verdict with its figures.
 
 - default, one_device, mirrored, central_storage: against Keras 3 `fit` in this process,
   on the same strategy (same replica count). Expected bit-identical weights.
-- multi_worker_mirrored: Keras 3 `fit` cannot run there (DESIGN.md rule 7), so the
+- multi_worker_mirrored: Keras 3 `fit` cannot run there (docs/design.md, rule 7), so the
   comparison is against `tf_keras` `fit` (`TF_USE_LEGACY_KERAS=1`): `--num_workers`
   worker processes run our loop, then as many run tf_keras `fit` under the same strategy
   from the weights ours started with; results travel as .npz files. The tf_keras side calls
@@ -33,7 +33,7 @@ gin @reference to a loss function or object; default SparseCategoricalCrossentro
 the loss of the default step), and fit gets exactly our batches, of any structure the input
 function yields, as (x, y) or (x, y, sample_weight). `parity.metric` names the eval output
 compared under parameter_server with several workers (default 'accuracy'). Both sides are
-built by `train`'s own setup (trainer/run/train.py `setup_from`); see trainer/tools/parity/.
+built by `train`'s own setup (trainer/run/setup.py); see trainer/tools/parity/.
 
 Both sides follow `train.mixed_precision` (fit's `compile` adds its own loss scaling under
 mixed_float16) and `train.jit_compile` (fit compiled with `jit_compile` too). Against
@@ -75,8 +75,6 @@ flags.DEFINE_enum("role", "compare", ["compare", "ours", "tf_keras_fit", "replic
 flags.DEFINE_string("work_dir", None, "Internal: where worker processes leave their results.")
 flags.DEFINE_integer("num_replicas", 0, "Internal: the replica count of a --role=replicas process.")
 
-IN_PROCESS = ("default", "one_device", "mirrored", "central_storage")
-
 
 def use_tf_keras() -> None:
     """From here on, `import keras` (ours, the user's gin modules) and tf.keras are tf_keras."""
@@ -109,24 +107,24 @@ def compare(settings, config, steps: int, atol: float):
         except ValueError:
             raise UserError(f"--replicas takes replica counts like 1,2,4, got {','.join(FLAGS.replicas)}") from None
         for count in counts:
-            if count < 1 or settings["global_batch_size"] % count:
+            if count < 1 or settings.global_batch_size % count:
                 raise UserError(f"--replicas: {count} does not divide train.global_batch_size "
-                                f"{settings['global_batch_size']}")
+                                f"{settings.global_batch_size}")
         return comparisons.compare_replicas(settings, steps, atol, counts, gin_args())
-    strategy, precision = settings["strategy"], settings["mixed_precision"]
-    if strategy in IN_PROCESS:
+    mode, precision = settings.mode, settings.mixed_precision
+    if not mode.multi_worker:
         return comparisons.compare_in_process(settings, config, steps, atol)
     if precision not in (None, "float32"):
         raise UserError(f"parity against tf_keras under {precision} compares different losses: tf_keras "
                         "computes the loss in the compute dtype, Keras 3 and our step in float32; check this config "
                         "with gin/mirrored.gin (against Keras 3 fit) or without train.mixed_precision")
-    if strategy == "multi_worker_mirrored":
+    if mode.multi_worker and mode.synchronous:
         return comparisons.compare_multi_worker(settings, steps, atol, FLAGS.num_workers, gin_args())
-    if strategy == "parameter_server":
+    if mode.multi_worker:
         return comparisons.compare_parameter_server(settings, config, steps, atol, gin_args(),
                                                     metric_steps=FLAGS.metric_steps, metric_atol=FLAGS.metric_atol)
-    raise UserError(f"parity does not support strategy {strategy!r}; use one of "
-                    f"{', '.join(IN_PROCESS)}, multi_worker_mirrored, parameter_server")
+    raise UserError(f"parity does not support strategy {mode.name!r}; use a local, a multi_worker_mirrored or a "
+                    "parameter_server config")
 
 
 def run(argv: list[str]) -> None:

@@ -16,7 +16,7 @@ from absl import app, flags
 from trainer.cli import fail, parse_flags
 from trainer.errors import UserError
 
-METRICS_FILE = "metrics.jsonl"  # the model_dir contract (DESIGN.md); read without TensorFlow
+METRICS_FILE = "metrics.jsonl"  # the model_dir contract (docs/design.md); read without TensorFlow
 PANELS = (("train", "loss", "train loss"), ("eval", "loss", "eval loss"), ("eval", "accuracy", "eval accuracy"))
 
 FLAGS = flags.FLAGS

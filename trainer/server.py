@@ -11,7 +11,7 @@ It checks TF_CONFIG with `trainer.cluster` (one line and exit 2 on a mistake),
 sets `GRPC_FAIL_FAST=use_caller` before TensorFlow loads (so a dead peer is an
 error the coordinator can act on, not a hang), gives the server
 `inter_op_parallelism_threads >= workers + 1` (fewer deadlock at the first
-`join`, DESIGN.md rule 8), prints one line once it listens, and blocks until
+`join`, docs/design.md, rule 8), prints one line once it listens, and blocks until
 SIGTERM or SIGINT, after which it exits 0. TensorFlow's gRPC server cannot be
 shut down, so the process ends with `os._exit`. A server whose parent process
 dies (the launcher or an embedded cluster killed with SIGKILL) exits too, so

@@ -1,7 +1,7 @@
 """Input: input functions (the user's and the built-in sources) and the pipelines that batch,
 shard and distribute any of them (see trainer.data.inputs for the input function contract)."""
 
-from trainer.data.distribute import _shards_by_file, distribute_eval, distribute_train, num_workers, replica_slices
+from trainer.data.distribute import shards_by_file, distribute_eval, distribute_train, num_workers, replica_slices
 from trainer.data.inputs import (MAX_IN_MEMORY_BYTES, SPLITS, DataSource, Input, InputFunction, Shard, as_input,
                                  check_sizes)
 from trainer.data.pipeline import (MAX_SHUFFLE_BUFFER, SHARD_POLICIES, eval_dataset, prefetch_for_accelerators,

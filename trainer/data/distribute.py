@@ -1,4 +1,4 @@
-"""Training and eval data for a strategy, following its input contract (DESIGN.md, rules 4 and 5).
+"""Training and eval data for a strategy, following its input contract (docs/design.md, rules 4 and 5).
 
 Global batches for `experimental_distribute_dataset` ('dataset'); per-replica batches
 sharded by `input_pipeline_id` for `distribute_datasets_from_function` ('function'),
@@ -46,7 +46,7 @@ def _check(strategy: tf.distribute.Strategy, inp: Input, split: str, method: str
                         f"set the {split} shard_policy to DATA")
 
 
-def _shards_by_file(source: Input | InputFunction, shard_policy: str, context: tf.distribute.InputContext) -> bool:
+def shards_by_file(source: Input | InputFunction, shard_policy: str, context: tf.distribute.InputContext) -> bool:
     """Whether each input pipeline reads its own part of the train data ('function' method).
 
     FILE asks for it; AUTO where the function says it has at least one file per pipeline.
@@ -92,7 +92,7 @@ def distribute_train(strategy: tf.distribute.Strategy, inp: Input | InputFunctio
         return strategy.experimental_distribute_dataset(dataset)
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        if _shards_by_file(inp, shard_policy, context):
+        if shards_by_file(inp, shard_policy, context):
             batches_per_step = context.num_replicas_in_sync // context.num_input_pipelines
             return train_dataset(inp, context.get_per_replica_batch_size(global_batch_size), seed,
                                  shard_policy=shard_policy, skip_batches=skip_steps * batches_per_step,

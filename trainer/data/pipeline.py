@@ -3,7 +3,7 @@
 `train_dataset` and `eval_dataset` take an `Input` or a bare input function (see
 trainer.data.inputs) and keep the example's structure, batched. The order depends only
 on the seed, so a resumed run skips to exactly the batches it would have seen
-(DESIGN.md, rule 5); that holds for input functions that are themselves deterministic.
+(docs/design.md, rule 5); that holds for input functions that are themselves deterministic.
 """
 
 from typing import Any, Callable, Sequence

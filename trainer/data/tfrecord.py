@@ -155,7 +155,7 @@ class TFRecordFiles:
     def examples(self, split: str, shard: Shard | None = None) -> tf.data.Dataset:
         """Unbatched examples; `shard` keeps one part, by file where there are enough files, else by record.
 
-        The order is fixed (resume skips a known number of examples: DESIGN rule 5). Records are
+        The order is fixed (resume skips a known number of examples: docs/design.md, rule 5). Records are
         parsed PARSE_BATCH at a time and unbatched again where the schema allows: one
         `parse_example` per batch delivered about 10x the examples/s of one `parse_single_example`
         per record (`trainer.bench --mode=input`, digits on 2 cores: 26k -> 274k). Reads and

@@ -25,18 +25,12 @@ from typing import Any, Iterator
 
 import tensorflow as tf
 
-from trainer.hooks.base import EvalHook, RunContext, evaluate_splits
-from trainer.task.task import trainable_variables
-from trainer.errors import UserError
+from trainer.distribution import modes
+from trainer.extensions.export import EXPORT_WEIGHTS, ExportWeights
+from trainer.extensions.protocol import Extension, Setup
+from trainer.hooks.base import Run
+from trainer.task.structure import trainable_variables
 from trainer.validation import check_number
-
-
-def check_ema_decay(ema_decay: Any, strategy: str) -> None:
-    """`train.ema_decay` is None or in (0, 1); refused under parameter_server."""
-    check_number("train.ema_decay", ema_decay, minimum=0.0, below=1.0, optional=True)
-    if ema_decay is not None and strategy == "parameter_server":
-        raise UserError("train.ema_decay is not supported with parameter_server (asynchronous updates); "
-                        "use a synchronous strategy or unset train.ema_decay")
 
 
 def _aggregation(variable) -> tf.VariableAggregation:
@@ -87,26 +81,36 @@ class WeightAverage(tf.Module):
             self._swap()
 
 
-def attach(strategy: tf.distribute.Strategy, task: Any, decay: float | None) -> WeightAverage | None:
-    """The task's weight average (None without `decay`), created under the scope and added to
-    the task's checkpoint as `ema`, before any checkpoint is restored."""
-    if decay is None:
-        return None
-    with strategy.scope():
-        average = WeightAverage(task.models, decay)
-    task.checkpoint.ema = average
-    return average
+class Ema(Extension):
+    """`train.ema_decay`: the averages, their eval after every raw eval, and the weights to export."""
 
+    name = "ema"
+    setting = "train.ema_decay"
+    supports = modes.SYNCHRONOUS
+    unsupported_reason = "asynchronous updates have no single point after an update to average at"
+    after = ("warm_start", "eval")  # a fresh run averages from the warm-started weights
 
-class EmaEvalHook(EvalHook):
-    """Evaluates every split with the averaged weights at each eval boundary and at the end,
-    after the raw eval (EvalHook), and logs split `<split>_ema`."""
+    def __init__(self, decay: float):
+        check_number("train.ema_decay", decay, minimum=0.0, below=1.0)
+        self.decay = float(decay)
+        self._evaluated: int | None = None
 
-    def __init__(self, average: WeightAverage, every_steps: int):
-        super().__init__(every_steps)
-        self.average = average
+    def attach(self, setup: Setup) -> None:
+        with setup.scope():
+            self.average = WeightAverage(setup.task.models, self.decay)
+        setup.add_checkpoint_item("ema", self.average)  # before the restore: a resumed run continues it
+        setup.after_update(self.average.update)
+        setup.provide(EXPORT_WEIGHTS, ExportWeights("EMA weights", self.average.swapped_in, {"ema": self.average}))
 
-    def _evaluate(self, run: RunContext, step: int) -> None:
-        with self.average.swapped_in():
-            evaluate_splits(run, step, suffix="_ema", label=" (EMA)")
-        self._last_step = step
+    def restored(self, setup: Setup, path: str | None) -> None:
+        if path is None:
+            self.average.reset()
+
+    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+        if run.evaluations.at(step) is not None and self._evaluated != step:
+            with self.average.swapped_in():
+                run.evaluate(step, suffix="_ema", label=" (EMA)")
+            self._evaluated = step
+
+    def end(self, run: Run, step: int) -> None:
+        self.after_loop(run, step, {})  # the final eval, if it was not at a boundary

@@ -8,7 +8,7 @@ signature, each key an input) with a leading batch dimension of any size. It ret
 `{"outputs": <the model's output>}` (or the model's own dict), the model called with
 `training=False`. With `train.ema_decay` on, the EMA weights are exported.
 
-Under multi_worker_mirrored every worker saves (as every worker saves a checkpoint, DESIGN.md
+Under multi_worker_mirrored every worker saves (as every worker saves a checkpoint, docs/design.md,
 rule 6): the chief into `model_dir/export/<step>/` (written beside it, then renamed, so a
 crashed export leaves no half SavedModel there), the others into a temporary directory they
 delete. One model only: a dict of models (a GAN) is refused in one line, since the loop cannot
@@ -16,28 +16,24 @@ know which input each of them serves on. Not under parameter_server (refused in 
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
-from typing import Any, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import tensorflow as tf
 
-from trainer.extensions.best_checkpoints import BEST_DIR
-from trainer.hooks.base import Hook, RunContext
-from trainer.task.steps import call_model
+from trainer.distribution import modes
 from trainer.errors import UserError
-from trainer.validation import check_bool
+from trainer.extensions.best_checkpoints import BEST_CHECKPOINT, BestCheckpoint
+from trainer.extensions.protocol import Extension, Setup
+from trainer.hooks.base import Run
+from trainer.task.steps import call_model
 
 EXPORT_DIR = "export"
-
-
-def check_export(export_saved_model: Any, strategy: str) -> None:
-    """`train.export_saved_model` is a bool; refused under parameter_server."""
-    check_bool("train.export_saved_model", export_saved_model)
-    if export_saved_model and strategy == "parameter_server":
-        raise UserError("train.export_saved_model is not supported with parameter_server; export from a "
-                        "checkpoint with a synchronous strategy or unset train.export_saved_model")
+EXPORT_WEIGHTS = "export_weights"
 
 
 def check_exportable(models: Any) -> None:
@@ -99,45 +95,59 @@ def export(model: Any, spec: Any, model_dir: str, step: int, *, is_chief: bool,
     return final
 
 
-class ExportHook(Hook):
-    """Exports the model at the end of training (the EMA weights where `average` is given) and,
-    with `best` (the run's BestCheckpointHook), the best checkpoint's model too."""
+@dataclasses.dataclass(frozen=True)
+class ExportWeights:
+    """Named value `EXPORT_WEIGHTS`: weights to export instead of the trained ones (an EMA, SWA).
 
-    def __init__(self, spec: Any, task_name: str, average: Any = None, best: Any = None):
-        self.spec, self.task_name, self.average, self.best = spec, task_name, average, best
+    `swapped_in()` is a context manager inside which the model holds them; `checkpoint_items`
+    are the checkpoint entries they live in (read with the model from a best checkpoint).
+    """
 
-    def end(self, run: RunContext, step: int) -> None:
-        self._export(run, step)
-        best_step = self.best.kept[0]["step"] if self.best is not None and self.best.kept else None
-        if best_step is None or best_step == step:
+    label: str
+    swapped_in: Callable[[], ContextManager]
+    checkpoint_items: Mapping[str, Any]
+
+
+class Export(Extension):
+    """Exports the model at the end of training (the weights another extension offers as
+    `EXPORT_WEIGHTS`, if any) and the best checkpoint's model too (`BEST_CHECKPOINT`, if offered)."""
+
+    name = "export"
+    setting = "train.export_saved_model"
+    supports = modes.SYNCHRONOUS
+    unsupported_reason = "the model lives on the ps tasks"
+    unsupported_fix = "export from a checkpoint with a synchronous strategy or unset train.export_saved_model"
+    after = ("checkpoint", "best_checkpoints")  # the last checkpoint and the final ranking come first
+
+    def attach(self, setup: Setup) -> None:
+        check_exportable(setup.task.models)
+        self.spec = serving_spec(setup.task.input.element_spec)
+        self.task_name = setup.runtime.cluster.task_name
+
+    def end(self, run: Run, step: int) -> None:
+        weights: ExportWeights | None = run.values.get(EXPORT_WEIGHTS)
+        self._export(run, step, weights)
+        best: BestCheckpoint | None = run.values[BEST_CHECKPOINT]() if BEST_CHECKPOINT in run.values else None
+        if best is None or best.step == step:
             return
-        # Every worker knows the same best step (the hook decides alike on all); only the chief has
-        # its checkpoint, so the others take part with the weights they hold, which they then keep.
+        # Every worker knows the same best step (the ranking is decided alike on all); only the chief
+        # has its checkpoint, so the others take part with the weights they hold, which they then keep.
         if not run.is_chief:
-            self._export(run, best_step)
+            self._export(run, best.step, weights)
             return
-        variables = _state_variables(run.model, self.average)
+        items = dict(weights.checkpoint_items) if weights is not None else {}
+        variables = [*getattr(run.model, "variables", []), *(v for t in items.values() for v in t.variables)]
         held = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-        checkpoint = tf.train.Checkpoint(model=run.model, **({"ema": self.average} if self.average is not None else {}))
-        checkpoint.read(os.path.join(run.model_dir, BEST_DIR, self.best.kept[0]["name"])).expect_partial()
+        tf.train.Checkpoint(model=run.model, **items).read(best.path).expect_partial()
         try:
-            self._export(run, best_step, what=f"the best checkpoint by {self.best.metric.name}")
+            self._export(run, best.step, weights, what=f"the best checkpoint by {best.metric}")
         finally:
             for variable, value in zip(variables, held):
                 variable.assign(value)
 
-    def _export(self, run: RunContext, step: int, what: str = "") -> None:
-        if self.average is not None:
-            with self.average.swapped_in():
-                path = export(run.model, self.spec, run.model_dir, step, is_chief=run.is_chief,
-                              task_name=self.task_name)
-        else:
+    def _export(self, run: Run, step: int, weights: ExportWeights | None, what: str = "") -> None:
+        with weights.swapped_in() if weights is not None else contextlib.nullcontext():
             path = export(run.model, self.spec, run.model_dir, step, is_chief=run.is_chief, task_name=self.task_name)
         if run.is_chief:
-            weights = " (EMA weights)" if self.average is not None else ""
-            run.print_fn(f"exported SavedModel{weights}{' of ' + what if what else ''} to {path}")
-
-
-def _state_variables(model: Any, average: Any) -> list:
-    """What a best-checkpoint restore changes: the model's variables and the EMA's."""
-    return [*getattr(model, "variables", []), *(average.averages if average is not None else [])]
+            label = f" ({weights.label})" if weights is not None else ""
+            run.print_fn(f"exported SavedModel{label}{' of ' + what if what else ''} to {path}")

@@ -27,9 +27,11 @@ from typing import Any, Sequence
 
 import keras
 
-from trainer.extensions.early_stopping import AnyWorker, eval_done_at
-from trainer.hooks.base import Hook, RunContext
+from trainer.distribution import modes
 from trainer.errors import UserError
+from trainer.extensions.monitoring import AnyWorker
+from trainer.extensions.protocol import Extension, Setup
+from trainer.hooks.base import Run
 
 REFUSED = {
     "ModelCheckpoint": "the run checkpoints itself (train.checkpoint_every_steps; best ones: train.keep_best)",
@@ -39,38 +41,29 @@ REFUSED = {
 SETS_LEARNING_RATE = (keras.callbacks.ReduceLROnPlateau, keras.callbacks.LearningRateScheduler)
 
 
-def make_hooks(callbacks: Any, *, model: Any, optimizer: Any, eval_every_steps: int,
-               parameter_server: bool) -> list[Hook]:
-    """The hook of `train.keras_callbacks` (checked, before anything is written), or none."""
+def check_callbacks(callbacks: Any) -> list[keras.callbacks.Callback]:
+    """`train.keras_callbacks` as a list, each a callback this loop can drive (UserError otherwise)."""
     if not isinstance(callbacks, (list, tuple)) or not all(isinstance(c, keras.callbacks.Callback) for c in callbacks):
         raise UserError(f"train.keras_callbacks must be a list of keras.callbacks.Callback instances, got {callbacks!r}")
-    if not callbacks:
-        return []
-    if parameter_server:
-        raise UserError("train.keras_callbacks works with the synchronous strategies only, not 'parameter_server' "
-                        "(use train.early_stopping there)")
     for callback in callbacks:
         for refused, instead in REFUSED.items():
             if isinstance(callback, getattr(keras.callbacks, refused)):
                 raise UserError(f"train.keras_callbacks: keras.callbacks.{refused} is not needed here: {instead}")
-    if not isinstance(model, keras.Model) or not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise UserError("train.keras_callbacks needs one Keras model and one Keras optimizer (train.model_fn / "
-                        f"train.optimizer_fn returned {type(model).__name__} / {type(optimizer).__name__})")
-    schedule = isinstance(getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule)
-    for callback in callbacks:
-        if schedule and isinstance(callback, SETS_LEARNING_RATE):
-            raise UserError(f"train.keras_callbacks: {type(callback).__name__} sets the learning rate, but the "
-                            "optimizer's rate is a schedule (make_optimizer's reference_batch_size, warmup_steps or "
-                            "decay); use a constant rate or leave the callback out")
-    return [KerasCallbacksHook(list(callbacks), model, optimizer, eval_every_steps)]
+    return list(callbacks)
 
 
-class KerasCallbacksHook(Hook):
+class KerasCallbacks(Extension):
     """Keras callbacks driven from the loop's boundaries and evals (see the module doc)."""
 
-    def __init__(self, callbacks: Sequence[keras.callbacks.Callback], model: keras.Model,
-                 optimizer: keras.optimizers.Optimizer, eval_every_steps: int):
-        self._callbacks, self._model, self._optimizer = list(callbacks), model, optimizer
+    name = "keras_callbacks"
+    setting = "train.keras_callbacks"
+    supports = modes.SYNCHRONOUS
+    unsupported_reason = "fit's callbacks expect one synchronous model"
+    unsupported_fix = "use train.early_stopping there"
+    after = ("eval",)
+
+    def __init__(self, callbacks: Sequence[keras.callbacks.Callback], eval_every_steps: int):
+        self._callbacks = check_callbacks(callbacks)
         self._eval_every = eval_every_steps
         self._list: keras.callbacks.CallbackList | None = None
         self._temp_dirs: list[str] = []
@@ -81,7 +74,21 @@ class KerasCallbacksHook(Hook):
         self._last_logs: dict[str, float] = {}
         self._any_worker: AnyWorker | None = None
 
-    def begin(self, run: RunContext) -> None:
+    def attach(self, setup: Setup) -> None:
+        model, optimizer = setup.task.models, setup.task.optimizers
+        if not isinstance(model, keras.Model) or not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise UserError("train.keras_callbacks needs one Keras model and one Keras optimizer (train.model_fn / "
+                            f"train.optimizer_fn returned {type(model).__name__} / {type(optimizer).__name__})")
+        schedule = isinstance(getattr(optimizer, "_learning_rate", None),
+                              keras.optimizers.schedules.LearningRateSchedule)
+        for callback in self._callbacks:
+            if schedule and isinstance(callback, SETS_LEARNING_RATE):
+                raise UserError(f"train.keras_callbacks: {type(callback).__name__} sets the learning rate, but the "
+                                "optimizer's rate is a schedule (make_optimizer's reference_batch_size, warmup_steps "
+                                "or decay); use a constant rate or leave the callback out")
+        self._model, self._optimizer = model, optimizer
+
+    def begin(self, run: Run) -> None:
         self._any_worker = AnyWorker(run.strategy)
         if not run.is_chief:
             for callback in self._callbacks:
@@ -101,22 +108,23 @@ class KerasCallbacksHook(Hook):
     def _epoch(self, step: int) -> int:
         return math.ceil(step / self._eval_every) - 1
 
-    def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
+    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
         steps, self._last_step = step - self._last_step, step
         self._count += steps
         for key, value in metrics.items():
             self._sums[key] = self._sums.get(key, 0.0) + value * steps
         logs = self._train_logs()
         self._list.on_train_batch_end(step - self._epoch_start - 1, logs)
-        if eval_done_at(run, step):
+        if run.evaluations.at(step) is not None:
             self._end_epoch(run, step, logs)
             if step < run.total_steps:
                 self._list.on_epoch_begin(self._epoch(step + 1))
         if self._any_worker(bool(self._model.stop_training)):
-            self._model.stop_training = run.stop_requested = True
+            self._model.stop_training = True
+            run.request_stop("a Keras callback")
 
-    def _end_epoch(self, run: RunContext, step: int, logs: dict[str, float]) -> None:
-        for index, (split, results) in enumerate(run.eval_results.items()):
+    def _end_epoch(self, run: Run, step: int, logs: dict[str, float]) -> None:
+        for index, (split, results) in enumerate(run.evaluations.latest.items()):
             prefix = "val_" if index == 0 else f"val_{split}_"
             logs = logs | {prefix + k: v for k, v in results.items()}
         self._list.on_epoch_end(self._epoch(step), logs)
@@ -126,13 +134,13 @@ class KerasCallbacksHook(Hook):
     def _train_logs(self) -> dict[str, float]:
         return {k: v / self._count for k, v in self._sums.items()} if self._count else {}
 
-    def end(self, run: RunContext, step: int) -> None:
-        if eval_done_at(run, step) and self._epoch_start != step:  # the final eval (or one after a stop)
+    def end(self, run: Run, step: int) -> None:
+        if run.evaluations.at(step) is not None and self._epoch_start != step:  # the final eval (or one after a stop)
             self._end_epoch(run, step, self._train_logs())
         self._list.on_train_end(self._last_logs)
         for temp_dir in self._temp_dirs:
             shutil.rmtree(temp_dir, ignore_errors=True)
 
-    def rewind(self, run: RunContext, step: int) -> None:
+    def rewind(self, run: Run, step: int) -> None:
         self._sums, self._count, self._last_step = {}, 0, step
         self._epoch_start = step - step % self._eval_every

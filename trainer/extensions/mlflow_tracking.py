@@ -20,10 +20,12 @@ import os
 import time
 from typing import Any
 
-from trainer.hooks.base import OPERATIVE_CONFIG_FILE, Hook, RunContext
-from trainer.files.model_dir import write_text_atomic
-from trainer.files.run_record import RECORD_FILE
 from trainer.errors import UserError
+from trainer.extensions.protocol import Extension
+from trainer.files.atomic import write_text_atomic
+from trainer.files.run_record import RECORD_FILE
+from trainer.hooks.base import Run
+from trainer.hooks.config import OPERATIVE_CONFIG_FILE
 
 RUN_ID_FILE = "mlflow_run_id"
 _PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch
@@ -43,7 +45,7 @@ def tracking_uri_for(model_dir: str, tracking_uri: str | None) -> str:
     return uri
 
 
-class MlflowHook(Hook):
+class MlflowHook(Extension):
     """Logs params, metrics by step and the run's config files to MLflow (chief only).
 
     Args:
@@ -51,6 +53,9 @@ class MlflowHook(Hook):
       experiment_name: created if the store does not have it.
       run_name: the MLflow run's name (None: the model_dir's base name).
     """
+
+    name = "mlflow"
+    setting = "mlflow_hook"
 
     def __init__(self, tracking_uri: str | None = None, experiment_name: str = "trainer",
                  run_name: str | None = None):
@@ -65,7 +70,7 @@ class MlflowHook(Hook):
         self._client = None
         self.run_id: str | None = None
 
-    def begin(self, run: RunContext) -> None:
+    def begin(self, run: Run) -> None:
         if not run.is_chief:
             return
         from mlflow.tracking import MlflowClient
@@ -76,7 +81,7 @@ class MlflowHook(Hook):
         run.metrics_log.subscribe(self._log_record)
         self._log_artifacts(run)
 
-    def end(self, run: RunContext, step: int) -> None:
+    def end(self, run: Run, step: int) -> None:
         if self._client is None:
             return
         self._log_artifacts(run)
@@ -106,7 +111,7 @@ class MlflowHook(Hook):
         write_text_atomic(os.path.join(model_dir, RUN_ID_FILE), run_id + "\n")
         return run_id
 
-    def _log_params(self, run: RunContext) -> None:
+    def _log_params(self, run: Run) -> None:
         from mlflow.entities import Param
 
         logged = self._client.get_run(self.run_id).data.params
@@ -124,7 +129,7 @@ class MlflowHook(Hook):
         self._client.log_batch(self.run_id, metrics=[
             Metric(f"{split}/{name}", float(value), now, int(step)) for name, value in metrics.items()])
 
-    def _log_artifacts(self, run: RunContext) -> None:
+    def _log_artifacts(self, run: Run) -> None:
         for name in (OPERATIVE_CONFIG_FILE, RECORD_FILE):
             path = os.path.join(run.model_dir, name)
             if os.path.exists(path):

@@ -17,47 +17,45 @@ every worker has, so no chief leaves while a peer's watcher still reads from it.
 from __future__ import annotations
 
 import sys
-from typing import Callable
 
 import tensorflow as tf
 from tensorflow.python.eager import context
 
-from trainer.files.checkpoints import CheckpointSaver
-from trainer.hooks.base import Hook, RunContext
+from trainer.extensions.protocol import Extension
+from trainer.hooks.base import Run
 
 PREEMPTED_EXIT_CODE = 42
 _END_BARRIER = "trainer_preemption_watchers_stopped"
 _END_BARRIER_TIMEOUT_MS = 60_000
 
 
-class PreemptionHook(Hook):
-    """After every loop call, saves and exits if any worker has been told to stop."""
+class Preemption(Extension):
+    """After every loop call (and after its checkpoint), saves and exits if any worker has been told to stop."""
 
-    def __init__(
-        self,
-        strategy: tf.distribute.Strategy,
-        checkpoint: tf.train.Checkpoint,
-        saver: CheckpointSaver,
-        print_fn: Callable[[str], None] = print,
-    ):
-        self._saver = saver
-        self._print_fn = print_fn
-        # The handler only reads through this manager (it restores the newest checkpoint,
-        # as we already did); every write goes through save_fn.
-        reader = tf.train.CheckpointManager(checkpoint, saver.model_dir, max_to_keep=None)
-        config = tf.distribute.experimental.TerminationConfig(
-            exit_fn=self._exit, save_fn=self._save
-        )
-        self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
-            getattr(strategy, "cluster_resolver", None), reader, termination_config=config
-        )
+    name = "preemption"
+    setting = "train.preemption_checkpointing"
+    after = ("checkpoint",)  # a periodic checkpoint of this step comes first: no second save
+
+    def __init__(self) -> None:
         self._step = 0
 
-    def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
+    def begin(self, run: Run) -> None:
+        self._saver = run.saver
+        self._print_fn = run.print_fn
+        self._step = run.start_step
+        # The handler only reads through this manager (it restores the newest checkpoint,
+        # as we already did); every write goes through save_fn.
+        reader = tf.train.CheckpointManager(run.saver.checkpoint, run.saver.model_dir, max_to_keep=None)
+        config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, save_fn=self._save)
+        self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
+            getattr(run.strategy, "cluster_resolver", None), reader, termination_config=config
+        )
+
+    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
         self._step = step
         self._handler.save_checkpoint_if_preempted()
 
-    def end(self, run: RunContext, step: int) -> None:
+    def end(self, run: Run, step: int) -> None:
         """Stops the handler's threads, then waits for every worker to have stopped theirs."""
         handler = self._handler
         watched_peers = getattr(handler, "_cluster_wise_termination_watcher_thread", None) is not None

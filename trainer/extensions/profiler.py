@@ -1,6 +1,6 @@
 """A hook that traces a window of steps with TensorFlow's profiler, for TensorBoard's Profile tab.
 
-Gin: `train.hooks = [@profiler_hook()]` and `profiler_hook.steps = (10, 20)`. The loop calls
+Gin: `train.hooks = [@profiler_hook()]` (or `train.extensions`) and `profiler_hook.steps = (10, 20)`. The loop calls
 end exactly at both steps (this hook's boundaries), so the trace holds steps 11..20 and nothing
 else. The chief writes `<model_dir>/plugins/profile/<time>/<host>.xplane.pb`, where the profile
 plugin (`pip install 'trainer[profile]'`, then `tensorboard --logdir <model_dir>`) finds it.
@@ -13,18 +13,22 @@ import os
 import tensorflow as tf
 
 from trainer.errors import UserError
-from trainer.hooks.base import Hook, RunContext
+from trainer.extensions.protocol import Extension
+from trainer.hooks.base import Run
 
 PROFILE_SUBDIR = os.path.join("plugins", "profile")
 
 
-class ProfilerHook(Hook):
+class ProfilerHook(Extension):
     """Traces the steps after step `steps[0]` up to step `steps[1]` (chief only).
 
     Args:
       steps: (start, stop) global steps, 0 <= start < stop; the trace starts when the run
         reaches `start` and stops at `stop` (or at the end of the run, if that comes first).
     """
+
+    name = "profiler"
+    setting = "profiler_hook"
 
     def __init__(self, steps: tuple[int, int] = (10, 20)):
         try:
@@ -44,7 +48,7 @@ class ProfilerHook(Hook):
             return self.stop - step
         return None
 
-    def begin(self, run: RunContext) -> None:
+    def begin(self, run: Run) -> None:
         if run.start_step >= self.stop:
             if run.is_chief:
                 run.print_fn(f"profiler: the run starts at step {run.start_step}, after steps "
@@ -52,16 +56,16 @@ class ProfilerHook(Hook):
         elif run.start_step >= self.start:
             self._start(run, run.start_step)
 
-    def after_loop(self, run: RunContext, step: int, metrics: dict[str, float]) -> None:
+    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
         if step == self.start:
             self._start(run, step)
         elif step == self.stop:
             self._stop(run, step)
 
-    def end(self, run: RunContext, step: int) -> None:
+    def end(self, run: Run, step: int) -> None:
         self._stop(run, step)
 
-    def _start(self, run: RunContext, step: int) -> None:
+    def _start(self, run: Run, step: int) -> None:
         if not run.is_chief or self._active:
             return
         try:
@@ -71,7 +75,7 @@ class ProfilerHook(Hook):
             return
         self._active, self._from = True, step
 
-    def _stop(self, run: RunContext, step: int) -> None:
+    def _stop(self, run: Run, step: int) -> None:
         if not self._active:
             return
         tf.profiler.experimental.stop()

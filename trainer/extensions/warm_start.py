@@ -25,23 +25,11 @@ from typing import Any, Callable, Mapping
 
 import tensorflow as tf
 
+from trainer.distribution import modes
 from trainer.errors import UserError
+from trainer.extensions.protocol import Extension, Setup
 
 WEIGHTS_SUFFIX = ".weights.h5"
-
-
-def check_warm_start(warm_start: Any, strategy: str) -> None:
-    """`train.warm_start` is None or a path that exists (a model_dir, a checkpoint prefix, a weights
-    file); not under parameter_server (the model's probe checkpoint would be written by the ps tasks)."""
-    if warm_start is None:
-        return
-    if not isinstance(warm_start, str) or not warm_start:
-        raise UserError(f"train.warm_start must be a path (a model_dir, a checkpoint prefix or a {WEIGHTS_SUFFIX} "
-                        f"file) or None, got {warm_start!r}")
-    if strategy == "parameter_server":
-        raise UserError("train.warm_start is not supported with parameter_server; warm-start a synchronous run, "
-                        "or copy the source checkpoint into the model_dir to resume from it")
-    resolve(warm_start)
 
 
 def resolve(path: str) -> str:
@@ -160,3 +148,24 @@ def warm_start(models: Any, path: str, print_fn: Callable[[str], None] = print) 
         _from_weights_file(models, resolved, print_fn)
     else:
         _from_checkpoint(models, resolved, print_fn)
+
+
+class WarmStart(Extension):
+    """Initialises a fresh run's model(s) from `path` (see the module docstring)."""
+
+    name = "warm_start"
+    setting = "train.warm_start"
+    supports = modes.SYNCHRONOUS
+    unsupported_reason = "the model's probe checkpoint would be written by the ps tasks"
+    unsupported_fix = "warm-start a synchronous run, or copy the source checkpoint into the model_dir to resume from it"
+
+    def __init__(self, path: Any):
+        if not isinstance(path, str) or not path:
+            raise UserError(f"train.warm_start must be a path (a model_dir, a checkpoint prefix or a {WEIGHTS_SUFFIX} "
+                            f"file) or None, got {path!r}")
+        resolve(path)  # a missing source is refused now, before anything is built
+        self.path = path
+
+    def restored(self, setup: Setup, path: str | None) -> None:
+        if path is None:  # a fresh run only; a shape mismatch stops here, nothing written
+            warm_start(setup.task.models, self.path, setup.print if setup.runtime.is_chief else lambda _: None)

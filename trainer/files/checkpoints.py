@@ -1,6 +1,6 @@
 """Chief-aware checkpointing: every worker takes part in a save, only the chief's lands in model_dir.
 
-Saving only on the chief deadlocks multi-worker strategies (DESIGN.md rule 6), so non-chief
+Saving only on the chief deadlocks multi-worker strategies (docs/design.md, rule 6), so non-chief
 workers save the same checkpoint into a temporary directory of their own and delete it.
 All workers restore from the chief's directory.
 
@@ -29,6 +29,7 @@ from tensorflow.python.checkpoint import functional_saver  # the writer tf.train
 from tensorflow.python.training.saving import saveable_object
 
 from trainer.errors import RunFailure, UserError
+from trainer.files.run_checkpoint import RunCheckpoint
 
 
 class CheckpointSaver:
@@ -36,7 +37,7 @@ class CheckpointSaver:
 
     def __init__(
         self,
-        checkpoint: tf.train.Checkpoint,
+        checkpoint: RunCheckpoint | tf.train.Checkpoint,
         model_dir: str,
         *,
         is_chief: bool,
@@ -44,13 +45,16 @@ class CheckpointSaver:
         max_to_keep: int = 3,
         async_checkpoint: bool = False,
     ):
-        self._checkpoint = checkpoint
+        if isinstance(checkpoint, tf.train.Checkpoint):
+            checkpoint = RunCheckpoint.of(checkpoint)
+        self._run_checkpoint = checkpoint
+        self._checkpoint = checkpoint.root
         self.model_dir = model_dir
         self._is_chief = is_chief
         self._task_name = task_name
         self._max_to_keep = max_to_keep
         self._manager = (
-            tf.train.CheckpointManager(checkpoint, model_dir, max_to_keep=max_to_keep)
+            tf.train.CheckpointManager(checkpoint.root, model_dir, max_to_keep=max_to_keep)
             if is_chief and not async_checkpoint
             else None
         )
@@ -60,6 +64,16 @@ class CheckpointSaver:
                         if async_checkpoint else None)
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         self.last_saved_step: int | None = None
+
+    @property
+    def checkpoint(self) -> tf.train.Checkpoint:
+        """What every save writes (for readers of the same checkpoints, e.g. the preemption handler)."""
+        return self._checkpoint
+
+    def write_copy(self, path: str) -> None:
+        """Writes the run's checkpoint, as it is now, at the prefix `path` (best checkpoints, a
+        non-chief's temporary copy); not numbered, named in no state file."""
+        self._run_checkpoint.write(path)
 
     def latest(self) -> str | None:
         """The newest checkpoint in the chief's directory, or None (after any pending write)."""
@@ -85,7 +99,7 @@ class CheckpointSaver:
         self.wait()
         for path in self.candidates():
             try:
-                self._checkpoint.restore(path).assert_existing_objects_matched()
+                self._run_checkpoint.restore(path)
                 return path
             except tf.errors.OpError as e:
                 print_fn(f"warning: {path} cannot be read ({_first_line(e)}); trying the checkpoint before it")

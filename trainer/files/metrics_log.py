@@ -1,6 +1,6 @@
 """Where metrics land: `metrics.jsonl` and TensorBoard event files, written by the chief only.
 
-`metrics.jsonl` (DESIGN.md contract) holds one JSON object per line, appended across restarts:
+`metrics.jsonl` (the contract in docs/design.md) holds one JSON object per line, appended across restarts:
 {"step": int, "split": "train"|"eval"|<eval split>, <metric>: float, ...}. TensorBoard gets the
 same scalars under `model_dir/train`, `model_dir/eval` and, for another eval split,
 `model_dir/eval/<split>` (a run of its own, `eval/<split>`, beside `eval`).

@@ -1,10 +1,11 @@
-"""Checks and writes of files in `model_dir`: refuse bad directories early, write atomically."""
+"""model_dir itself: refused early when it cannot hold a run; made (with the run record) at the first write."""
 from __future__ import annotations
 
 import os
 import tempfile
 
 from trainer.errors import UserError
+from trainer.files import run_record
 
 
 def check_model_dir(model_dir: str) -> None:
@@ -35,22 +36,10 @@ def _can_write_in(directory: str) -> bool:
     return True
 
 
-def prepare_model_dir(model_dir: str) -> None:
+def prepare(model_dir: str, record: dict, *, is_chief: bool, fresh: bool) -> None:
+    """The run's first write (chief): the directory, and the run record of a fresh run."""
+    if not is_chief:
+        return
     os.makedirs(model_dir, exist_ok=True)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Writes to a temp file beside `path`, then renames, so readers never see half a file."""
-    directory = os.path.dirname(path) or "."
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temp, 0o666 & ~umask)  # mkstemp makes it 0600; give it a plain file's mode
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.remove(temp)
-        raise
+    if fresh and run_record.read_record(model_dir) is None:
+        run_record.write_record(model_dir, record)

@@ -15,9 +15,9 @@ import platform
 import keras
 import tensorflow as tf
 
-from trainer.task.task import named
+from trainer.task.structure import named
 from trainer.errors import UserError
-from trainer.files.model_dir import write_text_atomic
+from trainer.files.atomic import write_text_atomic
 
 RECORD_FILE = "run_record.json"
 CHECKED = ("global_batch_size", "num_replicas", "model_variables")

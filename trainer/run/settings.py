@@ -1,70 +1,200 @@
-"""The run's options as small frozen dataclasses, each field checked where it is made.
+"""`Settings`: everything a run is configured with, as one frozen object checked where it is made.
 
-`train` has many gin parameters; grouped here by who reads them (the loops, the hooks, the
-recovery from failures), each group is validated once, with one UserError line naming the gin
-name, the value and what is allowed, before anything is built or written.
+`train`'s keyword parameters are exactly these fields (gin binds them as `train.<field>`), and
+every other entry point that builds what a run builds (the sidecar evaluator, `trainer.bench`,
+`trainer.parity`) takes a `Settings` too, so none of them names `train`'s parameters itself.
+Each value the core reads is checked here, in one UserError line naming the gin key; the
+options of an optional feature are checked by its extension (trainer/extensions/), also before
+anything is built or written.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, Mapping, Sequence
 
-from trainer.safety import nonfinite
-from trainer.data import SHARD_POLICIES
+from trainer import data
+from trainer.distribution import devices, modes
+from trainer.distribution.runtime import RuntimeConfig
 from trainer.errors import UserError
-from trainer.validation import check_bool, check_choice, check_int
+from trainer.extensions.protocol import Extension
+from trainer.hooks.base import Hook
+from trainer.loops.options import LoopOptions, ParameterServerConfig
+from trainer.task import models, optimizers, steps
+from trainer.validation import check_bool, check_callable, check_int
 
-DISTRIBUTE_METHODS = ("dataset", "function")
+ASYNC_REASON = "asynchronous closures on remote workers"
+CAPABILITIES = (("train.jit_compile", modes.SYNCHRONOUS), ("train.async_checkpoint", modes.SYNCHRONOUS))
+"""Options of the core (not extensions) that work under some strategies only."""
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopOptions:
-    """What the train loops need: how long, how big, how the data is cut and distributed."""
+class Settings:
+    """A run's configuration (gin: `train.<field>`).
 
+    Length and sizes: total_steps, global_batch_size (the examples behind one update),
+    steps_per_loop (steps per compiled call), seed. Intervals: log_every_steps,
+    checkpoint_every_steps, eval_every_steps; keep_checkpoints newest ones are kept.
+    What is trained: model_fn, optimizer_fn (trainer/task/task.py), step_fn and eval_step_fn
+    (trainer/task/steps.py), eval_metrics_fn (Keras metrics for the eval step), input_fn
+    (`data_source` is its older name; default: the embedded digits) and eval_splits (default:
+    the input function's `splits` other than 'train', else ('eval',)).
+    Where: strategy (trainer/distribution/modes.py), device_config, cluster_resolver
+    ('tf_config' or 'slurm') and cluster_resolver_options, collective_timeout_secs,
+    distribute_method ('dataset' or 'function'), shard_policy, parameter_server.
+    Speed: jit_compile, mixed_precision, async_checkpoint (checkpoints written on a background
+    thread; synchronous strategies).
+    Safety: check_loss_scaling, nonfinite ('stop' or 'rollback') and max_rollbacks,
+    allow_resume_changes.
+    Optional features, each an extension: preemption_checkpointing, grad_accum_steps,
+    clip_global_norm, ema_decay, export_saved_model, warm_start, keep_best/best_metric/best_mode,
+    early_stopping, keras_callbacks; hooks and extensions of your own.
+    Set by the entry point: model_dir, describe_config (the operative config's text), hparams
+    (the flat bindings, for TensorBoard and MLflow), print_fn.
+    """
+
+    model_dir: str | None = None
     total_steps: int = 1000
     global_batch_size: int = 64
     steps_per_loop: int = 50
-    seed: int = 0
-    distribute_method: str = "dataset"
-    shard_policy: str = "AUTO"
-    jit_compile: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("total_steps", "global_batch_size", "steps_per_loop"):
-            check_int(f"train.{name}", getattr(self, name))
-        check_int("train.seed", self.seed, minimum=0)
-        check_choice("train.distribute_method", self.distribute_method, DISTRIBUTE_METHODS)
-        if not isinstance(self.shard_policy, str) or self.shard_policy.upper() not in SHARD_POLICIES:
-            raise UserError(f"unknown train.shard_policy {self.shard_policy!r}: use one of "
-                            f"{', '.join(SHARD_POLICIES)}")
-        check_bool("train.jit_compile", self.jit_compile)
-
-
-@dataclasses.dataclass(frozen=True)
-class HookOptions:
-    """How often the default hooks act, and how many checkpoints stay."""
-
     log_every_steps: int = 100
     checkpoint_every_steps: int = 500
     eval_every_steps: int = 500
-    keep_checkpoints: int = 3
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            check_int(f"train.{field.name}", getattr(self, field.name))
-
-
-@dataclasses.dataclass(frozen=True)
-class RecoveryOptions:
-    """What guards the run: the loss-scaling check, non-finite outputs, resume changes, preemption."""
-
+    seed: int = 0
+    step_fn: Callable = steps.classification_step
+    eval_step_fn: Callable = steps.classification_eval_step
+    eval_metrics_fn: Callable[[], Mapping[str, Any]] | None = None
     check_loss_scaling: bool = True
+    jit_compile: bool = False
+    mixed_precision: str | None = None
+    model_fn: Callable = models.cnn
+    input_fn: Callable | None = None
+    data_source: Callable | None = None
+    eval_splits: Sequence[str] | None = None
+    optimizer_fn: Callable = optimizers.make_optimizer
+    strategy: str = "default"
+    device_config: devices.DeviceConfig | None = None
+    cluster_resolver: str = "tf_config"
+    cluster_resolver_options: dict | None = None
+    collective_timeout_secs: float | None = None
+    distribute_method: str = "dataset"
+    shard_policy: str = "AUTO"
+    parameter_server: ParameterServerConfig | None = None
+    keep_checkpoints: int = 3
+    async_checkpoint: bool = False
     nonfinite: str = "stop"
     max_rollbacks: int = 3
     allow_resume_changes: bool = False
     preemption_checkpointing: bool = False
+    grad_accum_steps: int = 1
+    clip_global_norm: float | None = None
+    ema_decay: float | None = None
+    export_saved_model: bool = False
+    warm_start: str | None = None
+    keep_best: int = 0
+    best_metric: str = "loss"
+    best_mode: str = "min"
+    early_stopping: Any = None  # trainer.extensions.early_stopping.EarlyStopping
+    keras_callbacks: Sequence[Any] = ()
+    hooks: Sequence[Hook] = ()
+    extensions: Sequence[Extension] = ()
+    describe_config: Callable[[], str] | None = None
+    hparams: Mapping[str, bool | int | float | str] | None = None
+    print_fn: Callable[[str], None] = print
 
     def __post_init__(self) -> None:
-        for name in ("check_loss_scaling", "allow_resume_changes", "preemption_checkpointing"):
+        for name in ("step_fn", "eval_step_fn", "model_fn", "optimizer_fn", "eval_metrics_fn"):
+            check_callable(f"train.{name}", getattr(self, name), what="a function (bind it as @name, without "
+                           "parentheses)", optional=name == "eval_metrics_fn")
+        _check_items("train.hooks", self.hooks, Hook, "hooks (instances of trainer.hooks.Hook, bound as @my_hook())")
+        _check_items("train.extensions", self.extensions, Extension,
+                     "extensions (instances of trainer.extensions.Extension, bound as @my_extension())")
+        for name in ("hooks", "extensions", "keras_callbacks"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        if self.parameter_server is not None and not isinstance(self.parameter_server, ParameterServerConfig):
+            raise UserError(f"train.parameter_server must be @parameter_server(), got {self.parameter_server!r}")
+        if self.model_dir is not None and not isinstance(self.model_dir, str):
+            raise UserError(f"model_dir must be a path, got {self.model_dir!r}")
+        for name in ("log_every_steps", "checkpoint_every_steps", "eval_every_steps", "keep_checkpoints"):
+            check_int(f"train.{name}", getattr(self, name))
+        for name in ("check_loss_scaling", "allow_resume_changes", "preemption_checkpointing", "async_checkpoint"):
             check_bool(f"train.{name}", getattr(self, name))
-        check_choice("train.nonfinite", self.nonfinite, nonfinite.MODES)
-        check_int("train.max_rollbacks", self.max_rollbacks, minimum=0, maximum=nonfinite.CAPACITY)
+        check_callable("train.describe_config", self.describe_config, optional=True)
+        check_callable("train.print_fn", self.print_fn)
+        if self.hparams is not None and not isinstance(self.hparams, Mapping):
+            raise UserError(f"train.hparams must be a dict of names to values, got {self.hparams!r}")
+        _ = self.loop, self.runtime, self.eval_split_names  # each checks its own fields when made
+        for setting, needs in CAPABILITIES:
+            if getattr(self, setting.removeprefix("train.")):
+                modes.require(setting, needs, self.strategy, reason=ASYNC_REASON)
+
+    @functools.cached_property
+    def loop(self) -> LoopOptions:
+        """What the train loops need (checked by LoopOptions itself)."""
+        return LoopOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LoopOptions)})
+
+    @functools.cached_property
+    def runtime(self) -> RuntimeConfig:
+        """Where and how the run computes (checked by RuntimeConfig itself)."""
+        return RuntimeConfig(
+            strategy=self.strategy, device_config=self.device_config, cluster_resolver=self.cluster_resolver,
+            cluster_resolver_options=self.cluster_resolver_options,
+            collective_timeout_secs=self.collective_timeout_secs,
+            variable_partitioner=self.parameter_server.variable_partitioner if self.parameter_server else None,
+            mixed_precision=self.mixed_precision,
+        )
+
+    @property
+    def mode(self) -> modes.Mode:
+        return modes.get(self.strategy)
+
+    @functools.cached_property
+    def input_function(self) -> Callable:
+        """`train.input_fn` (or its older name `train.data_source`); the embedded digits by default."""
+        if self.input_fn is not None and self.data_source is not None:
+            raise UserError("both train.input_fn and train.data_source are set; they are the same thing: keep one")
+        fn = self.input_fn if self.input_fn is not None else self.data_source
+        fn = fn if fn is not None else data.Digits()
+        if not callable(fn):
+            raise UserError(f"train.input_fn must be a function fn(split) -> tf.data.Dataset, got {fn!r}")
+        return fn
+
+    @functools.cached_property
+    def eval_split_names(self) -> tuple[str, ...]:
+        """The splits evaluated, in order (see the class docstring)."""
+        if self.eval_splits is None:
+            splits = getattr(self.input_function, "splits", ("train", "eval"))
+            return tuple(s for s in splits if s != "train") or ("eval",)
+        if isinstance(self.eval_splits, str) or not self.eval_splits or \
+                not all(isinstance(s, str) for s in self.eval_splits):
+            raise UserError(f"train.eval_splits must be a non-empty list of split names, got {self.eval_splits!r}")
+        return tuple(self.eval_splits)
+
+    def make_input(self) -> data.Input:
+        """The run's input (a fresh `data.Input`: it caches counts and in-memory data)."""
+        return data.as_input(self.input_function, eval_splits=self.eval_split_names)
+
+    @classmethod
+    def of(cls, bindings: Mapping[str, Any]) -> "Settings":
+        """Settings from `train.*` bindings (names of fields), refusing a name that is none."""
+        unknown = sorted(set(bindings) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise UserError(f"train has no parameter {unknown[0]!r}; see `python -m trainer.configurables`")
+        return cls(**bindings)
+
+
+def _check_items(name: str, value: Any, kind: type, what: str) -> None:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(item, kind) for item in value):
+        raise UserError(f"{name} must be a list of {what}, got {value!r}")
+
+
+def signature() -> inspect.Signature:
+    """`train`'s signature: every field of Settings as a keyword-only parameter with its default
+    (gin reads it to refuse a binding of a name that is not a parameter)."""
+    return inspect.Signature([
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(Settings)
+    ])

@@ -8,8 +8,9 @@ and a failure of the user's code becomes one UserError line naming the function.
 """
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from trainer.errors import UserError
 
@@ -46,3 +47,35 @@ def traced(what: str, name: str, trace: Callable[[], Any]) -> Any:
             "function or the model it calls (check the batch structure: "
             "train batches are the examples batched, eval batches have the weight appended)"
         ) from error
+
+
+CROSS_REPLICA_CALLS = ("all_gather", "all_reduce")
+
+
+@contextlib.contextmanager
+def cross_replica_calls() -> Iterator[list[str]]:
+    """Records the cross-replica calls (`get_replica_context().all_gather` / `.all_reduce`) made
+    while the body traces a step, for a mode that has no replica context spanning its workers.
+
+    TensorFlow offers no way to ask a traced function whether it communicates across replicas
+    (under some strategies the calls leave no op of their own), so the two methods of
+    `tf.distribute.ReplicaContext` are wrapped for the length of the body and put back after it.
+    """
+    import tensorflow as tf
+
+    calls: list[str] = []
+    originals = {name: getattr(tf.distribute.ReplicaContext, name) for name in CROSS_REPLICA_CALLS}
+
+    def recording(name: str, original: Callable) -> Callable:
+        def method(self, *args, **kwargs):
+            calls.append(name)
+            return original(self, *args, **kwargs)
+        return method
+
+    for name, original in originals.items():
+        setattr(tf.distribute.ReplicaContext, name, recording(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(tf.distribute.ReplicaContext, name, original)

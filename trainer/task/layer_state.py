@@ -42,16 +42,9 @@ from typing import Iterator, Mapping
 
 import tensorflow as tf
 
+from trainer.distribution import modes
+
 SEED_STATE_NAME = "seed_generator_state"  # keras.random.SeedGenerator's variable name
-
-# Strategies that, with more than one replica, wrap each variable in an AggregatingVariable.
-_AGGREGATING_STRATEGIES = (
-    tf.distribute.experimental.CentralStorageStrategy,
-    tf.distribute.experimental.ParameterServerStrategy,
-    tf.compat.v1.distribute.experimental.CentralStorageStrategy,
-    tf.compat.v1.distribute.experimental.ParameterServerStrategy,
-)
-
 
 def needs_state_aggregation(strategy: tf.distribute.Strategy) -> bool:
     """True where a layer state created with aggregation NONE would drift apart or fail to update."""
@@ -91,7 +84,7 @@ def model_creation_scope(strategy: tf.distribute.Strategy) -> Iterator[None]:
         # Entered inside the strategy scope: this creator runs before the strategy's own,
         # so the strategy wraps the variable with the aggregation set here.
         stack.enter_context(tf.variable_creator_scope(
-            _state_creator(aggregating=isinstance(strategy, _AGGREGATING_STRATEGIES))))
+            _state_creator(aggregating=modes.of(strategy).aggregates_variables)))
         yield
 
 

@@ -1,6 +1,6 @@
 """The researcher's extension point: train and eval step functions, run in replica context.
 
-Contract (DESIGN.md): `step_fn(model, optimizer, batch, global_batch_size) -> {name: scalar}`,
+Contract (docs/design.md): `step_fn(model, optimizer, batch, global_batch_size) -> {name: scalar}`,
 each value this replica's share of a global-batch mean, so SUM across replicas is the global
 value. Losses are per example, averaged with the *global* batch size; regularisation losses
 are divided by the replica count. Gradients are taken of `scale_loss(optimizer, loss)`, which

@@ -3,7 +3,7 @@
 A research task is not always one classifier with one optimizer. `model_fn` may return a Keras
 model, a `tf.Module` or a dict of them (a GAN's generator and discriminator); `optimizer_fn`
 one optimizer or a dict. The step functions receive them exactly as returned. Everything that
-holds state is created under `strategy.scope()` and built before the first step (DESIGN.md
+holds state is created under `strategy.scope()` and built before the first step (docs/design.md
 rule 1: a Keras 3 optimizer built lazily inside tf.function fails under Mirrored), and all of it
 goes into one `tf.train.Checkpoint`, so a resumed run continues exactly.
 
@@ -21,11 +21,12 @@ from typing import Any, Callable, Mapping
 import tensorflow as tf
 
 from trainer import data
-from trainer.task import layer_state
-from trainer.safety import nonfinite
-from trainer.task import precision
 from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError
+from trainer.safety.tracing import first_line
+from trainer.task import layer_state, precision
+from trainer.task.steps import call_model
+from trainer.task.structure import flat, named, trainable_variables
 
 MODEL_ARGUMENTS = ("input_shape", "num_classes", "element_spec")
 OPTIMIZER_ARGUMENTS = ("global_batch_size", "total_steps")
@@ -66,28 +67,6 @@ def call_with_declared(fn: Callable, available: Mapping[str, Any], *, what: str)
         ) from error
 
 
-def flat(structure: Any) -> list:
-    """The values of a dict (in key order), or the one object itself."""
-    if isinstance(structure, Mapping):
-        return [structure[k] for k in sorted(structure)]
-    return [structure]
-
-
-def named(structure: Any, default: str) -> dict[str, Any]:
-    """`{key: value}` of a dict, `{default: value}` of a single object."""
-    if isinstance(structure, Mapping):
-        return {str(k): structure[k] for k in sorted(structure)}
-    return {default: structure}
-
-
-def trainable_variables(models: Any) -> list:
-    return [v for m in flat(models) for v in m.trainable_variables]
-
-
-def all_variables(structure: Any) -> list:
-    return [v for m in flat(structure) for v in getattr(m, "variables", [])]
-
-
 def make_models(model_fn: Callable, inp: data.Input) -> Any:
     """Calls `model_fn` with what it declares; checks it returned models."""
     available = {"input_shape": inp.input_shape, "num_classes": inp.num_classes, "element_spec": inp.element_spec}
@@ -99,10 +78,42 @@ def make_models(model_fn: Callable, inp: data.Input) -> Any:
     return models
 
 
+def build_by_calling(models: Any, model_fn: Callable, inp: data.Input) -> None:
+    """Creates the variables of every model not built yet (a Keras model whose `built` is False, a
+    tf.Module without variables) by calling it once, in inference mode, on a batch of zeros of the
+    train features (docs/design.md rule 16: Keras 3's `build(shape)` creates no sublayer's
+    variables; `fit` builds such a model on its first batch)."""
+    spec = inp.element_spec
+    features = spec[0] if isinstance(spec, (tuple, list)) and len(spec) >= 2 else spec
+    zeros = tf.nest.map_structure(lambda s: tf.zeros([2, *s.shape], s.dtype), features)
+    for key, model in named(models, default="").items():
+        built = getattr(model, "built", None)
+        if built or (built is None and getattr(model, "variables", None)):
+            continue
+        which = f"model {key!r} of train.model_fn {_name(model_fn)}" if key else \
+            f"the model of train.model_fn {_name(model_fn)}"
+        shapes = tf.nest.map_structure(lambda s: [None, *s.shape], features)
+        try:
+            call_model(model, zeros, training=False)
+        except Exception as error:  # noqa: BLE001  (the user's model: its failure is theirs to fix)
+            raise UserError(f"{which} is not built, and calling it on a batch of the train features {shapes} to "
+                            f"build it failed ({first_line(error)}); build it in model_fn (a keras.Input, or a "
+                            "call on a batch of its real inputs)") from error
+        if not getattr(model, "trainable_variables", None):
+            raise UserError(f"{which} has no trainable variables even after a call on a batch of the train features "
+                            f"{shapes}; a model needs weights to train: create them in model_fn")
+
+
 def make_optimizers(optimizer_fn: Callable, *, global_batch_size: int, total_steps: int, policy: str) -> Any:
-    """Calls `optimizer_fn` with what it declares; wraps each for loss scaling where the policy needs it."""
+    """Calls `optimizer_fn` with what it declares, checks it returned optimizers, and wraps each
+    for loss scaling where the policy needs it."""
     optimizers = call_with_declared(optimizer_fn, {"global_batch_size": global_batch_size,
                                                    "total_steps": total_steps}, what="train.optimizer_fn")
+    for key, optimizer in named(optimizers, default="").items():
+        if not callable(getattr(optimizer, "apply_gradients", None)):
+            shown = f"{{{key!r}: {type(optimizer).__name__}, ...}}" if key else type(optimizer).__name__
+            raise UserError(f"train.optimizer_fn {_name(optimizer_fn)} returned {shown}, not an optimizer; return a "
+                            "Keras optimizer (or a dict of them keyed like the models)")
     if isinstance(optimizers, Mapping):
         return {k: precision.wrap_optimizer(o, policy) for k, o in optimizers.items()}
     return precision.wrap_optimizer(optimizers, policy)
@@ -132,7 +143,8 @@ def build_optimizers(models: Any, optimizers: Any) -> None:
 
 @dataclasses.dataclass
 class Task:
-    """What is trained, built under the scope; `checkpoint` holds all of its state."""
+    """What is trained, built under the scope; `checkpoint_items` hold all of its state (extensions
+    add theirs, trainer/extensions/protocol.py) and become the run's checkpoint."""
 
     models: Any
     optimizers: Any
@@ -140,8 +152,7 @@ class Task:
     eval_step_fn: Callable
     input: data.Input
     global_step: tf.Variable
-    dropped_batches: tf.Variable
-    checkpoint: tf.train.Checkpoint
+    checkpoint_items: dict[str, Any]
 
 
 def build_task(
@@ -158,6 +169,7 @@ def build_task(
     """Models, built optimizers, the global step and the checkpoint, all under `runtime`'s scope."""
     with runtime.strategy.scope(), layer_state.model_creation_scope(runtime.strategy):
         models = make_models(model_fn, inp)
+        build_by_calling(models, model_fn, inp)  # before the optimizers are built and the checkpoint made
     with runtime.strategy.scope():
         optimizers = make_optimizers(optimizer_fn, global_batch_size=global_batch_size, total_steps=total_steps,
                                      policy=runtime.policy)
@@ -166,17 +178,15 @@ def build_task(
             0, dtype=tf.int64, trainable=False, name="global_step",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
-        dropped = nonfinite.dropped_batches_variable()
-        checkpoint = tf.train.Checkpoint(
-            model=models, optimizer=optimizers, global_step=global_step, dropped_batches=dropped,
-            random_state=layer_state.random_states(models),
-        )
+    items = {"model": models, "optimizer": optimizers, "global_step": global_step,
+             "random_state": layer_state.random_states(models)}
     return Task(models=models, optimizers=optimizers, step_fn=step_fn, eval_step_fn=eval_step_fn, input=inp,
-                global_step=global_step, dropped_batches=dropped, checkpoint=checkpoint)
+                global_step=global_step, checkpoint_items=items)
 
 
 def build_eval_models(inp: data.Input, model_fn: Callable) -> tuple[Any, tf.Variable, tf.train.Checkpoint]:
     """Models and a global step for evaluation only (the sidecar): no optimizer, no strategy."""
     models = make_models(model_fn, inp)
+    build_by_calling(models, model_fn, inp)
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
     return models, global_step, tf.train.Checkpoint(model=models, global_step=global_step)

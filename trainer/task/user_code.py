@@ -39,3 +39,15 @@ def call_user(fn: Callable, *args, **kwargs) -> Any:
     as they are, by AutoGraph's own rules.
     """
     return _converting_call()(fn, *args, **kwargs)
+
+
+def call_step(step_fn: Callable, model: Any, optimizer: Any, batch: Any, global_batch_size: int) -> Any:
+    """The user's train step on `batch`, in replica context, through `call_user`.
+
+    Each batch tensor is passed through `tf.identity` first, so that it is placed on this
+    replica's device: a tensor that enters `strategy.run` from outside carries no device under
+    MultiWorkerMirroredStrategy, and a cross-replica call on it in the step
+    (`get_replica_context().all_gather(labels)`) then fails with "destinations can not be empty".
+    """
+    placed = tf.nest.map_structure(tf.identity, batch)
+    return call_user(step_fn, model, optimizer, placed, global_batch_size)

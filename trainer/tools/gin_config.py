@@ -4,7 +4,7 @@ where each came from (`--print_config`), and the bindings flattened to TensorBoa
 Used after `main.parse_gin` has parsed and checked the config; nothing here starts TensorFlow.
 Gin has no public way to list its registered configurables or to tell where a binding came
 from, so `_registry` reads its registry and `binding_sources` re-reads the files with gin's
-own parser (the one place that knows about gin internals).
+own parser (with trainer/tools/gin_functions.py, the only places that know gin's internals).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 import tensorflow as tf
 
 from trainer.update import clipping
-from trainer.update.xla import _GradientRecorder
+from trainer.update.recorder import GradientRecorder
 from trainer.errors import UserError
 from trainer.validation import check_int, check_number
 
@@ -60,15 +60,6 @@ class UpdateOptions:
     def takes_over(self) -> bool:
         """True when the loop makes the update itself (otherwise the step runs as written)."""
         return self.grad_accum_steps > 1 or self.clip_global_norm is not None
-
-    def check_strategy(self, strategy: str) -> None:
-        """Refuses the options under parameter_server, where they are not tested (each worker's update)."""
-        if strategy == "parameter_server":
-            for name, value, default in (("grad_accum_steps", self.grad_accum_steps, 1),
-                                         ("clip_global_norm", self.clip_global_norm, None)):
-                if value != default:
-                    raise UserError(f"train.{name} is not supported with parameter_server (asynchronous updates); "
-                                    f"use a synchronous strategy or leave train.{name} = {default}")
 
     def check_batch_size(self, global_batch_size: int, num_replicas: int) -> None:
         """Refuses a global batch that K micro-batches on every replica cannot share evenly."""
@@ -107,7 +98,7 @@ def update_step(step_fn: Callable, options: UpdateOptions) -> Callable:
             if gradients is not None:  # one micro-batch at a time: the next waits for these gradients
                 with tf.control_dependencies([g for gs in gradients.values() for g in gs if g is not None]):
                     micro = tf.nest.map_structure(tf.identity, micro)
-            recorders = {key: _GradientRecorder(o) for key, o in optimizers.items()}
+            recorders = {key: GradientRecorder(o) for key, o in optimizers.items()}
             outputs = step_fn(model, recorders if isinstance(optimizer, Mapping) else recorders[None],
                               micro, global_batch_size)
             if not isinstance(outputs, Mapping):

@@ -2,7 +2,7 @@
 
 Keras 3's `clipnorm`, `global_clipnorm` and `clipvalue` clip inside `apply_gradients` before
 its cross-replica sum, so on N replicas they clip N partial gradients, not the update's
-gradient (DESIGN.md rule 11: one SGD step on 1 and on 2 replicas differs by 4.9e-2). On more
+gradient (docs/design.md, rule 11: one SGD step on 1 and on 2 replicas differs by 4.9e-2). On more
 than one replica they are refused (`check_keras_clipping`), pointing here.
 
 Here the sum comes first, explicitly, in replica context
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from trainer.task.task import flat
+from trainer.task.structure import flat
 from trainer.errors import UserError
 
 KERAS_CLIPPING = ("clipnorm", "global_clipnorm", "clipvalue")
@@ -51,7 +51,7 @@ def check_keras_clipping(optimizers: Any, num_replicas: int, clip_global_norm: f
                 raise UserError(
                     f"the optimizer has Keras' {name}={value}, which clips each replica's gradients before the "
                     f"cross-replica sum, so on {num_replicas} replicas it clips something else than the update's "
-                    f"gradient (DESIGN.md rule 11); remove it from train.optimizer_fn and set "
+                    f"gradient (docs/design.md, rule 11); remove it from train.optimizer_fn and set "
                     f"train.clip_global_norm = {value} (the global norm after the sum)")
 
 

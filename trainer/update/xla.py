@@ -18,7 +18,9 @@ from typing import Callable, Mapping
 
 import tensorflow as tf
 
-from trainer.task.user_code import call_user
+from trainer.distribution import modes
+from trainer.task.user_code import call_step
+from trainer.update.recorder import GradientRecorder
 from trainer.errors import UserError
 
 ReplicaStep = Callable[[object], Mapping[str, tf.Tensor]]
@@ -26,8 +28,7 @@ ReplicaStep = Callable[[object], Mapping[str, tf.Tensor]]
 
 def update_inside_xla(strategy: tf.distribute.Strategy) -> bool:
     """True where the optimizer update may be compiled with the step (no cross-device sum)."""
-    default = not tf.distribute.has_strategy() and strategy is tf.distribute.get_strategy()
-    return default or isinstance(strategy, tf.distribute.OneDeviceStrategy)
+    return modes.of(strategy).one_device
 
 
 def replica_step(strategy, step_fn: Callable, model, optimizer, global_batch_size: int, *,
@@ -35,7 +36,7 @@ def replica_step(strategy, step_fn: Callable, model, optimizer, global_batch_siz
     """`batch -> step outputs` for `strategy.run`, compiled with XLA if `jit_compile`."""
 
     def step(batch):
-        return call_user(step_fn, model, optimizer, batch, global_batch_size)
+        return call_step(step_fn, model, optimizer, batch, global_batch_size)
 
     if not jit_compile:
         return step
@@ -47,11 +48,11 @@ def replica_step(strategy, step_fn: Callable, model, optimizer, global_batch_siz
                         "train.jit_compile = False or use strategy 'default'/'one_device'")
 
     def step_then_update(batch):
-        recorder = _GradientRecorder(optimizer)  # one per replica call: replicas trace in parallel threads
+        recorder = GradientRecorder(optimizer)  # one per replica call: replicas trace in parallel threads
 
         @tf.function(jit_compile=True, autograph=False)
         def compiled(batch):
-            return call_user(step_fn, model, recorder, batch, global_batch_size), recorder.gradients
+            return call_step(step_fn, model, recorder, batch, global_batch_size), recorder.gradients
 
         outputs, gradients = compiled(batch)
         if recorder.calls:
@@ -59,34 +60,3 @@ def replica_step(strategy, step_fn: Callable, model, optimizer, global_batch_siz
         return outputs
 
     return step_then_update
-
-
-class _GradientRecorder:
-    """The optimizer as the compiled step sees it: `apply_gradients`/`apply` only record."""
-
-    def __init__(self, optimizer):
-        self._optimizer = optimizer
-        self.gradients: list = []
-        self.variables: list = []
-        self.calls = 0
-
-    def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        grads_and_vars = list(grads_and_vars)
-        return self._record([g for g, _ in grads_and_vars], [v for _, v in grads_and_vars])
-
-    def apply(self, grads, trainable_variables=None, *args, **kwargs):
-        variables = trainable_variables if trainable_variables is not None else self._optimizer._trainable_variables
-        return self._record(list(grads), list(variables))
-
-    def _record(self, gradients, variables):
-        self.calls += 1
-        if self.calls > 1:
-            raise ValueError("the optimizer update runs after the step here (train.jit_compile under a multi-device "
-                             "strategy, train.grad_accum_steps, train.clip_global_norm), so the step may call "
-                             "apply_gradients only once per optimizer; unset those options for this step")
-        self.gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
-        self.variables = variables
-        return self._optimizer.iterations
-
-    def __getattr__(self, name):
-        return getattr(self._optimizer, name)

@@ -7,7 +7,7 @@ import os
 import shlex
 
 from trainer.errors import UserError
-from trainer.tools.bench.config import train_settings
+from trainer.tools.bench.config import refuse_asynchronous, train_settings
 from trainer.tools.bench.measure import measure
 from trainer.tools.bench.plan import plan_variants, schedule
 from trainer.tools.bench.report import markdown, results, text_table
@@ -19,13 +19,11 @@ def compare(gin_files: list[str], gin_bindings: list[str], *, variants: list[str
     """Runs the bench; the exit code: 0 when everything ran, 1 when a variant other than fit failed.
     `argv` (the command line's arguments) goes into the report as the command to rerun it."""
     settings = train_settings(gin_files, gin_bindings)
-    if settings["strategy"] == "parameter_server":
-        raise UserError("trainer.bench does not run parameter_server (asynchronous closures on remote workers); "
-                        "Keras 3 fit cannot run there either (DESIGN.md rule 7)")
+    refuse_asynchronous(settings, "trainer.bench")
     if steps < 0 or repeats < 1 or warmup_steps < 0:
         raise UserError("--repeats must be at least 1, --steps and --warmup_steps at least 0")
     try:
-        fit_spes = sorted({int(s) for s in fit_steps_per_execution} or {1, settings["steps_per_loop"]})
+        fit_spes = sorted({int(s) for s in fit_steps_per_execution} or {1, settings.steps_per_loop})
     except ValueError:
         raise UserError(f"--fit_steps_per_execution takes integers, got {fit_steps_per_execution}") from None
     if min(fit_spes) < 1:

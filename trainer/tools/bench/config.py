@@ -4,27 +4,34 @@ from __future__ import annotations
 from trainer import main as main_lib
 
 
-def train_settings(gin_files: list[str], gin_bindings: list[str]) -> dict:
-    """Parses the gin config; the `train` parameters it binds, over `train`'s defaults."""
-    import gin
-
-    from trainer.run import train as train_lib
+def train_settings(gin_files: list[str], gin_bindings: list[str]):
+    """Parses the gin config; the run's Settings as `train` would get them."""
+    from trainer import configurables
 
     main_lib.parse_gin(gin_files, gin_bindings)
-    return train_lib.defaults_with(gin.get_bindings("train"))
+    return configurables.settings_from_gin()
 
 
-def setup(settings: dict):
+def refuse_asynchronous(settings, what: str) -> None:
+    """The bench compares local steps: a mode whose steps are remote closures is refused in one line."""
+    from trainer.distribution import modes
+
+    modes.require(f"train.strategy for {what}", modes.SYNCHRONOUS, settings.strategy,
+                  reason="its steps are asynchronous closures on remote workers, not comparable with a local bare "
+                         "step, and Keras 3 fit cannot run there", fix="measure a synchronous config")
+
+
+def setup(settings):
     """Strategy and task (model, built optimizer, input), by `train`'s own setup."""
-    from trainer.run import train as train_lib
+    from trainer.run.setup import setup as run_setup
 
-    runtime, task = train_lib.setup_from(settings)
+    runtime, task = run_setup(settings)
     return runtime.strategy, task
 
 
-def train_data(dist, inp, settings: dict):
+def train_data(dist, inp, settings):
     """The train data of `inp` distributed as the loop gets it (trainer/loops/controller.py), from step 0."""
     from trainer import data
 
-    return data.distribute_train(dist, inp, settings["global_batch_size"], settings["seed"],
-                                 method=settings["distribute_method"], shard_policy=settings["shard_policy"])
+    return data.distribute_train(dist, inp, settings.global_batch_size, settings.seed,
+                                 method=settings.distribute_method, shard_policy=settings.shard_policy)

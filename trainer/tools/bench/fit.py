@@ -29,7 +29,7 @@ def tracing_count(function, name: str) -> int | None:
     return None
 
 
-def run_fit(settings: dict, channel: Channel, steps_per_execution: int, total_steps: int) -> None:
+def run_fit(settings, channel: Channel, steps_per_execution: int, total_steps: int) -> None:
     """Fits `total_steps` measured steps (and one call more, so that the last chunk ends where a call starts)."""
     import keras
 
@@ -43,10 +43,10 @@ def run_fit(settings: dict, channel: Channel, steps_per_execution: int, total_st
             optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"], steps_per_execution=steps_per_execution,
             # XLA where fit can compile the whole step (one device); Keras itself turns it off under a strategy.
-            jit_compile=bool(settings["jit_compile"]) and xla.update_inside_xla(dist),
+            jit_compile=bool(settings.jit_compile) and xla.update_inside_xla(dist),
         )
-    dataset = data.train_dataset(task.input, settings["global_batch_size"], settings["seed"],
-                                 shard_policy=settings["shard_policy"])
+    dataset = data.train_dataset(task.input, settings.global_batch_size, settings.seed,
+                                 shard_policy=settings.shard_policy)
 
     class Pacer(keras.callbacks.Callback):
         """Paces fit from `on_train_batch_begin`: fit has synchronised with the previous call there

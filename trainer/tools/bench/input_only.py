@@ -14,7 +14,7 @@ It measures, in examples/s, each for `seconds` after a warm-up call, in this one
   `limit` function (trainer/tools/bench/limit.py), so no input at all.
 
 A source whose examples/s is below the step's would starve the step: "input-bound". Where
-the CPU runs the step, the pipeline runs inline (no prefetch, DESIGN rule 13), so its time
+the CPU runs the step, the pipeline runs inline (no prefetch, docs/design.md, rule 13), so its time
 adds to the step's even when it "keeps up": a run then does about 1/(1/input + 1/step).
 """
 from __future__ import annotations
@@ -24,8 +24,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from trainer.errors import UserError
-from trainer.tools.bench.config import setup, train_data, train_settings
+from trainer.tools.bench.config import refuse_asynchronous, setup, train_data, train_settings
 from trainer.tools.bench.limit import bare_step
 
 NUM_SHARDS = 4  # trainer.write_tfrecords' default
@@ -38,13 +37,11 @@ def run_input_bench(gin_files: list[str], gin_bindings: list[str], *, seconds: f
     from trainer.data.pipeline import on_accelerator
 
     settings = train_settings(gin_files, gin_bindings)
-    if settings["strategy"] == "parameter_server":
-        raise UserError("the input bench does not run parameter_server: its workers build their own datasets "
-                        "and run steps as remote closures; bind train.strategy='default' to measure input and step")
+    refuse_asynchronous(settings, "the input bench")
     dist, task = setup(settings)
 
     def pull(inp) -> dict:
-        return _pull_rate(dist, train_data(dist, inp, settings), settings["steps_per_loop"], seconds)
+        return _pull_rate(dist, train_data(dist, inp, settings), settings.steps_per_loop, seconds)
 
     sources = {"memory": {**pull(task.input), "in_memory": task.input.train_arrays() is not None}}
     with tempfile.TemporaryDirectory(prefix="bench-input-") as out_dir:
@@ -64,9 +61,9 @@ def run_input_bench(gin_files: list[str], gin_bindings: list[str], *, seconds: f
                             for name, source in sources.items()},
         "settings": {
             "gin_files": list(gin_files), "gin_bindings": list(gin_bindings), "seconds": seconds,
-            "strategy": settings["strategy"], "num_replicas": dist.num_replicas_in_sync,
-            "global_batch_size": settings["global_batch_size"], "steps_per_loop": settings["steps_per_loop"],
-            "distribute_method": settings["distribute_method"], "shard_policy": settings["shard_policy"],
+            "strategy": settings.strategy, "num_replicas": dist.num_replicas_in_sync,
+            "global_batch_size": settings.global_batch_size, "steps_per_loop": settings.steps_per_loop,
+            "distribute_method": settings.distribute_method, "shard_policy": settings.shard_policy,
             "input": repr(task.input), "train_examples": task.input.num_examples("train"),
             "prefetch": on_accelerator(), "cores": os.cpu_count(),
         },
@@ -103,11 +100,11 @@ def _pull_rate(dist, distributed_data, batches_per_call: int, seconds: float) ->
             "first_call_s": round(first_call_s, 3)}
 
 
-def _step_rate(dist, task, settings: dict, seconds: float) -> dict:
+def _step_rate(dist, task, settings, seconds: float) -> dict:
     """Examples/s of the bench's bare step (limit) in calls of `steps_per_loop` steps."""
     run_steps, _ = bare_step(dist, task, settings)
     run_steps(1)  # the trace
-    per_call, batch_size = settings["steps_per_loop"], settings["global_batch_size"]
+    per_call, batch_size = settings.steps_per_loop, settings.global_batch_size
 
     def call() -> int:
         run_steps(per_call)

@@ -15,13 +15,13 @@ from trainer.tools.bench.config import setup
 from trainer.tools.bench.protocol import Channel
 
 
-def run_limit(settings: dict, channel: Channel) -> None:
+def run_limit(settings, channel: Channel) -> None:
     """Runs to the steps the parent asks for, `steps_per_loop` steps per call."""
     run_steps, limit = bare_step(*setup(settings), settings)
 
     def run_until(until: int) -> None:
         while channel.done < until:
-            count = min(settings["steps_per_loop"], until - channel.done)
+            count = min(settings.steps_per_loop, until - channel.done)
             run_steps(count)
             channel.done += count
 
@@ -34,7 +34,7 @@ def run_limit(settings: dict, channel: Channel) -> None:
     channel.finished(limit.experimental_get_tracing_count())
 
 
-def bare_step(dist, task, settings: dict) -> tuple[Callable[[int], None], Any]:
+def bare_step(dist, task, settings) -> tuple[Callable[[int], None], Any]:
     """`run_steps(count)`, which runs `count` steps in one call and waits for them, and the compiled function.
 
     Apart from the worker so that the input bench (trainer/tools/bench/input_only.py) measures
@@ -44,18 +44,18 @@ def bare_step(dist, task, settings: dict) -> tuple[Callable[[int], None], Any]:
 
     from trainer import data
     from trainer.update import xla
-    from trainer.loops.sync import ReplicaTotals
+    from trainer.loops.totals import ReplicaTotals
     from trainer.distribution import devices
 
-    gb = settings["global_batch_size"]
-    dataset = data.train_dataset(task.input, gb, settings["seed"], shard_policy=settings["shard_policy"])
+    gb = settings.global_batch_size
+    dataset = data.train_dataset(task.input, gb, settings.seed, shard_policy=settings.shard_policy)
     batch = next(iter(dist.experimental_distribute_dataset(dataset)))
-    if dist.num_replicas_in_sync == 1 and not isinstance(dist, tf.distribute.OneDeviceStrategy):
+    if dist.num_replicas_in_sync == 1:
         with tf.device(devices.compute_devices()[0]):  # the default strategy leaves it on the host
             batch = tf.nest.map_structure(tf.identity, batch)
     del dataset
-    step = xla.replica_step(dist, settings["step_fn"], task.models, task.optimizers, gb,
-                            jit_compile=settings["jit_compile"])
+    step = xla.replica_step(dist, settings.step_fn, task.models, task.optimizers, gb,
+                            jit_compile=settings.jit_compile)
 
     totals = ReplicaTotals(dist, step, "train.step_fn", count_finite=False)
 

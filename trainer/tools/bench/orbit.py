@@ -42,26 +42,26 @@ def missing() -> str | None:
     return None
 
 
-def next_call(step: int, settings: dict) -> int:
+def next_call(step: int, settings) -> int:
     """The length of the loop call from `step`: `steps_per_loop`, cut at the next log or checkpoint boundary."""
-    return min(settings["steps_per_loop"],
-               *(every - step % every for every in (settings["log_every_steps"], settings["checkpoint_every_steps"])
+    return min(settings.steps_per_loop,
+               *(every - step % every for every in (settings.log_every_steps, settings.checkpoint_every_steps)
                  if every > 0))
 
 
-def run_orbit(settings: dict, channel: Channel) -> None:
+def run_orbit(settings, channel: Channel) -> None:
     """Trains to the steps the parent asks for, with Orbit's Controller and a StandardTrainer."""
     import keras
     import orbit
     import tensorflow as tf
 
     from trainer.update import xla
-    from trainer.loops.sync import reduce_outputs
+    from trainer.loops.totals import reduce_outputs
 
     dist, task = setup(settings)
-    gb, log_every = settings["global_batch_size"], settings["log_every_steps"]
+    gb, log_every = settings.global_batch_size, settings.log_every_steps
     dataset = train_data(dist, task.input, settings)
-    step = xla.replica_step(dist, task.step_fn, task.models, task.optimizers, gb, jit_compile=settings["jit_compile"])
+    step = xla.replica_step(dist, task.step_fn, task.models, task.optimizers, gb, jit_compile=settings.jit_compile)
     global_step = task.global_step
     # One step's reduced outputs, traced now on the batch spec for their names (the metrics must exist
     # before Orbit traces its loop, which then calls this trace instead of tracing the step again).
@@ -95,9 +95,10 @@ def run_orbit(settings: dict, channel: Channel) -> None:
 
     trainer = Trainer()
     with tempfile.TemporaryDirectory(prefix="bench-orbit-") as model_dir:
-        manager = tf.train.CheckpointManager(task.checkpoint, model_dir, max_to_keep=settings["keep_checkpoints"],
+        manager = tf.train.CheckpointManager(tf.train.Checkpoint(**task.checkpoint_items), model_dir,
+                                             max_to_keep=settings.keep_checkpoints,
                                              step_counter=global_step,
-                                             checkpoint_interval=settings["checkpoint_every_steps"],
+                                             checkpoint_interval=settings.checkpoint_every_steps,
                                              last_checkpoint_step=0)
         controller = orbit.Controller(global_step=global_step, trainer=trainer, strategy=dist,
                                       steps_per_loop=lambda at: next_call(at, settings),

@@ -7,7 +7,7 @@ import tempfile
 import time
 
 from trainer.hooks.base import Hook
-from trainer.errors import UserError
+from trainer.tools.bench.config import refuse_asynchronous
 from trainer.tools.bench.protocol import Channel
 
 
@@ -38,18 +38,16 @@ class Pacer(Hook):
         self.started = time.monotonic()
 
 
-def run_ours(settings: dict, channel: Channel, total_steps: int) -> None:
+def run_ours(settings, channel: Channel, total_steps: int) -> None:
     """Trains `total_steps` measured steps (and one more: the final eval and checkpoint come after)."""
     import gin
 
     from trainer import configurables
 
-    if settings["strategy"] == "parameter_server":
-        raise UserError("trainer.bench does not run parameter_server: its steps are asynchronous closures on "
-                        "remote workers, not comparable with a local bare step")
+    refuse_asynchronous(settings, "trainer.bench")
     with tempfile.TemporaryDirectory(prefix="bench-ours-") as model_dir:
         configurables.train(
             model_dir=model_dir, total_steps=total_steps + 1, eval_every_steps=total_steps + 1,
-            hooks=[*settings.get("hooks", ()), Pacer(channel)], describe_config=gin.operative_config_str,
+            hooks=[*settings.hooks, Pacer(channel)], describe_config=gin.operative_config_str,
             print_fn=lambda line: print(line, file=sys.stderr, flush=True),
         )

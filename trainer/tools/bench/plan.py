@@ -8,10 +8,11 @@ import statistics
 from trainer.errors import UserError
 from trainer.tools.bench import orbit
 
-FIT_CANNOT_RUN = {
-    "multi_worker_mirrored": "Keras 3 fit cannot run under MultiWorkerMirroredStrategy (keras-team/keras 20585)",
-    "parameter_server": "Keras 3 fit cannot run under ParameterServerStrategy (keras-team/keras 18624)",
-}
+def fit_cannot_run(mode) -> str:
+    """Why Keras 3 fit cannot run in a multi-worker mode (its known issues)."""
+    if mode.synchronous:
+        return "Keras 3 fit cannot run under MultiWorkerMirroredStrategy (keras-team/keras 20585)"
+    return "Keras 3 fit cannot run under ParameterServerStrategy (keras-team/keras 18624)"
 
 
 @dataclasses.dataclass
@@ -41,7 +42,7 @@ class Variant:
         return (steps / max(self.chunks), steps / min(self.chunks)) if self.chunks else None
 
 
-def plan_variants(settings: dict, names: list[str], fit_spes: list[int]) -> list[Variant]:
+def plan_variants(settings, names: list[str], fit_spes: list[int]) -> list[Variant]:
     """The variants `names` ask for (fit once per steps_per_execution), fit marked where it cannot run,
     orbit where it is not installed."""
     variants = []
@@ -59,8 +60,8 @@ def plan_variants(settings: dict, names: list[str], fit_spes: list[int]) -> list
             for spe in fit_spes:
                 variant = Variant(f"fit_spe{spe}", f"Keras fit, steps_per_execution {spe}", "fit", fit_spe=spe,
                                   first_call_steps=spe)
-                if settings["strategy"] in FIT_CANNOT_RUN:
-                    variant.status, variant.reason = "cannot_run", FIT_CANNOT_RUN[settings["strategy"]]
+                if settings.mode.multi_worker:
+                    variant.status, variant.reason = "cannot_run", fit_cannot_run(settings.mode)
                 variants.append(variant)
         else:
             raise UserError(f"unknown --variants entry {name!r}: use limit, ours, orbit, fit")
@@ -84,11 +85,11 @@ class Schedule:
         return self.warmup + self.repeats * self.chunk
 
 
-def schedule(settings: dict, fit_spes: list[int], *, steps: int, warmup_steps: int, repeats: int) -> Schedule:
+def schedule(settings, fit_spes: list[int], *, steps: int, warmup_steps: int, repeats: int) -> Schedule:
     """Chunks that end on a call boundary of every variant (a multiple of steps_per_loop and of fit's
     values) and, by default, hold the same hook work: the least multiple of both hook intervals."""
-    unit = math.lcm(settings["steps_per_loop"], *fit_spes)
-    hooks_unit = math.lcm(settings["log_every_steps"], settings["checkpoint_every_steps"])
+    unit = math.lcm(settings.steps_per_loop, *fit_spes)
+    hooks_unit = math.lcm(settings.log_every_steps, settings.checkpoint_every_steps)
     chunk = round_up(steps or (hooks_unit if hooks_unit <= 20_000 else 1000), unit)
     # Warm-up ends on a chunk boundary beyond every variant's first call (fit's first call is unit steps long).
     warmup = round_up(max(warmup_steps or chunk, unit + 1), chunk)

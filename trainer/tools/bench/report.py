@@ -34,18 +34,18 @@ def paired_ratios(res: dict) -> dict:
     return out
 
 
-def results(settings: dict, variants: list[Variant], *, chunk: int, warmup: int, repeats: int,
+def results(settings, variants: list[Variant], *, chunk: int, warmup: int, repeats: int,
             load_before: tuple, load_after: tuple, command: str) -> dict:
     """Everything measured, as one JSON-ready dict."""
     by_name = {v.name: v for v in variants}
-    gb = settings["global_batch_size"]
+    gb = settings.global_batch_size
     rate = {v.name: v.steps_per_sec(chunk) for v in variants}
     fits = [v for v in variants if v.role == "fit" and rate[v.name] is not None]
     best_fit = max(fits, key=lambda v: rate[v.name]) if fits else None
     ours, limit, orbit = by_name.get("ours"), by_name.get("limit"), by_name.get("orbit")
     first = {v.name: v.first_step_s for v in variants}
-    source = settings.get("input_fn") or settings["data_source"]
-    model_fn = settings["model_fn"]
+    source = settings.input_fn or settings.data_source
+    model_fn = settings.model_fn
     mach = next((v.machine for v in variants if v.machine), None)
     out = {
         "command": command,
@@ -53,17 +53,17 @@ def results(settings: dict, variants: list[Variant], *, chunk: int, warmup: int,
             "model": getattr(model_fn, "__name__", str(model_fn)),
             "data": type(source).__name__ if source is not None else "Digits",
             "input_shape": list(getattr(source, "input_shape", None) or (8, 8, 1)),
-            "strategy": settings["strategy"], "global_batch_size": gb,
-            "steps_per_loop": settings["steps_per_loop"], "log_every_steps": settings["log_every_steps"],
-            "checkpoint_every_steps": settings["checkpoint_every_steps"],
-            "jit_compile": bool(settings["jit_compile"]),
-            "mixed_precision": settings["mixed_precision"] or "float32",
+            "strategy": settings.strategy, "global_batch_size": gb,
+            "steps_per_loop": settings.steps_per_loop, "log_every_steps": settings.log_every_steps,
+            "checkpoint_every_steps": settings.checkpoint_every_steps,
+            "jit_compile": bool(settings.jit_compile),
+            "mixed_precision": settings.mixed_precision or "float32",
         },
         "method": {"steps_per_chunk": chunk, "warmup_until_step": warmup, "repeats": repeats,
                    "order": [v.name for v in variants], "statistic": "median over chunks",
                    # What our loop's hooks did in the measured chunks, per chunk on average.
-                   "ours_progress_records_per_chunk": _per_chunk(settings["log_every_steps"], warmup, chunk, repeats),
-                   "ours_checkpoints_per_chunk": _per_chunk(settings["checkpoint_every_steps"], warmup, chunk,
+                   "ours_progress_records_per_chunk": _per_chunk(settings.log_every_steps, warmup, chunk, repeats),
+                   "ours_checkpoints_per_chunk": _per_chunk(settings.checkpoint_every_steps, warmup, chunk,
                                                             repeats)},
         "machine": mach,
         "load_average": {"before": list(load_before), "after": list(load_after)},

@@ -7,19 +7,19 @@ import subprocess
 import sys
 import tempfile
 
-from trainer.run import train as train_lib
+from trainer.run.setup import setup
 from trainer.errors import UserError
 from trainer.tools.parity import runs
 from trainer.tools.parity.config import ParityConfig
 from trainer.tools.parity.outcome import MetricOutcome, Outcome, describe, max_abs_difference
-from trainer.tools.parity.runs import Settings
+from trainer.run.settings import Settings
 
 
 def compare_in_process(settings: Settings, config: ParityConfig, steps: int, atol: float) -> Outcome:
     """Ours and Keras 3 fit in this process, on the configured strategy, from the same state."""
     from trainer.tools.parity import fit
 
-    runtime, task = train_lib.setup_from(settings)
+    runtime, task = setup(settings)
     fit_task = fit.build_fit_task(runtime, task.input, settings)
     model, fit_model = runs.single_model(task), runs.single_model(fit_task)
     runs.copy_state(model, fit_model)
@@ -83,8 +83,8 @@ def compare_replicas(settings: Settings, steps: int, atol: float, counts: list[i
             results.append(runs.load(os.path.join(work_dir, f"replicas{count}")))
     reference = results[0][1]["final"]
     return Outcome(
-        title=(f"{settings['strategy']} config on {', '.join(map(str, counts))} logical-CPU replicas "
-               f"(MirroredStrategy), global batch {settings['global_batch_size']}: same losses and weights"),
+        title=(f"{settings.strategy} config on {', '.join(map(str, counts))} logical-CPU replicas "
+               f"(MirroredStrategy), global batch {settings.global_batch_size}: same losses and weights"),
         columns=[f"{c} replica(s)" for c in counts], losses=[meta["losses"] for meta, _ in results],
         max_dw=max(max_abs_difference(reference, arrays["final"]) for _, arrays in results[1:]),
         atol=atol, num_params=sum(w.size for w in reference),
@@ -112,7 +112,7 @@ def compare_parameter_server(settings: Settings, config: ParityConfig, steps: in
                        f"--work_dir={work_dir}", f"--role={role}"]
             _check_exit(subprocess.run(command).returncode, f"{role} run", "its")
         ours, ours_arrays, fit, fit_arrays = _ours_and_fit(work_dir)
-    title = (f"parameter_server, {workers} worker(s), global batch {settings['global_batch_size']}: "
+    title = (f"parameter_server, {workers} worker(s), global batch {settings.global_batch_size}: "
              "TrainLoop vs tf_keras fit")
     if exact:
         return Outcome(

@@ -20,7 +20,8 @@ from trainer.distribution.runtime import Runtime
 from trainer.task.task import Task, build_task
 from trainer.errors import UserError
 from trainer.tools.parity.config import ParityConfig
-from trainer.tools.parity.runs import Settings, single_model
+from trainer.run.settings import Settings
+from trainer.tools.parity.runs import single_model
 
 
 def build_fit_task(runtime: Runtime, inp: data.Input, settings: Settings) -> Task:
@@ -28,9 +29,9 @@ def build_fit_task(runtime: Runtime, inp: data.Input, settings: Settings) -> Tas
     copies our model's state into it) and the optimizer unwrapped: fit's `compile` adds its own
     loss scaling under mixed_float16. Layers still follow the global dtype policy."""
     unscaled = dataclasses.replace(runtime, policy="float32")  # read only by the optimizer wrapping
-    return build_task(unscaled, inp, model_fn=settings["model_fn"], optimizer_fn=settings["optimizer_fn"],
-                      step_fn=settings["step_fn"], eval_step_fn=settings["eval_step_fn"],
-                      global_batch_size=settings["global_batch_size"], total_steps=settings["total_steps"])
+    return build_task(unscaled, inp, model_fn=settings.model_fn, optimizer_fn=settings.optimizer_fn,
+                      step_fn=settings.step_fn, eval_step_fn=settings.eval_step_fn,
+                      global_batch_size=settings.global_batch_size, total_steps=settings.total_steps)
 
 
 def check_fit_example(inp: data.Input) -> None:
@@ -69,17 +70,17 @@ def fit_input(dist: tf.distribute.Strategy, inp: data.Input, settings: Settings,
     slice r of each global batch, except with per-worker file shards (the 'function' method
     with files sharded across input pipelines), where each pipeline reads its own files.
     """
-    gb, seed, policy = settings["global_batch_size"], settings["seed"], settings["shard_policy"]
+    gb, seed, policy = settings.global_batch_size, settings.seed, settings.shard_policy
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        if not data._shards_by_file(inp, policy, context):  # the same test as data.distribute_train
+        if not data.shards_by_file(inp, policy, context):  # the same test as data.distribute_train
             return data.replica_slices(stored(data.train_dataset(inp, gb, seed, shard_policy="OFF"), steps), context)
         batches_per_step = context.num_replicas_in_sync // context.num_input_pipelines
         dataset = data.train_dataset(inp, context.get_per_replica_batch_size(gb), seed,
                                      shard_policy=policy, input_context=context)
         return stored(dataset, steps * batches_per_step)
 
-    if settings["distribute_method"] == "function":
+    if settings.distribute_method == "function":
         return dist.distribute_datasets_from_function(dataset_fn)
     return dist.experimental_distribute_dataset(stored(data.train_dataset(inp, gb, seed, shard_policy=policy), steps))
 
@@ -101,7 +102,7 @@ class _StepLosses(keras.callbacks.Callback):
 def run_fit(runtime: Runtime, task: Task, settings: Settings, config: ParityConfig, steps: int) -> list[float]:
     """`steps` steps of `model.fit` on `fit_input`; the loss of each."""
     check_fit_example(task.input)
-    model = compile_for_fit(runtime, task, config, jit_compile=settings["jit_compile"])
+    model = compile_for_fit(runtime, task, config, jit_compile=settings.jit_compile)
     callback = _StepLosses()
     model.fit(fit_input(runtime.strategy, task.input, settings, steps), epochs=1, steps_per_epoch=steps,
               callbacks=[callback], verbose=0, shuffle=False)
@@ -120,7 +121,7 @@ def run_fit_ps(runtime: Runtime, task: Task, settings: Settings, config: ParityC
     check_fit_example(task.input)
     model = compile_for_fit(runtime, task, config)
     dist, inp = runtime.strategy, task.input
-    gb, seed, policy = settings["global_batch_size"], settings["seed"], settings["shard_policy"]
+    gb, seed, policy = settings.global_batch_size, settings.seed, settings.shard_policy
     workers = data.num_workers(dist)
     pipeline: Any
     if workers == 1:

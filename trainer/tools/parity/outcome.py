@@ -18,10 +18,10 @@ def max_abs_difference(a: list, b: list) -> float:
 
 def describe(settings: Mapping[str, Any], replicas: int) -> str:
     """`<strategy>, N replica(s), global batch B[, <precision>][, XLA]`: the title's start."""
-    precision = settings["mixed_precision"]
+    precision = settings.mixed_precision
     extras = [e for e in (precision if precision not in (None, "float32") else None,
-                          "XLA" if settings["jit_compile"] else None) if e]
-    return (f"{settings['strategy']}, {replicas} replica(s), global batch {settings['global_batch_size']}"
+                          "XLA" if settings.jit_compile else None) if e]
+    return (f"{settings.strategy}, {replicas} replica(s), global batch {settings.global_batch_size}"
             + "".join(f", {e}" for e in extras))
 
 

@@ -1,41 +1,31 @@
 """Our side of a parity run, and the files that carry results between processes.
 
-Our side is the real thing: `train`'s own setup (`setup_from`) and the core's choice of loop
-(`controller.build_loops`), with the configured model, optimizer, step and input. Written
+Our side is the real thing: `train`'s own setup (trainer/run/setup.py) and the core's choice of loop
+(trainer/loops/build.py), with the configured model, optimizer, step and input. Written
 against the `keras` module, so that a tf_keras process can import it too.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 import tensorflow as tf
 
 from trainer import data
-from trainer.loops import controller
-from trainer.run import train as train_lib
-from trainer.loops.sync import Evaluator
-from trainer.run.settings import LoopOptions
 from trainer.distribution.runtime import Runtime
-from trainer.task.task import Task, build_eval_models
 from trainer.errors import UserError
+from trainer.loops.build import build_loops
+from trainer.loops.evaluator import Evaluator, make_metrics
+from trainer.run.settings import Settings
+from trainer.task.task import Task, build_eval_models
 
-Settings = Mapping[str, Any]  # `train`'s parameters by name (train.defaults_with)
+def settings_from_gin() -> Settings:
+    """The parsed gin config's `train` bindings as the run's Settings."""
+    from trainer import configurables
 
-
-def settings_from_gin() -> dict[str, Any]:
-    """The parsed gin config's `train` bindings over `train`'s own defaults."""
-    import gin
-
-    return train_lib.defaults_with(gin.get_bindings("train"))
-
-
-def loop_options(settings: Settings) -> LoopOptions:
-    """The loop options of `train` for these settings (validated by LoopOptions itself)."""
-    return LoopOptions(**{f.name: settings[f.name] for f in dataclasses.fields(LoopOptions)})
+    return configurables.settings_from_gin()
 
 
 def single_model(task: Task):
@@ -52,8 +42,7 @@ def run_ours(runtime: Runtime, task: Task, settings: Settings, steps: int, chunk
     One step per call gives step-by-step losses. Under parameter_server with several workers
     a call of `steps_per_loop` steps spreads its closures over the workers, as in training.
     """
-    loop, _ = controller.build_loops(runtime, task, loop_options(settings), start_step=0,
-                                     parameter_server=settings["parameter_server"])
+    loop, _ = build_loops(runtime, task, settings.loop, start_step=0, parameter_server=settings.parameter_server)
     losses = []
     for start in range(0, steps, chunk):
         outputs = loop.run(min(chunk, steps - start))
@@ -66,12 +55,12 @@ def run_ours(runtime: Runtime, task: Task, settings: Settings, steps: int, chunk
 
 def evaluate(settings: Settings, weights_list: list[np.ndarray]) -> dict[str, float]:
     """The configured eval step over the first eval split, on this process's device, with these weights."""
-    inp = train_lib.make_input(settings["input_fn"], settings["data_source"], settings["eval_splits"])
-    model, _, _ = build_eval_models(inp, settings["model_fn"])
+    inp = settings.make_input()
+    model, _, _ = build_eval_models(inp, settings.model_fn)
     model.set_weights(weights_list)
-    split, gb = inp.eval_splits[0], settings["global_batch_size"]
-    metrics = settings["eval_metrics_fn"]() if settings["eval_metrics_fn"] else None
-    return Evaluator(tf.distribute.get_strategy(), model, settings["eval_step_fn"],
+    split, gb = inp.eval_splits[0], settings.global_batch_size
+    metrics = make_metrics(settings.eval_metrics_fn)
+    return Evaluator(tf.distribute.get_strategy(), model, settings.eval_step_fn,
                      data.eval_dataset(inp, gb, split=split), -(-inp.num_examples(split) // gb),
                      metrics=metrics).evaluate()
 

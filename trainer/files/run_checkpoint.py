@@ -1,0 +1,57 @@
+"""The run's checkpoint: the task's state and the extensions' items, restored strictly, and each
+extension's own JSON state, restored where the checkpoint has it.
+
+A checkpoint that lacks a model variable or an extension's item (an EMA turned on in the middle
+of a run) cannot continue that run exactly, so that is refused. An extension's own state (early
+stopping's history, the best-k ranking) is different: a checkpoint written before the extension
+was turned on simply has none, and the extension starts afresh. So the state goes under one key,
+`extension_state/<name>`, read apart from the rest.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import tensorflow as tf
+
+STATE_KEY = "extension_state"
+
+
+class ExtensionState(tf.train.experimental.PythonState):
+    """One extension's `state_dict()` as JSON text in the checkpoint; `load_state_dict` on restore."""
+
+    def __init__(self, extension: Any):
+        self._extension = extension
+
+    def serialize(self) -> str:
+        return json.dumps(self._extension.state_dict(), sort_keys=True)
+
+    def deserialize(self, string_value: bytes | str) -> None:
+        self._extension.load_state_dict(json.loads(string_value))
+
+
+class RunCheckpoint:
+    """`root` is what is saved; `restore` reads the items strictly and the states leniently."""
+
+    def __init__(self, items: Mapping[str, Any], states: Mapping[str, ExtensionState]):
+        self.root = tf.train.Checkpoint(**items, **({STATE_KEY: dict(states)} if states else {}))
+        self._items = tf.train.Checkpoint(**items) if states else self.root
+        self._states = tf.train.Checkpoint(**{STATE_KEY: dict(states)}) if states else None
+
+    @classmethod
+    def of(cls, checkpoint: tf.train.Checkpoint) -> "RunCheckpoint":
+        """A plain checkpoint as one: saved as it is, restored strictly as a whole."""
+        run_checkpoint = cls.__new__(cls)
+        run_checkpoint.root = run_checkpoint._items = checkpoint
+        run_checkpoint._states = None
+        return run_checkpoint
+
+    def restore(self, path: str) -> None:
+        """Raises AssertionError/ValueError if an item of this run is not in the checkpoint at `path`."""
+        self._items.restore(path).assert_existing_objects_matched()
+        if self._states is not None:
+            self._states.read(path).expect_partial()
+
+    def write(self, path: str) -> str:
+        """Writes the whole checkpoint at the prefix `path` (no state file, no numbering)."""
+        return self.root.write(path)

@@ -1,0 +1,37 @@
+"""The update path as an extension: `train.grad_accum_steps` and `train.clip_global_norm` take the
+step's optimizer update over (trainer/update/accumulation.py, clipping.py) by wrapping the step.
+
+Always part of a run: it also refuses Keras' own clipping where it would clip each replica's
+gradients (several replicas). Taking the update over works under the synchronous strategies
+only: under parameter_server each worker's update is applied on its own, asynchronously, and
+neither a sum over micro-batches nor a global norm across replicas exists there.
+"""
+from __future__ import annotations
+
+from trainer.distribution import modes
+from trainer.extensions.protocol import Extension, Setup
+from trainer.update import accumulation
+
+
+class UpdatePath(Extension):
+    """Gradient accumulation over micro-batches and/or clipping by the global norm after the sum."""
+
+    name = "update_path"
+    setting = "train.grad_accum_steps, train.clip_global_norm"
+    supports = modes.SYNCHRONOUS
+    unsupported_reason = "asynchronous updates"
+
+    def __init__(self, grad_accum_steps: int = 1, clip_global_norm: float | None = None):
+        self.options = accumulation.UpdateOptions(grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm)
+        if not self.options.takes_over:
+            self.supports = modes.ALL  # only the check of Keras' clipping: everywhere
+        self.setting = " and ".join(name for name, on in (("train.grad_accum_steps", grad_accum_steps != 1),
+                                                          ("train.clip_global_norm", clip_global_norm is not None))
+                                    if on) or "train.grad_accum_steps"
+
+    def attach(self, setup: Setup) -> None:
+        accumulation.prepare(self.options, setup.task.optimizers, num_replicas=setup.runtime.num_replicas,
+                             global_batch_size=setup.settings.global_batch_size,
+                             jit_compile=setup.settings.jit_compile)
+        if self.options.takes_over:
+            setup.wrap_step(lambda step_fn: accumulation.update_step(step_fn, self.options))
