@@ -1,0 +1,107 @@
+"""The worked example of a user extension, experiments/swa (stochastic weight averaging), as a user
+runs it: under one device, mirrored and 2 MultiWorkerMirrored workers; killed with SIGKILL at a
+random step after its first checkpoint and restarted, its averaged weights end bit for bit as an
+uninterrupted run's; refused in one line under parameter_server; exported when asked."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.support import REPO, read_jsonl, run_main, run_module, subprocess_env, tree_digest
+from tests.test_multiworker import model_weights
+from tests.test_resume import kill_group, wait_for_step
+
+SWA = "--gin_file=experiments/swa/swa.gin"
+SHORT = [f"--gin_bindings={b}" for b in (
+    "train.total_steps=120", "train.eval_every_steps=40", "train.checkpoint_every_steps=40",
+    "train.log_every_steps=1", "train.steps_per_loop=20", "swa.start_step=40", "swa.every_steps=10")]
+
+
+def averages(model_dir: str) -> dict[str, np.ndarray]:
+    """The SWA means in model_dir's newest checkpoint, by checkpoint key."""
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(model_dir))
+    keys = [k for k in reader.get_variable_to_shape_map() if k.startswith("swa/means/")]
+    assert keys, "no SWA means in the checkpoint"
+    return {k: reader.get_tensor(k) for k in keys}
+
+
+def swa_evals(model_dir: str) -> list[int]:
+    return [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "eval_swa"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["single", "mirrored"])
+def test_swa_trains_and_evaluates_beside_the_raw_weights(tmp_path, mode):
+    model_dir = str(tmp_path / "run")
+    proc = run_main(f"--gin_file=gin/{mode}.gin", SWA, f"--model_dir={model_dir}", *SHORT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert swa_evals(model_dir) == [40, 80, 120]  # after every raw eval once it holds a snapshot
+    assert "eval (SWA) at step 120" in proc.stdout
+    means, raw = averages(model_dir), model_weights(model_dir)
+    assert len(means) == len(raw) and not any(np.array_equal(m, r) for m in means.values() for r in raw.values())
+
+
+@pytest.mark.timeout(500)
+def test_swa_under_two_multiworker_mirrored_workers(tmp_path):
+    model_dir = str(tmp_path / "run")
+    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", SWA,
+                      f"--model_dir={model_dir}", *SHORT, timeout=450, env=subprocess_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert swa_evals(model_dir) == [40, 80, 120]
+    assert averages(model_dir)
+
+
+@pytest.mark.timeout(600)
+def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bit(tmp_path):
+    def command(model_dir: str) -> list[str]:
+        return [sys.executable, "-m", "trainer.main", "--gin_file=gin/mirrored.gin", SWA,
+                f"--model_dir={model_dir}", *SHORT]
+
+    reference_dir, resumed_dir = str(tmp_path / "reference"), str(tmp_path / "resumed")
+    reference = subprocess.run(command(reference_dir), cwd=REPO, env=subprocess_env(), capture_output=True,
+                               text=True, timeout=280)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    kill_at = random.Random().randint(41, 110)  # after the first checkpoint (40), before the end
+    first = subprocess.Popen(command(resumed_dir), cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_step(resumed_dir, kill_at, first)
+    finally:
+        kill_group(first)
+    restart = subprocess.run(command(resumed_dir), cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                             timeout=280)
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert "continuing from step" in restart.stdout, (kill_at, restart.stdout[-2000:])
+    expected, got = averages(reference_dir), averages(resumed_dir)
+    assert sorted(expected) == sorted(got)
+    for key in expected:
+        assert np.array_equal(expected[key], got[key]), (kill_at, key)  # bit for bit
+
+
+@pytest.mark.timeout(200)
+def test_swa_is_refused_under_parameter_server_in_one_line(tmp_path):
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    proc = run_main("--gin_file=gin/ps.gin", SWA, f"--model_dir={model_dir}", *SHORT, timeout=150)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [proc.stderr.strip().splitlines()[-1]] and len(errors) == 1
+    assert errors[0].startswith("error: swa (train.extensions) is not supported with parameter_server"), errors
+    assert tree_digest(str(model_dir)) == {}
+
+
+@pytest.mark.timeout(300)
+def test_swa_weights_are_exported_when_asked(tmp_path):
+    model_dir = str(tmp_path / "run")
+    proc = run_main("--gin_file=gin/single.gin", SWA, f"--model_dir={model_dir}", *SHORT,
+                    "--gin_bindings=swa.export=True", "--gin_bindings=train.export_saved_model=True", timeout=250)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exported SavedModel (SWA weights)" in proc.stdout
+    assert os.path.exists(os.path.join(model_dir, "export", "120", "saved_model.pb"))
