@@ -69,3 +69,28 @@ def random_input(split):
 
 random_input.deterministic = False
 random_input.num_classes = 10
+
+
+@gin.configurable
+def none_optimizer(global_batch_size, total_steps):
+    return None
+
+
+@gin.configurable
+def none_model(input_shape, num_classes):
+    return None
+
+
+@gin.configurable
+def none_step(model, optimizer, batch, global_batch_size):
+    return None
+
+
+@gin.configurable
+def list_metrics():
+    return [keras.metrics.AUC()]
+
+
+@gin.configurable
+def number_metrics():
+    return {"auc": 3}

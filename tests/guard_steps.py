@@ -74,3 +74,20 @@ def double_learning_rate_step(model, optimizer, batch, global_batch_size):
         return tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size) + regularization_loss(model)
 
     return {"loss": _train(model, optimizer, images, labels, loss_fn, gradient_scale=2.0)}
+
+
+@gin.configurable
+def contrastive_mean_step(model, optimizer, batch, global_batch_size):
+    """experiments/contrastive's step (negatives gathered across replicas) with its loss a per-replica
+    mean: it depends on other replicas' examples and is mis-scaled as well."""
+    from experiments.contrastive.contrastive import supervised_contrastive
+
+    images, labels = _batch(batch)
+    context = tf.distribute.get_replica_context()
+    with tf.GradientTape() as tape:
+        z = tf.math.l2_normalize(call_model(model, images, training=True), axis=-1)
+        z_all, labels_all = context.all_gather(z, axis=0), context.all_gather(labels, axis=0)
+        offset = tf.cast(context.replica_id_in_sync_group, tf.int32) * tf.shape(z)[0]
+        loss = tf.reduce_mean(supervised_contrastive(z, labels, z_all, labels_all, offset, 0.1))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return {"loss": loss}

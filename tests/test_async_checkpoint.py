@@ -153,7 +153,7 @@ def test_a_roll_back_restores_the_checkpoint_whose_write_was_pending(poisoned, t
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--gin_file=gin/ps.gin", ASYNC], "train.async_checkpoint works with the synchronous strategies only"),
+    (["--gin_file=gin/ps.gin", ASYNC], "train.async_checkpoint is not supported with parameter_server"),
     (["--gin_file=gin/single.gin", "--gin_bindings=train.async_checkpoint='yes'"],
      "train.async_checkpoint must be True or False, got 'yes'"),
 ])

@@ -95,10 +95,11 @@ def test_unknown_mode_is_one_error_line():
 
 def test_table_says_where_fit_cannot_run():
     from trainer import bench, data
+    from trainer.run.settings import Settings
 
-    settings = {"strategy": "multi_worker_mirrored", "global_batch_size": 64, "steps_per_loop": 10,
-                "log_every_steps": 100, "checkpoint_every_steps": 200, "jit_compile": False,
-                "mixed_precision": None, "data_source": data.Digits(), "model_fn": len}
+    settings = Settings(strategy="multi_worker_mirrored", global_batch_size=64, steps_per_loop=10,
+                        log_every_steps=100, checkpoint_every_steps=200, jit_compile=False,
+                        mixed_precision=None, data_source=data.Digits(), model_fn=len)
     variants = bench.plan_variants(settings, ["limit", "ours", "fit"], [1, 10])
     assert [v.status for v in variants] == ["ok", "ok", "cannot_run", "cannot_run"]
     for v in variants[:2]:

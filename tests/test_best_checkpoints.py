@@ -2,13 +2,16 @@
 against metrics.jsonl's eval records; kept across a restart; under parameter_server too."""
 from __future__ import annotations
 
+import json
 import os
+import random
 
 import pytest
 import tensorflow as tf
 
 from tests.support import read_jsonl, run_main
-from tests.test_early_stopping import BEST_2, NEVER_IMPROVES, SHORT, best_steps, top_k_steps
+from tests.test_early_stopping import BEST_2, KILLABLE, NEVER_IMPROVES, SHORT, best_steps, killed_and_restarted, \
+    top_k_steps
 
 
 def bind(**values) -> list[str]:
@@ -48,8 +51,8 @@ def test_an_unknown_metric_is_one_line_naming_the_outputs(tmp_path):
                     "--gin_bindings=train.keep_best=1", "--gin_bindings=train.best_metric='top5'", timeout=200)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == "error: 'top5' is not an output of eval split 'eval'; its outputs are ['accuracy', 'loss'] " \
-                   "(write '<split>/<name>' for another split)", last
+    assert last == "error: train.best_metric 'top5' is not an output of eval split 'eval'; its outputs are " \
+                   "['accuracy', 'loss'] (write '<split>/<name>' for another split)", last
 
 
 @pytest.mark.timeout(300)
@@ -64,6 +67,28 @@ def test_best_checkpoints_and_early_stopping_under_parameter_server(tmp_path):
                        "--gin_bindings=train.keras_callbacks=[@keras.callbacks.TerminateOnNaN()]", timeout=200)
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1] == (
-        "error: train.keras_callbacks works with the synchronous strategies only, not 'parameter_server' "
-        "(use train.early_stopping there)")
+        "error: train.keras_callbacks is not supported with parameter_server (fit's callbacks expect one "
+        "synchronous model); it works with the synchronous strategies: use train.early_stopping there")
     assert not os.path.exists(tmp_path / "other") or not os.listdir(tmp_path / "other")
+
+
+@pytest.mark.timeout(500)
+def test_a_killed_and_restarted_run_holds_the_best_checkpoints_an_uninterrupted_one_does(tmp_path):
+    """The ranking is in the checkpoint: by the highest loss the best evals are the first ones (10, 20),
+    which a resumed run that forgot its ranking (restarting from 30) would never see again."""
+    flags = ["--gin_file=gin/single.gin", *KILLABLE, "--gin_bindings=train.total_steps=80",
+             "--gin_bindings=train.keep_best=2", "--gin_bindings=train.best_metric='loss'",
+             "--gin_bindings=train.best_mode='max'"]
+    reference_dir, resumed_dir = str(tmp_path / "reference"), str(tmp_path / "resumed")
+    reference = run_main(*flags, f"--model_dir={reference_dir}", timeout=200)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    restart = killed_and_restarted(flags, resumed_dir, kill_at=random.Random().choice([40, 50, 70]))
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert "continuing from step" in restart.stdout
+    assert best_steps(reference_dir) == [10, 20]  # the highest losses: the first evals
+    assert best_steps(resumed_dir) == best_steps(reference_dir)
+    assert sorted(os.listdir(os.path.join(resumed_dir, "best"))) == sorted(os.listdir(os.path.join(reference_dir,
+                                                                                                   "best")))
+    with open(os.path.join(resumed_dir, "best", "best.json")) as a, \
+            open(os.path.join(reference_dir, "best", "best.json")) as b:
+        assert json.load(a) == json.load(b)

@@ -1,5 +1,5 @@
 """train.clip_global_norm clips the update's gradient after the cross-replica sum: the same weights
-on 1, 2 and 4 replicas; Keras' own global_clipnorm (per replica, DESIGN.md rule 11) is refused."""
+on 1, 2 and 4 replicas; Keras' own global_clipnorm (per replica, docs/design.md, rule 11) is refused."""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,9 @@ import pytest
 from tests.support import read_jsonl, run_main, run_module, run_python
 from tests.update_runs import CLIP, STEPS, max_difference
 from trainer.update import accumulation
+from trainer.update.update_path import UpdatePath
+from trainer.extensions.registry import Registry
+from trainer.run.settings import Settings
 from trainer.errors import UserError
 
 
@@ -50,7 +53,7 @@ def test_bad_clip_global_norm_is_one_line(value):
 def test_parameter_server_refuses_both_options():
     for name, value in (("grad_accum_steps", 2), ("clip_global_norm", 1.0)):
         with pytest.raises(UserError, match=f"train.{name} is not supported with parameter_server"):
-            accumulation.UpdateOptions(**{name: value}).check_strategy("parameter_server")
+            Registry([UpdatePath(**{name: value})], Settings(strategy="parameter_server"))
 
 
 @pytest.mark.timeout(300)

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
+import subprocess
+import sys
 
 import pytest
 
-from tests.support import read_jsonl, run_main, run_module, subprocess_env, tree_digest
+from tests.support import REPO, read_jsonl, run_main, run_module, subprocess_env, tree_digest
 from tests.test_multiworker import trainer_pids_for
-from trainer.extensions.early_stopping import EarlyStoppingHook, monitored
+from tests.test_resume import kill_group, wait_for_step
+from trainer.extensions.early_stopping import EarlyStop
+from trainer.extensions.monitoring import monitored
 
 # A metric that stops improving: no change of the eval loss beats min_delta 100, so the first
 # eval is the best and the run stops `patience` evals later.
@@ -35,7 +40,7 @@ def best_steps(model_dir: str) -> list[int]:
 
 
 def test_the_rule_is_keras_rule_and_a_function_of_the_history():
-    hook = EarlyStoppingHook(monitored("early_stopping.", "loss", "min", ("eval",), min_delta=0.1), patience=2)
+    hook = EarlyStop(monitored("early_stopping.", "loss", "min", ("eval",), min_delta=0.1), patience=2)
     hook._history = [(10, 1.0), (20, 0.95), (30, 0.85), (40, 0.8)]  # 0.95 and 0.8: not by more than 0.1
     assert hook._standing() == (30, 1)
     hook._history.append((50, float("nan")))  # NaN never improves
@@ -97,3 +102,40 @@ def test_two_multiworker_mirrored_workers_stop_at_the_same_step_and_keep_the_bes
     assert files == sorted(["best.json", "checkpoint"] + [f"ckpt-{s}.{ext}" for s in best_steps(model_dir)
                                                           for ext in ("index", "data-00000-of-00001")])
     assert not trainer_pids_for(model_dir)
+
+
+KILLABLE = ["--gin_bindings=train.model_fn=@mlp", "--gin_bindings=train.total_steps=120",
+            "--gin_bindings=train.eval_every_steps=10", "--gin_bindings=train.checkpoint_every_steps=30",
+            "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.log_every_steps=10"]
+
+
+def killed_and_restarted(flags: list[str], model_dir: str, kill_at: int) -> subprocess.CompletedProcess:
+    """`trainer.main flags` SIGKILLed once step `kill_at` is logged, then run again to its end."""
+    command = [sys.executable, "-m", "trainer.main", *flags, f"--model_dir={model_dir}"]
+    first = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_step(model_dir, kill_at, first)
+    finally:
+        kill_group(first)
+    return subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=200)
+
+
+@pytest.mark.timeout(500)
+def test_a_killed_and_restarted_run_stops_where_an_uninterrupted_one_does(tmp_path):
+    """The patience count is in the checkpoint: resumed from step 30 after a kill at 40 or 50, the run
+    still stops at step 60 (10 + 5 evals); one that forgot its history would go on to step 90."""
+    flags = ["--gin_file=gin/single.gin", *KILLABLE, *NEVER_IMPROVES, "--gin_bindings=early_stopping.patience=5"]
+    reference = run_main(*flags, f"--model_dir={tmp_path / 'reference'}", timeout=200)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert "early stopping at step 60" in reference.stdout
+    resumed_dir = str(tmp_path / "resumed")
+    restart = killed_and_restarted(flags, resumed_dir, kill_at=random.Random().choice([40, 50]))
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert "continuing from step 30" in restart.stdout and "early stopping at step 60" in restart.stdout
+    records = read_jsonl(os.path.join(resumed_dir, "metrics.jsonl"))
+    assert max(r["step"] for r in records) == 60 and os.path.exists(os.path.join(resumed_dir, "ckpt-60.index"))
+    evals = {r["step"]: r["loss"] for r in records if r["split"] == "eval"}
+    expected = {r["step"]: r["loss"] for r in read_jsonl(str(tmp_path / "reference" / "metrics.jsonl"))
+                if r["split"] == "eval"}
+    assert evals == expected

@@ -9,6 +9,8 @@ import pytest
 
 from tests.support import read_jsonl, run_main, run_module, run_python, subprocess_env
 from trainer.extensions import ema
+from trainer.extensions.registry import Registry
+from trainer.run.settings import Settings
 from trainer.errors import UserError
 
 SMALL = ["--gin_file=gin/single.gin", "--gin_bindings=cnn.filters=(8,)", "--gin_bindings=cnn.dense_units=16",
@@ -122,4 +124,4 @@ def test_bad_decay_is_one_line_and_parameter_server_is_refused(tmp_path):
     assert len(errors) == 1 and "train.ema_decay must be a number > 0 and < 1" in errors[0], errors
     assert not model_dir.exists()
     with pytest.raises(UserError, match="train.ema_decay is not supported with parameter_server"):
-        ema.check_ema_decay(0.9, "parameter_server")  # train checks this before the runtime is made
+        Registry([ema.Ema(0.9)], Settings(strategy="parameter_server"))  # before the runtime is made

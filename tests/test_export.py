@@ -9,6 +9,8 @@ import pytest
 
 from tests.support import run_main, run_python
 from trainer.extensions import export
+from trainer.extensions.registry import Registry
+from trainer.run.settings import Settings
 from trainer.errors import UserError
 
 SMALL = ["--gin_bindings=cnn.filters=(8,)", "--gin_bindings=cnn.dense_units=16", "--gin_bindings=train.total_steps=20",
@@ -94,4 +96,4 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, args, expected):
 
 def test_parameter_server_is_refused():
     with pytest.raises(UserError, match="train.export_saved_model is not supported with parameter_server"):
-        export.check_export(True, "parameter_server")  # train checks this before the runtime is made
+        Registry([export.Export()], Settings(strategy="parameter_server"))  # before the runtime is made

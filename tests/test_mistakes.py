@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import textwrap
 
 import pytest
@@ -123,7 +124,36 @@ CASES: dict[str, tuple[list[str], str]] = {
     "rollback_with_nondeterministic_input": ([IMPORT, *bind("train.input_fn = @random_input",
                                                              "train.nonfinite = 'rollback'")], "deterministic = False"),
     "input_fn_not_a_dataset": ([IMPORT, *bind("train.input_fn = @list_input")], "list_input"),
+    # what every bound function returns, checked for kind and structure
+    "optimizer_fn_returns_none": ([IMPORT, *bind("train.optimizer_fn = @none_optimizer")],
+                                  "none_optimizer returned NoneType, not an optimizer"),
+    "model_fn_returns_none": ([IMPORT, *bind("train.model_fn = @none_model")], "none_model returned NoneType"),
+    "step_returns_none": ([IMPORT, *bind("train.step_fn = @none_step")], "returned NoneType"),
+    "eval_metrics_fn_returns_list": ([IMPORT, *bind("train.eval_metrics_fn = @list_metrics")],
+                                     "list_metrics returned list; return a dict of names to Keras metrics"),
+    "eval_metrics_fn_returns_numbers": ([IMPORT, *bind("train.eval_metrics_fn = @number_metrics")],
+                                        "number_metrics returned {'auc': int}"),
+    "hooks_not_hooks": (bind("train.hooks = [3]"), "train.hooks must be a list of hooks"),
+    "extensions_not_extensions": (bind("train.extensions = ['swa']"), "train.extensions must be a list of extensions"),
+    "keras_callbacks_not_callbacks": (bind("train.keras_callbacks = [3]"),
+                                      "train.keras_callbacks must be a list of keras.callbacks.Callback"),
+    # models that build on their first call, and those that cannot
+    "model_without_weights": (["--gin_bindings=import tests.unbuilt_models", *bind("train.model_fn = @weightless")],
+                              "has no trainable variables even after a call on a batch of the train features"),
+    "model_not_buildable_from_the_features": (["--gin_bindings=import tests.unbuilt_models",
+                                               *bind("train.model_fn = @noise_generator")],
+                                              "is not built, and calling it on a batch of the train features"),
+    # extensions refused once the traced outputs are known, before the first write
+    "best_metric_not_an_output": (bind("train.keep_best = 2", "train.best_metric = 'top5'"),
+                                  "train.best_metric 'top5' is not an output of eval split 'eval'"),
+    "early_stopping_metric_not_an_output": (bind("train.early_stopping = @early_stopping()",
+                                                 "early_stopping.metric = 'auc'"),
+                                            "early_stopping.metric 'auc' is not an output"),
+    "ema_decay_out_of_range": (bind("train.ema_decay = 2.0"), "train.ema_decay must be a number > 0 and < 1"),
 }
+# Cases run in an empty model_dir (holding only a user's file) rather than a copy of an existing
+# run's, where the resume check (a changed model) would speak first, also in one line.
+FRESH_ONLY = {"model_cannot_take_the_batch"}
 
 DRIVER = textwrap.dedent("""
     import contextlib, io, json, os, sys, traceback
@@ -161,13 +191,22 @@ def test_the_table_has_at_least_40_mistakes():
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
+    """Every case against a copy of an existing run's model_dir (with a user's file in it): a refusal
+    must leave a run's checkpoints, records and metrics byte for byte as they were."""
     root = tmp_path_factory.mktemp("mistakes")
     for name, text in (("unclosed", UNCLOSED), ("include", MISSING_INCLUDE), ("syntax", SYNTAX)):
         (root / f"{name}.gin").write_text(text)
+    existing = root / "existing"
+    proc = run_main(GIN, f"--model_dir={existing}", "--gin_bindings=train.total_steps=20",
+                    "--gin_bindings=train.checkpoint_every_steps=10", "--gin_bindings=train.eval_every_steps=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     cases = {}
     for name, (args, _) in CASES.items():
         model_dir = root / name
-        model_dir.mkdir()
+        if name in FRESH_ONLY:
+            model_dir.mkdir()
+        else:
+            shutil.copytree(existing, model_dir)
         (model_dir / "notes.txt").write_text("a file the user keeps in model_dir\n")
         cases[name] = ([a.replace("{dir}", str(root)) for a in args], str(model_dir))
     os.environ["MISTAKES"] = json.dumps(cases)

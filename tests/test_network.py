@@ -1,4 +1,4 @@
-"""Local clusters are closed to the network (DESIGN.md rule 12), seen from the host.
+"""Local clusters are closed to the network (docs/design.md, rule 12), seen from the host.
 
 A real embedded ParameterServer run and a real 2-worker `trainer.launch` run: while they
 train, the listening TCP sockets of every process of the run are sampled from /proc. In the

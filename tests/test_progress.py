@@ -109,20 +109,17 @@ class _Optimizer:
 
 
 def _run_context(is_chief: bool, printed: list[str]):
-    from trainer.hooks.base import RunContext
+    from trainer.hooks.base import Console, Run
 
-    return RunContext(
-        model_dir="unused", is_chief=is_chief, total_steps=30, start_step=0, global_batch_size=8,
-        strategy=None, model=None, optimizer=_Optimizer(), saver=None, evaluators={},
-        metrics_log=_Log(), print_fn=printed.append,
-    )
+    return Run(model_dir="unused", is_chief=is_chief, total_steps=30, start_step=0, global_batch_size=8,
+               model=None, optimizer=_Optimizer(), console=Console(printed.append), metrics_log=_Log())
 
 
 def _drive(logger, run, calls, eval_at=None):
     logger.begin(run)
     step = 0
     for num_steps in calls:
-        run.train_seconds += 0.01 * num_steps
+        run.clock.train_seconds += 0.01 * num_steps
         step += num_steps
         logger.after_loop(run, step, {"loss": 1.0 / step})
         if step == eval_at:
@@ -131,7 +128,7 @@ def _drive(logger, run, calls, eval_at=None):
 
 
 def test_non_chief_workers_print_one_line_unless_asked():
-    from trainer.hooks.base import ProgressLogger
+    from trainer.hooks.progress import ProgressLogger
 
     quiet, chatty = [], []
     _drive(ProgressLogger(10), _run_context(False, quiet), [10, 10, 10])
@@ -141,7 +138,7 @@ def test_non_chief_workers_print_one_line_unless_asked():
 
 
 def test_forced_bar_keeps_metrics_records_and_prints_other_lines_above_it():
-    from trainer.hooks.base import ProgressLogger
+    from trainer.hooks.progress import ProgressLogger
 
     printed, screen = [], io.StringIO()
     logger = ProgressLogger(10, live=True, refresh_secs=0.0, stream=screen)
@@ -149,7 +146,9 @@ def test_forced_bar_keeps_metrics_records_and_prints_other_lines_above_it():
     _drive(logger, run, [5, 5, 10, 10], eval_at=20)
     assert [(step, split) for step, split, _ in run.metrics_log.records] == [(10, "train"), (20, "train"), (30, "train")]
     assert set(run.metrics_log.records[0][2]) == {"loss", "learning_rate", "steps_per_sec", "examples_per_sec"}
-    assert printed == ["eval at step 20"] and run.print_fn == printed.append  # restored at the end
+    assert printed == ["eval at step 20"]
     text = screen.getvalue()
+    run.print_fn("after the run")  # the bar is gone: lines go straight through, the screen stays as it was
+    assert printed[-1] == "after the run" and screen.getvalue() == text
     assert [int(m.group(1)) for m in BAR.finditer(text)] == [5, 10, 20, 20, 30]  # 20 again after the eval line
     assert text.endswith("\n") and text.count("\n") == 1

@@ -300,7 +300,7 @@ def test_tf_module_variables_shard_across_ps_tasks_and_sigterm_ends_the_cluster(
 
 
 def test_a_partitioner_with_a_keras_model_is_a_user_error():
-    """Keras 3 layers fail on ShardedVariable (DESIGN rule 8): refused before the first step.
+    """Keras 3 layers fail on ShardedVariable (docs/design.md, rule 8): refused before the first step.
     (End to end the same config exits 2 with this line; checked here in-process, to keep
     one more cluster start out of the suite.)"""
     from trainer.task import models

@@ -39,7 +39,7 @@ def test_strategies_on_two_logical_cpus():
 
 
 def test_unknown_strategy_names_the_choices():
-    with pytest.raises(UserError, match="unknown strategy 'mirorred'.*central_storage"):
+    with pytest.raises(UserError, match="unknown train.strategy 'mirorred'.*central_storage"):
         strategies.make_strategy("mirorred")
 
 

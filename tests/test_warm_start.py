@@ -12,6 +12,8 @@ import tensorflow as tf
 from tests.support import run_main, tree_digest
 from trainer.task import models
 from trainer.extensions import warm_start
+from trainer.extensions.registry import Registry
+from trainer.run.settings import Settings
 from trainer.errors import UserError
 
 SMALL = ["--gin_file=gin/single.gin", "--gin_bindings=cnn.filters=(8,)", "--gin_bindings=train.steps_per_loop=10"]
@@ -79,9 +81,9 @@ def test_shape_mismatch_and_bad_paths_are_user_errors(tmp_path):
         warm_start.warm_start(cnn(dense_units=32), prefix)
     for bad in (str(tmp_path / "nothing"), str(tmp_path), str(tmp_path / "x.weights.h5")):
         with pytest.raises(UserError, match="train.warm_start"):
-            warm_start.check_warm_start(bad, "default")
+            warm_start.WarmStart(bad)
     with pytest.raises(UserError, match="not supported with parameter_server"):
-        warm_start.check_warm_start(prefix, "parameter_server")
+        Registry([warm_start.WarmStart(prefix)], Settings(strategy="parameter_server"))
 
 
 @pytest.mark.timeout(200)

@@ -1,0 +1,123 @@
+"""The extension protocol's one place of decisions (trainer/extensions/registry.py), driven with small
+in-process fakes: capability refusals in one wording, the order of stages, the checks on `after`,
+names and state, named values; and the capability table in the docs made from the declarations."""
+from __future__ import annotations
+
+import os
+import re
+
+import keras
+import pytest
+
+from tests.support import REPO
+from trainer.distribution import modes
+from trainer.errors import UserError
+from trainer.extensions import capabilities, factory
+from trainer.extensions.protocol import Contributions, Extension, Setup
+from trainer.extensions.registry import Registry
+from trainer.hooks.base import Hook
+from trainer.run.settings import Settings
+
+PS = Settings(strategy="parameter_server")
+
+
+class Recorder(Extension):
+    """Records the stages it is taken through."""
+
+    def __init__(self, name: str, log: list, *, after=(), state=None, supports=modes.ALL):
+        self.name, self.after, self._state, self.supports, self._log = name, tuple(after), state, supports, log
+
+    def check(self, settings):
+        self._log.append(("check", self.name))
+
+    def attach(self, setup):
+        self._log.append(("attach", self.name))
+
+    def state_dict(self):
+        return self._state
+
+
+class Plain(Hook):
+    name = "plain"
+
+
+def names(hooks) -> list[str]:
+    return [getattr(h, "name", "") or type(h).__name__ for h in hooks]
+
+
+def test_every_built_in_refused_under_parameter_server_says_so_in_one_wording():
+    refused = [(setting, support) for setting, support in capabilities.rows() if "parameter_server" not in support]
+    assert {s for s, _ in refused} >= {"train.ema_decay", "train.export_saved_model", "train.warm_start",
+                                       "train.keras_callbacks", "train.jit_compile", "train.async_checkpoint"}
+    wording = re.compile(r"^(\S.*) is not supported with parameter_server \((.+)\); it works with the synchronous "
+                         r"strategies: (.+)$")
+    on = dict(ema_decay=0.9, export_saved_model=True, keras_callbacks=[keras.callbacks.TerminateOnNaN()],
+              nonfinite="rollback", grad_accum_steps=2, clip_global_norm=1.0)  # warm_start: tests/test_warm_start.py
+    for key, value in on.items():
+        settings = Settings(strategy="parameter_server", **{key: value})
+        with pytest.raises(UserError) as refusal:
+            Registry(factory.participants(settings), settings)
+        assert wording.match(str(refusal.value)), str(refusal.value)
+    for key in ("jit_compile", "async_checkpoint"):
+        with pytest.raises(UserError, match=wording.pattern.replace("^(\\S.*)", f"^train.{key}")):
+            Settings(strategy="parameter_server", **{key: True})
+    # A user's extension declaring no support there is refused the same way, naming how it was turned on.
+    with pytest.raises(UserError, match=r"^swa \(train.extensions\) is not supported with parameter_server"):
+        Registry([Recorder("swa", [], supports=modes.SYNCHRONOUS)], PS)
+    Registry(factory.participants(Settings(strategy="parameter_server", keep_best=2)), PS)  # supported: no error
+
+
+def test_stages_follow_after_and_the_checkpoint_runs_after_every_extension_with_state():
+    log = []
+    *first, checkpoint = factory.participants(Settings())
+    participants = [*first, Recorder("b", log, after=("a",)), Recorder("a", log), Plain(),
+                    Recorder("kept", log, state={"n": 0}), checkpoint]
+    registry = Registry(participants, Settings())
+    order = names(registry.hooks)
+    assert order.index("a") < order.index("b")
+    assert order.index("kept") < order.index("checkpoint") and order.index("plain") < order.index("checkpoint")
+    assert order[:2] == ["progress", "eval"] and order[-1] == "checkpoint"  # what others read first, as given
+    registry.check()
+    assert [n for stage, n in log if stage == "check"] == [n for n in order if n in ("a", "b", "kept")]
+
+
+def test_after_must_name_something_known_and_not_loop():
+    with pytest.raises(UserError, match=r"runs after 'evall', which is neither"):
+        Registry([Recorder("x", [], after=("evall",))], Settings())
+    Registry([Recorder("x", [], after=("warm_start",))], Settings())  # a built-in that is off constrains nothing
+    with pytest.raises(UserError, match="form a cycle"):
+        Registry([Recorder("x", [], after=("y",)), Recorder("y", [], after=("x",))], Settings())
+    with pytest.raises(UserError, match="two hooks or extensions of this run are named 'x'"):
+        Registry([Recorder("x", []), Recorder("x", [])], Settings())
+
+
+def test_state_cannot_be_ordered_after_the_checkpoint():
+    participants = [*factory.participants(Settings()), Recorder("late", [], after=("checkpoint",), state={})]
+    with pytest.raises(UserError, match="late keeps state of its own, so it must run before the checkpoint"):
+        Registry(participants, Settings())
+
+
+def test_a_named_value_has_one_provider():
+    contributions = Contributions()
+    first = Setup(Recorder("ema", []), Settings(), None, None, contributions, print)
+    second = Setup(Recorder("swa", []), Settings(), None, None, contributions, print)
+    first.provide("export_weights", 1)
+    assert second.value("export_weights") == 1 and second.value("missing", "none") == "none"
+    with pytest.raises(UserError, match="ema and swa both provide 'export_weights'"):
+        second.provide("export_weights", 2)
+
+
+def test_update_wrappers_compose_in_order_and_after_update_actions_all_run():
+    contributions, calls = Contributions(), []
+    contributions.step_wrappers += [lambda f: lambda *a: f(*a) + "1", lambda f: lambda *a: f(*a) + "2"]
+    assert contributions.wrap(lambda: "step")() == "step12"
+    assert contributions.after_update_action() is None
+    contributions.after_update += [lambda: calls.append("a"), lambda: calls.append("b")]
+    contributions.after_update_action()()
+    assert calls == ["a", "b"]
+
+
+def test_the_docs_capability_table_is_the_one_the_declarations_make():
+    with open(os.path.join(REPO, "docs", "around-the-step.md")) as f:
+        text = f.read()
+    assert capabilities.table() in text
