@@ -2,7 +2,7 @@
 
 What differs from the tutorial's classifier is only what a researcher writes: an input function
 of `(features float32 [10], target float32 [])`, a model with one output, a step with a Keras loss
-at `reduction=None` averaged by the GLOBAL batch size (DESIGN.md rule 2), and an eval step that
+at `reduction=None` averaged by the GLOBAL batch size (docs/design.md, rule 2), and an eval step that
 returns sums. Features and target are standardised with the train split's statistics, so the
 mean predictor (the train mean target) predicts 0 and its eval MSE is the eval split's mean of
 squared standardised targets: reported beside the model's as `baseline_mse`.
