@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 from tests.support import REPO, read_jsonl, run_main, run_module, subprocess_env
+from trainer.distribution import local_cluster
 
 PS = "--gin_file=gin/ps.gin"
 SERVER_LINE = re.compile(r"server (\w+) (\d+) \(pid (\d+)\) listening at")
@@ -326,6 +327,20 @@ def test_workers_and_ps_tasks_are_refused_by_main_and_servers_check_tf_config(tm
     assert as_chief.returncode == 2 and "runs 'worker' or 'ps' tasks" in as_chief.stderr
     bad = run_module("trainer.server", timeout=60, env=subprocess_env(TF_CONFIG='{"cluster": {"ps": ["nohost"]}}'))
     assert bad.returncode == 2 and "not host:port" in bad.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_ps_run_resolved_from_slurm_starts_no_cluster_of_its_own(tmp_path):
+    """The chief of a SLURM job must join the job's tasks: outside an srun step it says what is
+    missing instead of training on an embedded cluster in a namespace of its own."""
+    slurm = "--gin_bindings=train.cluster_resolver='slurm'"
+    run = run_main(PS, f"--model_dir={tmp_path / 'run'}", slurm, timeout=90)
+    assert run.returncode == 2
+    assert_one_line_error(run.stderr, "slurm resolver chosen but SLURM_PROCID")
+    assert "local cluster" not in run.stdout + run.stderr and not os.path.exists(tmp_path / "run")
+    assert not local_cluster.expects_embedded_cluster([PS, slurm])
+    assert local_cluster.expects_embedded_cluster([PS, slurm, "--gin_bindings=train.cluster_resolver='tf_config'"])
+    assert not local_cluster.needs_local_cluster("parameter_server", "slurm")
 
 
 def test_split_steps_is_exact_and_even():

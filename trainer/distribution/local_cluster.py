@@ -265,9 +265,11 @@ def _environ(name: str, value: str) -> Iterator[None]:
             os.environ[name] = previous
 
 
-def needs_local_cluster(strategy: str) -> bool:
-    """A ParameterServer run with no cluster given (no TF_CONFIG) gets an embedded one."""
-    return strategy == "parameter_server" and not os.environ.get("TF_CONFIG", "").strip()
+def needs_local_cluster(strategy: str, cluster_resolver: str = "tf_config") -> bool:
+    """A ParameterServer run with no cluster given (no TF_CONFIG, not resolved from SLURM) gets
+    an embedded one."""
+    return (strategy == "parameter_server" and cluster_resolver == "tf_config"
+            and not os.environ.get("TF_CONFIG", "").strip())
 
 
 @contextlib.contextmanager
@@ -282,6 +284,7 @@ def embedded_cluster(
 
 _coordinates_ps_cluster = False
 _STRATEGY = re.compile(r"""\bstrategy\s*=\s*['"](\w+)['"]""")
+_RESOLVER = re.compile(r"""\bcluster_resolver\s*=\s*['"](\w+)['"]""")
 _INCLUDE = re.compile(r"""^\s*include\s+['"]([^'"]+)['"]""", re.M)
 
 
@@ -291,9 +294,9 @@ def isolate_early(argv: Sequence[str]) -> None:
     cluster, or if the image that exec'd this one asked to.
 
     Entering needs a single-threaded process, and only the gin config says whether the run
-    is a ParameterServer one, so this reads the flags' gin files and bindings as text (the
-    last `strategy = '...'` wins). A run this misses is caught by `cluster_for`, which
-    re-executes the process into the namespace.
+    is a ParameterServer one without a cluster, so this reads the flags' gin files and
+    bindings as text (the last `strategy = '...'` and `cluster_resolver = '...'` win). A run
+    this misses is caught by `cluster_for`, which re-executes the process into the namespace.
     """
     netns.enter_if_requested(WHAT)
     if not netns.is_private() and expects_embedded_cluster(argv):
@@ -301,15 +304,18 @@ def isolate_early(argv: Sequence[str]) -> None:
 
 
 def expects_embedded_cluster(argv: Sequence[str]) -> bool:
-    """Whether `python -m trainer.main argv` (no TF_CONFIG) trains ParameterServer, by text."""
+    """Whether `python -m trainer.main argv` (no TF_CONFIG) trains ParameterServer on a cluster of
+    its own (not one resolved from SLURM), by text."""
     modes, print_config = _flag_values(argv, "mode"), _flag_values(argv, "print_config")
     if os.environ.get("TF_CONFIG", "").strip() or modes[-1:] not in ([], ["train"]):
         return False
     if print_config[-1:] not in ([], ["false"], ["False"], ["0"]):
         return False
     texts = [text for path in _flag_values(argv, "gin_file") for text in _gin_texts(path, set())]
-    strategies = [m for text in texts + _flag_values(argv, "gin_bindings") for m in _STRATEGY.findall(text)]
-    return bool(strategies) and strategies[-1] == "parameter_server"
+    texts += _flag_values(argv, "gin_bindings")
+    strategies = [m for text in texts for m in _STRATEGY.findall(text)]
+    resolvers = [m for text in texts for m in _RESOLVER.findall(text)]
+    return strategies[-1:] == ["parameter_server"] and resolvers[-1:] in ([], ["tf_config"])
 
 
 def _flag_values(argv: Sequence[str], name: str) -> list[str]:
@@ -349,6 +355,7 @@ def cluster_for(
     *,
     print_fn: Callable[[str], None] = print,
     model_dir: str | None = None,
+    cluster_resolver: str = "tf_config",
 ) -> contextlib.AbstractContextManager:
     """What an entry point runs `train` in: an embedded cluster when `needs_local_cluster`.
 
@@ -360,7 +367,7 @@ def cluster_for(
     """
     global _coordinates_ps_cluster
     _coordinates_ps_cluster = strategy == "parameter_server"
-    if not needs_local_cluster(strategy):
+    if not needs_local_cluster(strategy, cluster_resolver):
         return contextlib.nullcontext()
     netns.reexec_isolated(WHAT, [f"--model_dir={model_dir}"] if model_dir else [])
     return embedded_cluster(make_config(), print_fn=print_fn)
