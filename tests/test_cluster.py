@@ -219,6 +219,17 @@ def test_slurm_jobs_make_a_parameter_server_cluster(slurm_env):
     assert (info.task_type, info.task_id, info.has_ps) == ("worker", 0, True)
 
 
+def test_slurm_jobs_give_a_server_its_task(slurm_env):
+    from trainer import server
+
+    kind, options = server.parse_args(["--cluster_resolver=slurm",
+                                       "--cluster_resolver_options={'jobs': {'chief': 1, 'ps': 1, 'worker': 2}}"])
+    info = server.server_task(kind, options)
+    assert (info.task_type, info.task_id) == ("worker", 0)
+    assert info.cluster["worker"] == ["node2:8888", "node2:8889"]
+    assert server.parse_args([]) == ("tf_config", {})
+
+
 def test_slurm_with_gpus_uses_tensorflows_resolver(slurm_env, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     resolver = cluster.make_cluster_resolver("slurm")

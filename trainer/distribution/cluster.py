@@ -23,7 +23,7 @@ _ALLOWED_TASK_TYPES = {
     "parameter_server": {"chief", "worker", "ps", "evaluator"},
     **{name: {"chief", "worker"} for name in _SINGLE_MACHINE_STRATEGIES},
 }
-_RESOLVER_KINDS = ("tf_config", "slurm")
+RESOLVER_KINDS = ("tf_config", "slurm")
 _FIX_HINT = (
     'write it like {"cluster": {"worker": ["host:port", ...]}, '
     '"task": {"type": "worker", "index": 0}}'
@@ -152,7 +152,7 @@ def make_cluster_resolver(kind: str = "tf_config", **slurm_kwargs: Any) -> Any:
         return tf.distribute.cluster_resolver.TFConfigClusterResolver()
     if kind == "slurm":
         return _slurm_resolver(slurm_kwargs)
-    kinds = ", ".join(map(repr, _RESOLVER_KINDS))
+    kinds = ", ".join(map(repr, RESOLVER_KINDS))
     raise UserError(f"unknown cluster_resolver {kind!r}; use one of {kinds}")
 
 
