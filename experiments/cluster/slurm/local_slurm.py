@@ -83,6 +83,9 @@ JobCompType=jobcomp/none
 SchedulerType=sched/backfill
 # Pending jobs (a requeued one, once cred_expire has passed) are tried every 2 s, not every 30-60 s.
 SchedulerParameters=sched_interval=2,bf_interval=2
+# On a loaded machine slurmd can take over 10 s (the default) to answer; a message that timed out
+# is sent again later, and a retried signal for a requeued job would hit its next run.
+MessageTimeout=60
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
@@ -145,7 +148,7 @@ def up(directory: str) -> int:
 
 
 def run(directory: str, command: list[str]) -> None:
-    """Replaces this process by `command` in the cluster's network (and UTS) namespace, SLURM_CONF set."""
+    """Replaces this process by `command` in the cluster's network and UTS namespaces, SLURM_CONF set."""
     if not command:
         raise ClusterError("run needs a command: local_slurm.py run DIR -- sinfo")
     state = read_state(directory)
@@ -269,7 +272,10 @@ class _Cluster:
             self._end(self._daemons[name])
         for pid in processes_in(self.netns):
             if pid != os.getpid():
-                os.kill(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # ended meanwhile
         deadline = time.monotonic() + GRACE_SECS
         while [p for p in processes_in(self.netns) if p != os.getpid()] and time.monotonic() < deadline:
             self.reap_orphans()
