@@ -24,6 +24,7 @@ import time
 import pytest
 
 from tests.support import REPO, read_jsonl, run_module, subprocess_env
+from tests.test_network import listening
 from tests.test_resume import per_step_losses
 
 SCRIPT = os.path.join(REPO, "experiments", "cluster", "slurm", "local_slurm.py")
@@ -55,7 +56,7 @@ PS_BINDINGS = [f"train.total_steps={PS_STEPS}", f"train.checkpoint_every_steps={
                f"train.eval_every_steps={PS_STEPS}", "train.log_every_steps=20"]
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                "DEADLINE", "PREEMPTED"}
-JOB_TIMEOUT_SECS = 240
+JOB_TIMEOUT_SECS = 400  # a loaded machine (other jobs on its 2 cores) takes twice the usual 100 s
 EVENT_FILE_PID = re.compile(r"events\.out\.tfevents\.\d+\.localhost\.(\d+)\.")  # TensorFlow names them so
 # A base port with `count` free ports above it, found in the cluster's own network namespace.
 _FREE_PORTS = """
@@ -67,6 +68,11 @@ while True:
         print(base)
         break
 """
+
+
+def listening_ports(net_dir: str) -> set[int]:
+    """Ports with a listening TCP socket in the network namespace that `net_dir` shows."""
+    return {int(address.rpartition(":")[2], 16) for address in listening(net_dir).values()}
 
 
 class Cluster:
@@ -94,12 +100,13 @@ class Cluster:
         """sbatch `script` from the repository root, its model_dir and temp dir under the job's own dir."""
         job_dir = os.path.join(self.jobs_dir, name)
         os.makedirs(os.path.join(job_dir, "tmp"))
+        port_base = self.free_port_base(ports)
         env = subprocess_env(PYTHON=sys.executable, MODEL_DIR=os.path.join(job_dir, "model"),
-                             PORT_BASE=str(self.free_port_base(ports)), TMPDIR=os.path.join(job_dir, "tmp"))
+                             PORT_BASE=str(port_base), TMPDIR=os.path.join(job_dir, "tmp"))
         proc = self.run("sbatch", "--parsable", f"--chdir={REPO}", f"--output={job_dir}/%j.out", *sbatch,
                         f"experiments/cluster/slurm/{script}", *args, env=env)
         assert proc.returncode == 0, proc.stderr
-        return Job(self, proc.stdout.strip().split(";")[0], job_dir)
+        return Job(self, proc.stdout.strip().split(";")[0], job_dir, range(port_base, port_base + ports))
 
     def leftovers(self, grace_secs: float = 15) -> list[str]:
         """What still runs in the cluster's namespace besides `up` and its daemons (job steps,
@@ -112,6 +119,14 @@ class Cluster:
         return [_command_line(pid) for pid in left]
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    except OSError:
+        return None
+
+
 def _command_line(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -121,8 +136,8 @@ def _command_line(pid: int) -> str:
 
 
 class Job:
-    def __init__(self, cluster: Cluster, job_id: str, job_dir: str):
-        self.cluster, self.id, self.dir = cluster, job_id, job_dir
+    def __init__(self, cluster: Cluster, job_id: str, job_dir: str, ports: range):
+        self.cluster, self.id, self.dir, self.ports = cluster, job_id, job_dir, ports
         self.model_dir = os.path.join(job_dir, "model")
 
     def info(self) -> dict[str, str]:
@@ -140,16 +155,20 @@ class Job:
         return info
 
     def task_pids(self, count: int, timeout: float = 120) -> dict[int, int]:
-        """SLURM task id -> pid of step 0's tasks, once all `count` run (scontrol listpids)."""
+        """SLURM task id -> pid of step 0's tasks, once all `count` run (scontrol listpids, which
+        also lists what a task has started, under the task's id: the task is the one whose parent
+        is not listed)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             proc = self.cluster.run("scontrol", "listpids", f"{self.id}.0")
             rows = [line.split() for line in proc.stdout.splitlines()[1:]]
-            pids = {int(row[4]): int(row[0]) for row in rows if len(row) == 5 and row[4].isdigit()}
+            listed = {int(row[0]): int(row[4]) for row in rows if len(row) == 5 and row[4].isdigit()}
+            pids = {task: pid for pid, task in listed.items() if _parent(pid) not in listed}
             if len(pids) == count:
                 return pids
             time.sleep(0.2)
-        raise AssertionError(f"job {self.id}: {count} tasks not running after {timeout} s")
+        raise AssertionError(f"job {self.id}: {count} tasks not running after {timeout} s: {proc.stdout} "
+                             f"{self.info()['JobState']} {self.output()[-2000:]}")
 
     def output(self) -> str:
         with open(os.path.join(self.dir, f"{self.id}.out"), errors="replace") as f:
@@ -202,13 +221,20 @@ def mwms_job(cluster):
     """The 2-task MultiWorkerMirrored job, run to its end: (job, its task pids, its final info)."""
     job = cluster.submit("mwms.sbatch", "mwms", [f"--gin_bindings={b}" for b in MWMS_BINDINGS], ports=2)
     pids = job.task_pids(2)
+    # The tasks' TensorFlow servers listen on all addresses, but only in the cluster's namespace.
+    deadline = time.monotonic() + 120
+    while not set(job.ports) <= (seen := listening_ports(f"/proc/{pids[0]}/net")):
+        assert time.monotonic() < deadline, (f"no TensorFlow servers on {list(job.ports)} (listening: {seen}; "
+                                             f"{job.info()['JobState']}) {job.output()[-2000:]}")
+        time.sleep(0.1)
+    assert not set(job.ports) & listening_ports("/proc/self/net")
     info = job.wait()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, job.output()[-4000:])
     assert not cluster.leftovers()
     return job, pids, info
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_mwms_job_trains_on_both_tasks_only_task_0_writes_and_matches_trainer_launch(mwms_job, tmp_path):
     job, pids, info = mwms_job
     output = job.output()
@@ -235,7 +261,7 @@ def test_mwms_job_trains_on_both_tasks_only_task_0_writes_and_matches_trainer_la
     assert abs(got["accuracy"] - expected["accuracy"]) <= 0.01, (got, expected)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_a_job_preempted_with_sigterm_is_requeued_and_continues_exactly(cluster, mwms_job):
     uninterrupted = per_step_losses(mwms_job[0].model_dir)
     job = cluster.submit("mwms.sbatch", "preempted", [f"--gin_bindings={b}" for b in MWMS_BINDINGS], ports=2)
@@ -267,7 +293,7 @@ def test_a_job_preempted_with_sigterm_is_requeued_and_continues_exactly(cluster,
     assert not cluster.leftovers()
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_parameter_server_job_splits_its_tasks_by_the_resolvers_jobs_and_completes(cluster):
     job = cluster.submit("ps.sbatch", "ps", [f"--gin_bindings={b}" for b in PS_BINDINGS], ports=4,
                          sbatch=("--overcommit",))  # 4 tasks on a node of 2 CPUs
