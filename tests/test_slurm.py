@@ -78,10 +78,8 @@ def listening_ports(net_dir: str) -> set[int]:
 class Cluster:
     """The running `local_slurm.py up DIR` and what the tests ask of it."""
 
-    def __init__(self, directory: str, process: subprocess.Popen, output: list[str]):
+    def __init__(self, directory: str):
         self.directory = directory
-        self.process = process
-        self.output = output
         self.state = local_slurm.read_state(directory)
         self.jobs_dir = os.path.join(directory, "jobs")
         os.makedirs(self.jobs_dir)
@@ -201,7 +199,7 @@ def cluster(tmp_path_factory):
         while not ready.wait(0.2):
             assert process.poll() is None, "".join(output)
             assert time.monotonic() < deadline, "cluster not ready after 90 s:\n" + "".join(output)
-        started = Cluster(directory, process, output)
+        started = Cluster(directory)
         yield started
     finally:
         process.send_signal(signal.SIGTERM)
