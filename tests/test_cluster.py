@@ -196,6 +196,7 @@ def slurm_env(monkeypatch):
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
     monkeypatch.setenv("SLURM_STEP_NODELIST", "node[1-2]")
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2)")
+    monkeypatch.setenv("SLURMD_NODENAME", "node2")  # rank 2 of 2(x2) runs on the second node
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # restored after the test
 
 
@@ -219,6 +220,17 @@ def test_slurm_jobs_make_a_parameter_server_cluster(slurm_env):
     assert (info.task_type, info.task_id, info.has_ps) == ("worker", 0, True)
 
 
+def test_slurm_jobs_give_a_server_its_task(slurm_env):
+    from trainer import server
+
+    kind, options = server.parse_args(["--cluster_resolver=slurm",
+                                       "--cluster_resolver_options={'jobs': {'chief': 1, 'ps': 1, 'worker': 2}}"])
+    info = server.server_task(kind, options)
+    assert (info.task_type, info.task_id) == ("worker", 0)
+    assert info.cluster["worker"] == ["node2:8888", "node2:8889"]
+    assert server.parse_args([]) == ("tf_config", {})
+
+
 def test_slurm_with_gpus_uses_tensorflows_resolver(slurm_env, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     resolver = cluster.make_cluster_resolver("slurm")
@@ -235,6 +247,23 @@ def test_slurm_without_slurm_env_names_the_missing_variables(slurm_env, monkeypa
                        r"SLURM_STEP_NODELIST not set: run inside an sbatch/srun job or use "
                        r"cluster_resolver='tf_config'$"):
         cluster.make_cluster_resolver("slurm")
+
+
+@pytest.mark.parametrize("gpus_per_node", [0, 1])
+def test_slurm_refuses_an_address_on_another_node_than_the_tasks_own(slurm_env, monkeypatch, gpus_per_node):
+    """SLURM puts task 0 of node[9-10] on node9; TensorFlow's resolver sorts node10 first."""
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[9-10]")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "1(x2)")
+    monkeypatch.setenv("SLURMD_NODENAME", "node9")
+    with pytest.raises(UserError, match=r"^slurm resolver: task 0 runs on node9 but TensorFlow's "
+                       r"SlurmClusterResolver gives it node10:8888 .*cluster_resolver='tf_config'$"):
+        cluster.make_cluster_resolver("slurm", gpus_per_node=gpus_per_node)
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[10-11]")
+    monkeypatch.setenv("SLURMD_NODENAME", "node10")
+    resolver = cluster.make_cluster_resolver("slurm", gpus_per_node=gpus_per_node)
+    assert resolver.cluster_spec().as_dict() == {"worker": ["node10:8888", "node11:8888"]}
 
 
 @pytest.mark.parametrize("kwargs, expected", [

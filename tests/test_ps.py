@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 from tests.support import REPO, read_jsonl, run_main, run_module, subprocess_env
+from trainer.distribution import early_isolation, local_cluster
 
 PS = "--gin_file=gin/ps.gin"
 SERVER_LINE = re.compile(r"server (\w+) (\d+) \(pid (\d+)\) listening at")
@@ -327,6 +328,41 @@ def test_workers_and_ps_tasks_are_refused_by_main_and_servers_check_tf_config(tm
     assert as_chief.returncode == 2 and "runs 'worker' or 'ps' tasks" in as_chief.stderr
     bad = run_module("trainer.server", timeout=60, env=subprocess_env(TF_CONFIG='{"cluster": {"ps": ["nohost"]}}'))
     assert bad.returncode == 2 and "not host:port" in bad.stderr
+
+
+ONE_NODE_STEP = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "4"}
+SLURM_JOBS = "{'jobs': {'chief': 1, 'ps': 1, 'worker': 2}, 'gpus_per_node': 0}"
+
+
+@pytest.mark.timeout(120)
+def test_a_ps_run_resolved_from_slurm_starts_no_cluster_of_its_own(tmp_path):
+    """The chief of a SLURM job must join the job's tasks: outside an srun step it says what is
+    missing instead of training on an embedded cluster in a namespace of its own."""
+    slurm = "--gin_bindings=train.cluster_resolver='slurm'"
+    run = run_main(PS, f"--model_dir={tmp_path / 'run'}", slurm, timeout=90)
+    assert run.returncode == 2
+    assert_one_line_error(run.stderr, "slurm resolver chosen but SLURM_PROCID")
+    assert "local cluster" not in run.stdout + run.stderr and not os.path.exists(tmp_path / "run")
+    assert not early_isolation.expects_embedded_cluster([PS, slurm])
+    assert early_isolation.expects_embedded_cluster([PS, slurm, "--gin_bindings=train.cluster_resolver='tf_config'"])
+    assert not local_cluster.needs_local_cluster("parameter_server", "slurm")
+
+
+@pytest.mark.timeout(120)
+def test_a_server_resolved_from_slurm_checks_its_flags_and_its_task():
+    bad_kind = run_module("trainer.server", "--cluster_resolver=k8s", timeout=60)
+    assert bad_kind.returncode == 2
+    assert_one_line_error(bad_kind.stderr, "--cluster_resolver", "invalid choice: 'k8s'")
+    not_a_dict = run_module("trainer.server", "--cluster_resolver=slurm", "--cluster_resolver_options=[1]", timeout=60)
+    assert not_a_dict.returncode == 2
+    assert_one_line_error(not_a_dict.stderr, "--cluster_resolver_options='[1]' is not a Python dict")
+    outside = run_module("trainer.server", "--cluster_resolver=slurm", timeout=60)
+    assert outside.returncode == 2
+    assert_one_line_error(outside.stderr, "slurm resolver chosen but SLURM_PROCID")
+    as_chief = run_module("trainer.server", "--cluster_resolver=slurm", f"--cluster_resolver_options={SLURM_JOBS}",
+                          timeout=60, env=subprocess_env(SLURM_PROCID="0", **ONE_NODE_STEP))
+    assert as_chief.returncode == 2
+    assert_one_line_error(as_chief.stderr, "task.type is 'chief' but trainer.server runs 'worker' or 'ps' tasks")
 
 
 def test_split_steps_is_exact_and_even():

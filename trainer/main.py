@@ -116,8 +116,10 @@ def run(argv: list[str]) -> None:
         model_dir = FLAGS.model_dir or default_model_dir()
         if not FLAGS.model_dir:
             print(f"model_dir: {model_dir}", flush=True)
-        strategy = gin.get_bindings("train", resolve_references=False).get("strategy", "default")
-        with local_cluster.cluster_for(strategy, configurables.local_cluster, print_fn=print_fn):
+        bindings = gin.get_bindings("train", resolve_references=False)
+        strategy, resolver = bindings.get("strategy", "default"), bindings.get("cluster_resolver", "tf_config")
+        with local_cluster.cluster_for(strategy, configurables.local_cluster, print_fn=print_fn,
+                                       cluster_resolver=resolver):
             configurables.train(
                 model_dir=model_dir, describe_config=gin.operative_config_str,
                 hparams=gin_config.hparams(FLAGS.gin_file, FLAGS.gin_bindings, [REPO_ROOT]), print_fn=print_fn,

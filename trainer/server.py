@@ -1,4 +1,4 @@
-"""`python -m trainer.server`: one worker or ps task of a ParameterServer cluster, from TF_CONFIG.
+"""`python -m trainer.server`: one worker or ps task of a ParameterServer cluster, from TF_CONFIG or SLURM.
 
 In ParameterServer training only the coordinator (task `chief`) runs the training
 program; workers and parameter servers are plain TensorFlow servers that execute
@@ -6,6 +6,12 @@ what the coordinator sends them. This module is that server:
 
     TF_CONFIG='{"cluster": {"chief": [...], "worker": [...], "ps": [...]},
                 "task": {"type": "worker", "index": 0}}' python -m trainer.server
+
+or, as a task of an srun step, with the cluster resolved from SLURM by the same resolver
+and options as the chief's `train.cluster_resolver` and `train.cluster_resolver_options`:
+
+    python -m trainer.server --cluster_resolver=slurm \
+        --cluster_resolver_options="{'jobs': {'chief': 1, 'ps': 1, 'worker': 2}}"
 
 It checks TF_CONFIG with `trainer.cluster` (one line and exit 2 on a mistake),
 sets `GRPC_FAIL_FAST=use_caller` before TensorFlow loads (so a dead peer is an
@@ -18,10 +24,13 @@ dies (the launcher or an embedded cluster killed with SIGKILL) exits too, so
 no server outlives what started it.
 """
 
+import argparse
+import ast
 import os
 import signal
 import sys
 import threading
+from typing import Any
 
 os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -52,6 +61,44 @@ def check_server_task(info: cluster.ClusterInfo) -> None:
                 f"TF_CONFIG: cluster has no {needed!r} tasks; a ParameterServer cluster needs "
                 "at least one worker and one ps"
             )
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one `error:` line, not usage + message
+        raise UserError(f"trainer.server: {message}; see --help")
+
+
+def parse_args(argv: list[str]) -> tuple[str, dict[str, Any]]:
+    """The resolver kind and its options, spelled like the chief's gin parameters."""
+    parser = _ArgumentParser(prog="python -m trainer.server", description="A worker or ps task.")
+    parser.add_argument("--cluster_resolver", choices=cluster.RESOLVER_KINDS, default="tf_config",
+                        help="where the cluster comes from, as train.cluster_resolver")
+    parser.add_argument("--cluster_resolver_options", default="{}",
+                        help="the resolver's options as a Python dict, as train.cluster_resolver_options")
+    args = parser.parse_args(argv)
+    try:
+        options = ast.literal_eval(args.cluster_resolver_options)
+    except (SyntaxError, ValueError):
+        options = None
+    if not isinstance(options, dict):
+        raise UserError(
+            f"trainer.server: --cluster_resolver_options={args.cluster_resolver_options!r} is not a "
+            "Python dict; write it like \"{'jobs': {'chief': 1, 'ps': 1, 'worker': 2}}\""
+        )
+    return args.cluster_resolver, options
+
+
+def server_task(resolver_kind: str, options: dict[str, Any]) -> cluster.ClusterInfo:
+    """This task from TF_CONFIG (TensorFlow not loaded) or from SLURM, checked as a server task."""
+    if resolver_kind == "tf_config" and not options:
+        info = cluster.cluster_from_env(cluster.allowed_task_types_for("parameter_server"))
+    else:
+        from trainer import quiet_start
+
+        quiet_start.import_tensorflow()  # the resolvers need it; without its load-time notices
+        info = cluster.resolve("parameter_server", resolver_kind, **options)
+    check_server_task(info)
+    return info
 
 
 def inter_op_threads(info: cluster.ClusterInfo) -> int:
@@ -92,10 +139,9 @@ def say(line: str) -> None:
         pass
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     try:
-        info = cluster.cluster_from_env(cluster.allowed_task_types_for("parameter_server"))
-        check_server_task(info)
+        info = server_task(*parse_args(argv))
     except UserError as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
         return 2
@@ -110,7 +156,7 @@ def main() -> int:
 if __name__ == "__main__":
     code = 1
     try:
-        code = main()
+        code = main(sys.argv[1:])
     finally:
         # The gRPC server has no shutdown and a normal exit can hang in its threads, so the
         # process always ends here, whatever happened.

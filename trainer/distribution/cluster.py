@@ -18,7 +18,7 @@ from typing import Any
 from trainer.distribution import modes
 from trainer.errors import UserError
 
-_RESOLVER_KINDS = ("tf_config", "slurm")
+RESOLVER_KINDS = ("tf_config", "slurm")
 _FIX_HINT = (
     'write it like {"cluster": {"worker": ["host:port", ...]}, '
     '"task": {"type": "worker", "index": 0}}'
@@ -148,7 +148,7 @@ def make_cluster_resolver(kind: str = "tf_config", **slurm_kwargs: Any) -> Any:
         return tf.distribute.cluster_resolver.TFConfigClusterResolver()
     if kind == "slurm":
         return _slurm_resolver(slurm_kwargs)
-    kinds = ", ".join(map(repr, _RESOLVER_KINDS))
+    kinds = ", ".join(map(repr, RESOLVER_KINDS))
     raise UserError(f"unknown cluster_resolver {kind!r}; use one of {kinds}")
 
 
@@ -298,14 +298,34 @@ def _slurm_resolver(kwargs: dict[str, Any]) -> Any:
     gpus_per_node = kwargs.get("gpus_per_node")
     cpu_only = gpus_per_node == 0 or (gpus_per_node is None and not _gpus_visible())
     try:
-        if cpu_only:
-            return _cpu_slurm_resolver(slurm_class, kwargs)
-        return slurm_class(**kwargs)
+        resolver = _cpu_slurm_resolver(slurm_class, kwargs) if cpu_only else slurm_class(**kwargs)
     except (RuntimeError, ValueError) as error:
         raise UserError(
             f"slurm resolver: {str(error).splitlines()[0].rstrip('.')}; "
             "make jobs/tasks_per_node/gpus_* match the srun allocation"
         ) from None
+    _check_own_node(resolver)
+    return resolver
+
+
+def _check_own_node(resolver: Any) -> None:
+    """Refuses an address on another node than the one this task runs on (SLURMD_NODENAME).
+
+    TensorFlow's resolver numbers the tasks through the nodes in the sorted order of their
+    names (node10 before node9), SLURM through its own node order (node9 before node10);
+    where the two differ, tasks would claim each other's addresses and the cluster never forms.
+    """
+    node = os.environ.get("SLURMD_NODENAME")  # set by slurmd in every task
+    address = resolver.cluster_spec().task_address(resolver.task_type, resolver.task_id)
+    host = address.rpartition(":")[0]
+    if node and host != node:
+        raise UserError(
+            f"slurm resolver: task {os.environ['SLURM_PROCID']} runs on {node} but TensorFlow's "
+            f"SlurmClusterResolver gives it {address} (it numbers the tasks through the nodes in "
+            "sorted name order, SLURM in its node order); run on nodes whose names sort in SLURM's "
+            "order (node[10-19], not node[9-10]) or give each task a TF_CONFIG and use "
+            "cluster_resolver='tf_config'"
+        )
 
 
 def _check_slurm_env(kwargs: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from trainer.distribution.local_cluster import WHAT, needs_local_cluster
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _STRATEGY = re.compile(r"""\bstrategy\s*=\s*['"](\w+)['"]""")
+_RESOLVER = re.compile(r"""\bcluster_resolver\s*=\s*['"](\w+)['"]""")
 _INCLUDE = re.compile(r"""^\s*include\s+['"]([^'"]+)['"]""", re.M)
 
 
@@ -25,9 +26,9 @@ def isolate_early(argv: Sequence[str]) -> None:
     cluster, or if the image that exec'd this one asked to.
 
     Entering needs a single-threaded process, and only the gin config says whether the run
-    is a ParameterServer one, so this reads the flags' gin files and bindings as text (the
-    last `strategy = '...'` wins). A run this misses is caught by `cluster_for`, which
-    re-executes the process into the namespace.
+    is a ParameterServer one without a cluster, so this reads the flags' gin files and
+    bindings as text (the last `strategy = '...'` and `cluster_resolver = '...'` win). A run
+    this misses is caught by `cluster_for`, which re-executes the process into the namespace.
     """
     netns.enter_if_requested(WHAT)
     if not netns.is_private() and expects_embedded_cluster(argv):
@@ -35,15 +36,18 @@ def isolate_early(argv: Sequence[str]) -> None:
 
 
 def expects_embedded_cluster(argv: Sequence[str]) -> bool:
-    """Whether `python -m trainer.main argv` (no TF_CONFIG) trains ParameterServer, by text."""
+    """Whether `python -m trainer.main argv` (no TF_CONFIG) trains ParameterServer on a cluster of
+    its own (not one resolved from SLURM), by text."""
     run_modes, print_config = _flag_values(argv, "mode"), _flag_values(argv, "print_config")
     if os.environ.get("TF_CONFIG", "").strip() or run_modes[-1:] not in ([], ["train"]):
         return False
     if print_config[-1:] not in ([], ["false"], ["False"], ["0"]):
         return False
     texts = [text for path in _flag_values(argv, "gin_file") for text in _gin_texts(path, set())]
-    strategies = [m for text in texts + _flag_values(argv, "gin_bindings") for m in _STRATEGY.findall(text)]
-    return bool(strategies) and needs_local_cluster(strategies[-1])
+    texts += _flag_values(argv, "gin_bindings")
+    strategies = [m for text in texts for m in _STRATEGY.findall(text)]
+    resolvers = [m for text in texts for m in _RESOLVER.findall(text)] or ["tf_config"]
+    return bool(strategies) and needs_local_cluster(strategies[-1], resolvers[-1])
 
 
 def _flag_values(argv: Sequence[str], name: str) -> list[str]:

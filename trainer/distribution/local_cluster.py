@@ -264,10 +264,12 @@ def _environ(name: str, value: str) -> Iterator[None]:
             os.environ[name] = previous
 
 
-def needs_local_cluster(strategy: str) -> bool:
-    """A ParameterServer run with no cluster given (no TF_CONFIG) gets an embedded one."""
+def needs_local_cluster(strategy: str, cluster_resolver: str = "tf_config") -> bool:
+    """A ParameterServer run with no cluster given (no TF_CONFIG, not resolved from SLURM) gets
+    an embedded one."""
     mode = modes.MODES.get(strategy)
-    return mode is not None and mode.coordinates_workers and not os.environ.get("TF_CONFIG", "").strip()
+    return (mode is not None and mode.coordinates_workers and cluster_resolver == "tf_config"
+            and not os.environ.get("TF_CONFIG", "").strip())
 
 
 @contextlib.contextmanager
@@ -287,18 +289,19 @@ def cluster_for(
     *,
     print_fn: Callable[[str], None] = print,
     model_dir: str | None = None,
+    cluster_resolver: str = "tf_config",
 ) -> contextlib.AbstractContextManager:
     """What an entry point runs `train` in: an embedded cluster when `needs_local_cluster`.
 
     The embedded cluster, coordinator included, must not be reachable from the network
-    (docs/design.md, rule 12). `early_isolation.isolate_early` has usually entered the private namespace; if
-    not, before the servers start (and their ports are picked) this process re-executes
+    (docs/design.md, rule 12). `early_isolation.isolate_early` has usually entered the private
+    namespace; if not, before the servers start (and their ports are picked) this process re-executes
     itself into it (same pid and flags; `model_dir`, when given, is passed on so the new
     image uses the one already printed). Where that is impossible it warns once and goes on.
     """
     global _coordinates_ps_cluster
     _coordinates_ps_cluster = strategy in modes.MODES and modes.MODES[strategy].coordinates_workers
-    if not needs_local_cluster(strategy):
+    if not needs_local_cluster(strategy, cluster_resolver):
         return contextlib.nullcontext()
     netns.reexec_isolated(WHAT, [f"--model_dir={model_dir}"] if model_dir else [])
     return embedded_cluster(make_config(), print_fn=print_fn)

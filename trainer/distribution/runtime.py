@@ -19,8 +19,6 @@ from trainer.distribution.cluster import ClusterInfo
 from trainer.errors import UserError
 from trainer.validation import check_choice, check_number
 
-RESOLVERS = ("tf_config", "slurm")
-
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
@@ -46,7 +44,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         modes.get(self.strategy)  # an unknown name is one line
-        check_choice("train.cluster_resolver", self.cluster_resolver, RESOLVERS)
+        check_choice("train.cluster_resolver", self.cluster_resolver, cluster.RESOLVER_KINDS)
         if self.device_config is not None and not isinstance(self.device_config, devices.DeviceConfig):
             raise UserError(f"train.device_config must be @devices(), got {self.device_config!r}")
         if self.cluster_resolver_options is not None and not isinstance(self.cluster_resolver_options, Mapping):

@@ -16,6 +16,7 @@ every worker has, so no chief leaves while a peer's watcher still reads from it.
 """
 from __future__ import annotations
 
+import signal
 import sys
 
 import tensorflow as tf
@@ -76,4 +77,7 @@ class Preemption(Extension):
             f"preempted: saved ckpt-{self._step}; exiting {PREEMPTED_EXIT_CODE} so the group can "
             "be restarted (it continues from this step)"
         )
+        # A peer that exits first makes the launcher (srun --kill-on-bad-exit, trainer.launch) SIGTERM
+        # this process too; it is leaving already, and must leave with the code that asks for a restart.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sys.exit(PREEMPTED_EXIT_CODE)
