@@ -159,6 +159,7 @@ DRIVER = textwrap.dedent("""
     import contextlib, io, json, os, sys, traceback
     sys.argv = ["trainer.main"]
     import gin
+    import keras
     from absl import flags
     from trainer import main as main_lib
     from tests.support import tree_digest
@@ -167,6 +168,7 @@ DRIVER = textwrap.dedent("""
     results = {}
     for name, (args, model_dir) in cases.items():
         gin.clear_config()
+        keras.backend.clear_session()  # layer names as a fresh process gives them (the run record holds them)
         flags.FLAGS.unparse_flags()
         before = tree_digest(model_dir)
         err, out = io.StringIO(), io.StringIO()

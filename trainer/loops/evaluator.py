@@ -14,7 +14,7 @@ import tensorflow as tf
 from trainer.errors import UserError
 from trainer.loops.totals import ReplicaTotals
 from trainer.safety import tracing
-from trainer.task.user_code import call_user
+from trainer.task.user_code import call_user, placed
 
 StepFn = Callable[..., Mapping[str, tf.Tensor]]
 WEIGHT_KEY = "__weight__"  # the real examples of a batch, counted by the loop itself
@@ -87,6 +87,7 @@ class Evaluator:
         self._step_name = getattr(eval_step_fn, "__name__", type(eval_step_fn).__name__)
 
         def replica_fn(batch):
+            batch = placed(batch)
             outputs = (call_user(eval_step_fn, model, batch, self._metrics) if takes_metrics
                        else call_user(eval_step_fn, model, batch))
             if not isinstance(outputs, Mapping):

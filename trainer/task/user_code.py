@@ -41,13 +41,14 @@ def call_user(fn: Callable, *args, **kwargs) -> Any:
     return _converting_call()(fn, *args, **kwargs)
 
 
-def call_step(step_fn: Callable, model: Any, optimizer: Any, batch: Any, global_batch_size: int) -> Any:
-    """The user's train step on `batch`, in replica context, through `call_user`.
+def placed(batch: Any) -> Any:
+    """`batch` with each tensor passed through `tf.identity` in replica context, so that it is placed
+    on this replica's device: a tensor that enters `strategy.run` from outside carries no device
+    under MultiWorkerMirroredStrategy, and a cross-replica call on it in a step
+    (`get_replica_context().all_gather(labels)`) then fails with "destinations can not be empty"."""
+    return tf.nest.map_structure(tf.identity, batch)
 
-    Each batch tensor is passed through `tf.identity` first, so that it is placed on this
-    replica's device: a tensor that enters `strategy.run` from outside carries no device under
-    MultiWorkerMirroredStrategy, and a cross-replica call on it in the step
-    (`get_replica_context().all_gather(labels)`) then fails with "destinations can not be empty".
-    """
-    placed = tf.nest.map_structure(tf.identity, batch)
-    return call_user(step_fn, model, optimizer, placed, global_batch_size)
+
+def call_step(step_fn: Callable, model: Any, optimizer: Any, batch: Any, global_batch_size: int) -> Any:
+    """The user's train step on `batch` (`placed`), in replica context, through `call_user`."""
+    return call_user(step_fn, model, optimizer, placed(batch), global_batch_size)
