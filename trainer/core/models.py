@@ -35,9 +35,9 @@ def cnn(
     4, 2, 1); 'valid', Keras' default and the tutorial's, drops an odd last row and column
     (28 -> 14 -> 7 -> 3). The last layer returns logits, from which the built-in steps take
     sparse_categorical_crossentropy: the same loss as the tutorial's softmax layer followed by
-    that loss of its probabilities, only computed without them (Keras' fit, in its graph, also
-    takes the softmax's input; on probabilities it would clip them to [1e-7, 1 - 1e-7], which
-    loses precision and the gradient of confident mistakes).
+    that loss (Keras hands the softmax layer's input on to the loss and computes it from there
+    too). From probabilities alone it would clip them to [1e-7, 1 - 1e-7], which caps the loss
+    of a confident mistake at 16.1 and loses its gradient.
     """
     _check("cnn", filters, "filters", dropout)
     check_int("cnn.dense_units", dense_units)
