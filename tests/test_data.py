@@ -1,5 +1,6 @@
 """Tests of trainer.data and trainer.write_tfrecords with real TensorFlow: shapes, order, resume, sharding."""
 
+import gzip
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ import tensorflow as tf
 
 from tests.support import write_idx
 from trainer import data
-from trainer.data import pipeline
+from trainer.data import fashion_mnist_files, pipeline
 from trainer.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,12 +143,69 @@ def test_fashion_mnist_reads_idx_files(tmp_path):
         np.testing.assert_array_equal(labels, raw_labels)
 
 
-def test_fashion_mnist_missing_files_names_the_path(tmp_path, monkeypatch):
-    with pytest.raises(UserError, match=re.escape(str(tmp_path / "train-images-idx3-ubyte.gz"))):
-        data.FashionMnist(str(tmp_path)).validate()
+def _write_files(directory, counts=(20, 7), images=None, labels=None) -> None:
+    rng = np.random.RandomState(0)
+    os.makedirs(directory, exist_ok=True)
+    for (image_file, label_file), count in zip(data.FASHION_MNIST_FILES.values(), counts):
+        write_idx(os.path.join(directory, image_file), 2051,
+                  rng.randint(0, 256, (count, 28, 28)) if images is None else images)
+        write_idx(os.path.join(directory, label_file), 2049,
+                  rng.randint(0, 10, count) if labels is None else labels)
+
+
+def test_fashion_mnist_is_read_from_data_dir_else_keras_cache_else_debian(tmp_path, monkeypatch):
+    keras_dir, system_dir = tmp_path / "keras" / "datasets" / "fashion-mnist", tmp_path / "debian"
     monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras"))
-    with pytest.raises(UserError, match=os.path.join("keras", "datasets", "fashion-mnist")):
+    monkeypatch.setattr(fashion_mnist_files, "SYSTEM_DIR", str(system_dir))
+    with pytest.raises(UserError) as missing:
         data.FashionMnist().num_examples("train")
+    for named in (str(keras_dir), str(system_dir), "apt-get install dataset-fashion-mnist", "fashion_mnist.data_dir"):
+        assert named in str(missing.value)
+    _write_files(system_dir, counts=(12, 5))
+    assert data.FashionMnist().directory == str(system_dir) and data.FashionMnist().num_examples("train") == 12
+    _write_files(keras_dir, counts=(20, 7))
+    assert data.FashionMnist().directory == str(keras_dir) and data.FashionMnist().num_examples("train") == 20
+    # A directory the user names is the only one read: a typo must not train on other files.
+    with pytest.raises(UserError, match=re.escape(str(tmp_path / "typo" / "train-images-idx3-ubyte.gz"))) as named:
+        data.FashionMnist(str(tmp_path / "typo")).validate()
+    assert str(keras_dir) in str(named.value) and "apt-get install dataset-fashion-mnist" in str(named.value)
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("truncated", "holds 15679 bytes after its header, its header says (20, 28, 28) (15680)"),
+    ("magic", "does not start with the idx header 2051"),
+    ("not_gzip", "is not a complete gzip file"),
+    ("counts", "hold images of (20, 28, 28) and labels of (19,)"),
+    ("label", "holds label 10; the classes are 0..9"),
+])
+def test_fashion_mnist_files_are_checked_by_content(tmp_path, damage, words):
+    _write_files(tmp_path)
+    images_path = tmp_path / "train-images-idx3-ubyte.gz"
+    content = gzip.decompress(images_path.read_bytes())
+    if damage == "truncated":
+        images_path.write_bytes(gzip.compress(content[:-1]))
+    elif damage == "magic":
+        images_path.write_bytes(gzip.compress((2049).to_bytes(4, "big") + content[4:]))
+    elif damage == "not_gzip":
+        images_path.write_bytes(gzip.compress(content)[:100])
+    elif damage == "counts":
+        write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 2049, np.zeros(19))
+    else:
+        write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 2049, np.full(20, 10))
+    with pytest.raises(UserError, match=re.escape(words)):
+        data.FashionMnist(str(tmp_path)).validate()
+
+
+def test_fashion_mnist_of_the_original_size_must_have_its_label_counts(tmp_path):
+    """MNIST digits share the layout and sizes; their classes are not 1,000 each in the test set."""
+    _write_files(tmp_path)
+    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", 2051, np.zeros((10_000, 28, 28)))
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", 2049, np.arange(10_000) % 10)
+    assert data.FashionMnist(str(tmp_path)).num_examples("eval") == 10_000
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", 2049, np.arange(10_000) % 9)
+    with pytest.raises(UserError, match=re.escape("class counts [1112, 1111,")) as unlike:
+        data.FashionMnist(str(tmp_path)).validate()
+    assert "not 1000 each" in str(unlike.value)
 
 
 def test_write_tfrecords_round_trip(tmp_path):

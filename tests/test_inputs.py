@@ -205,7 +205,7 @@ def test_fashion_mnist_validation_split_and_standardization(tmp_path):
         write_idx(tmp_path / label_file, 2049, raw[split][1])
     plain = data.FashionMnist(str(tmp_path))
     assert plain.splits == ("train", "eval")
-    source = data.FashionMnist(str(tmp_path), validation_size=5, standardize=True)
+    source = data.FashionMnist(str(tmp_path), validation_size=5, validation_from="back", standardize="per_pixel")
     inp = data.Input(source, eval_splits=("validation", "eval"))
     inp.validate()
     assert source.splits == ("train", "validation", "eval")
@@ -225,4 +225,4 @@ def test_fashion_mnist_validation_split_and_standardization(tmp_path):
     eval_batches = list(data.eval_dataset(inp, 4, split="validation").as_numpy_iterator())
     assert sum(len(w) for _, _, w in eval_batches) == 5
     with pytest.raises(UserError, match=re.escape("validation_size 20 leaves no training images")):
-        data.FashionMnist(str(tmp_path), validation_size=20).num_examples("train")
+        data.FashionMnist(str(tmp_path), validation_size=20, validation_from="front").num_examples("train")

@@ -6,16 +6,15 @@ give the pipelines `arrays(split)`, so training gathers whole batches from memor
 """
 
 import dataclasses
-import gzip
-import os
 from functools import cached_property
 
 import numpy as np
 import tensorflow as tf
 
+from trainer.data import fashion_mnist_files
 from trainer.data.inputs import SPLITS, Shard, shard_of
 from trainer.errors import UserError
-from trainer.validation import check_bool, check_int, check_ints, check_number
+from trainer.validation import check_choice, check_int, check_ints, check_number
 
 Arrays = tuple[np.ndarray, np.ndarray]
 
@@ -109,31 +108,34 @@ class Synthetic(_InMemorySource):
         return arrays
 
 
-FASHION_MNIST_FILES = {
-    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-    "eval": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
-}
-
-
-def _read_idx(path: str, header_bytes: int) -> np.ndarray:
-    with gzip.open(path, "rb") as f:
-        return np.frombuffer(f.read(), np.uint8, offset=header_bytes)
+FASHION_MNIST_FILES = fashion_mnist_files.FILES
+VALIDATION_FROM = ("front", "back")
+STANDARDIZE = ("global", "per_pixel")
 
 
 @dataclasses.dataclass(frozen=True)
 class FashionMnist(_InMemorySource):
-    """The tutorial's Fashion-MNIST, read from local idx files; never downloaded.
+    """The tutorial's Fashion-MNIST, read from local idx files (trainer/data/fashion_mnist_files.py).
 
-    `validation_size` holds out the LAST that many training images as split 'validation'
-    ('train' is the rest); 'eval' is always the t10k test files. `standardize` does what
-    the tutorial's StandardScaler does on the flattened images: subtracts each pixel's
-    mean and divides by its standard deviation (1 where a pixel is constant), both taken
-    on the 'train' split only and applied to every split, so nothing leaks from held-out data.
+    `validation_size` training images are held out as split 'validation' ('train' is the rest),
+    taken as `validation_from` says: 'front', the first ones (the tutorial's
+    `x_train_all[:5000]`), or 'back', the last ones. 'eval' is always the t10k test files.
+    `standardize` fits the scaling on the 'train' split only and applies it unchanged to every
+    split, so nothing leaks from held-out data:
+    - 'global': one mean and one standard deviation over every pixel of every training image,
+      on the raw 0..255 values: the tutorial's StandardScaler fitted on `x_train.reshape(-1, 1)`.
+      It keeps the images' contrast (a pixel brighter than another stays so by as much).
+    - 'per_pixel': each of the 784 pixels its own mean and deviation (1 where a pixel is constant),
+      on values in [0, 1]: StandardScaler on `x_train.reshape(-1, 784)`. Every pixel then spans
+      the same range over the training set, so an almost always dark border pixel becomes as
+      loud as the centre.
+    - None: the pixels divided by 255.
     """
 
     data_dir: str | None = None
     validation_size: int = 0
-    standardize: bool = False
+    validation_from: str | None = None
+    standardize: str | None = None
     input_shape = (28, 28, 1)
     num_classes = 10
 
@@ -141,7 +143,21 @@ class FashionMnist(_InMemorySource):
         if self.data_dir is not None and not isinstance(self.data_dir, str):
             raise UserError(f"fashion_mnist.data_dir must be a directory path or None, got {self.data_dir!r}")
         check_int("fashion_mnist.validation_size", self.validation_size, minimum=0)
-        check_bool("fashion_mnist.standardize", self.standardize)
+        if self.validation_size and self.validation_from is None:
+            raise UserError(f"fashion_mnist.validation_size = {self.validation_size} needs "
+                            "fashion_mnist.validation_from: 'front' holds out the first images (the tutorial's "
+                            "split), 'back' the last ones (what validation_size alone did before)")
+        if self.validation_from is not None:
+            check_choice("fashion_mnist.validation_from", self.validation_from, VALIDATION_FROM)
+            if not self.validation_size:
+                raise UserError("fashion_mnist.validation_from needs fashion_mnist.validation_size, the number "
+                                "of training images to hold out")
+        if isinstance(self.standardize, bool):
+            raise UserError(f"fashion_mnist.standardize = {self.standardize} is no longer a switch: write 'global' "
+                            "(one mean and deviation over all training pixels, the tutorial's StandardScaler), "
+                            "'per_pixel' (each pixel its own, what True did) or None (no scaling, what False did)")
+        if self.standardize is not None:
+            check_choice("fashion_mnist.standardize", self.standardize, STANDARDIZE)
 
     @property
     def splits(self) -> tuple[str, ...]:
@@ -149,38 +165,47 @@ class FashionMnist(_InMemorySource):
 
     @property
     def directory(self) -> str:
-        """`data_dir`, else where `keras.datasets.fashion_mnist.load_data` caches its files."""
-        keras_home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
-        return self.data_dir or os.path.join(keras_home, "datasets", "fashion-mnist")
+        """Where the files are read from: `data_dir`, else Keras' cache, else Debian's package."""
+        return fashion_mnist_files.find_directory(self.data_dir)
 
     def validate(self) -> None:
-        for name in sum(FASHION_MNIST_FILES.values(), ()):
-            path = os.path.join(self.directory, name)
-            if not os.path.exists(path):
-                raise UserError(f"Fashion-MNIST file {path} is missing (searched {self.directory}): put the four "
-                                "Fashion-MNIST .gz files there or set fashion_mnist.data_dir")
-        if self.validation_size < 0:
-            raise UserError(f"fashion_mnist.validation_size must not be negative, got {self.validation_size}")
+        self._arrays  # reads and checks the files, so a bad one is reported before anything is written
 
     @cached_property
     def _arrays(self) -> dict[str, Arrays]:
-        self.validate()
-        files = {}
-        for split, (image_file, label_file) in FASHION_MNIST_FILES.items():
-            labels = _read_idx(os.path.join(self.directory, label_file), 8)
-            images = _read_idx(os.path.join(self.directory, image_file), 16)
-            files[split] = images.reshape(len(labels), *self.input_shape).astype(np.float32) / 255.0, labels
-        images, labels = files["train"]
+        directory = self.directory
+        (images, labels), test = (fashion_mnist_files.read_split(directory, split) for split in FASHION_MNIST_FILES)
         if self.validation_size >= len(labels):
             raise UserError(f"fashion_mnist.validation_size {self.validation_size} leaves no training images "
                             f"(there are {len(labels)}): use fewer")
-        cut = len(labels) - self.validation_size
-        arrays = {"train": (images[:cut], labels[:cut]), "eval": files["eval"]}
-        if self.validation_size:
-            arrays["validation"] = images[cut:], labels[cut:]
-        if self.standardize:
-            mean = arrays["train"][0].mean(axis=0, dtype=np.float64)
-            std = arrays["train"][0].std(axis=0, dtype=np.float64)
-            std[std < 1e-8] = 1.0  # constant pixels (up to rounding), as StandardScaler does
-            arrays = {split: (((x - mean) / std).astype(np.float32), y) for split, (x, y) in arrays.items()}
-        return arrays
+        cut = self.validation_size if self.validation_from == "front" else len(labels) - self.validation_size
+        first, rest = (images[:cut], labels[:cut]), (images[cut:], labels[cut:])
+        train, validation = (rest, first) if self.validation_from == "front" else (first, rest)
+        arrays = {"train": train, "eval": test, **({"validation": validation} if self.validation_size else {})}
+        scale = {"global": _standardize_globally, "per_pixel": _standardize_per_pixel}.get(self.standardize, _unit)
+        return scale(arrays, self.input_shape)
+
+
+def _shaped(arrays: dict[str, Arrays], shape: tuple[int, ...]) -> dict[str, Arrays]:
+    return {split: (x.reshape(len(x), *shape), y) for split, (x, y) in arrays.items()}
+
+
+def _unit(arrays: dict[str, Arrays], shape: tuple[int, ...]) -> dict[str, Arrays]:
+    return {split: (x.astype(np.float32) / 255.0, y) for split, (x, y) in _shaped(arrays, shape).items()}
+
+
+def _standardize_per_pixel(arrays: dict[str, Arrays], shape: tuple[int, ...]) -> dict[str, Arrays]:
+    arrays = _unit(arrays, shape)
+    mean = arrays["train"][0].mean(axis=0, dtype=np.float64)
+    std = arrays["train"][0].std(axis=0, dtype=np.float64)
+    std[std < 1e-8] = 1.0  # constant pixels (up to rounding), as StandardScaler does
+    return {split: (((x - mean) / std).astype(np.float32), y) for split, (x, y) in arrays.items()}
+
+
+def _standardize_globally(arrays: dict[str, Arrays], shape: tuple[int, ...]) -> dict[str, Arrays]:
+    """As StandardScaler on the float32 pixels: statistics in float64, applied in float32."""
+    train = arrays["train"][0].astype(np.float32)
+    mean, std = train.mean(dtype=np.float64), train.std(dtype=np.float64)
+    std = std if std >= 10 * np.finfo(np.float64).eps else 1.0  # a constant image set, as StandardScaler does
+    mean, std = np.float32(mean), np.float32(std)
+    return {split: ((x.astype(np.float32) - mean) / std, y) for split, (x, y) in _shaped(arrays, shape).items()}
