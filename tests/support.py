@@ -63,6 +63,16 @@ def tree_digest(root: str) -> dict[str, str]:
     return digest
 
 
+def refusal(proc: subprocess.CompletedProcess, model_dir) -> str:
+    """The one `error:` line of a run refused before it wrote anything: exit 2, that line last on
+    stderr and the only one, `model_dir` left empty. Returns the line."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0] == proc.stderr.strip().splitlines()[-1], proc.stderr[-3000:]
+    assert tree_digest(str(model_dir)) == {}
+    return errors[0]
+
+
 def write_idx(path, magic: int, array: np.ndarray) -> None:
     """A gzipped idx file as Fashion-MNIST ships them (magic 2051 images, 2049 labels)."""
     header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)

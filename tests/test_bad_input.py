@@ -8,6 +8,9 @@ import pytest
 
 from tests.support import run_main, tree_digest
 
+# The module-scoped fixture below is shared by this file's tests: one worker runs them all.
+pytestmark = pytest.mark.xdist_group("bad_input")
+
 SHORT = ["--gin_bindings=train.total_steps=20", "--gin_bindings=train.checkpoint_every_steps=10",
          "--gin_bindings=train.eval_every_steps=10", "--gin_bindings=train.log_every_steps=10"]
 

@@ -19,6 +19,9 @@ from tests.support import REPO, read_jsonl, subprocess_env
 from tests.test_ps import assert_all_gone, server_pids
 from tests.test_resume import kill_group, per_step_losses, wait_for_step
 
+# The module-scoped fixture below is shared by this file's tests: one worker runs them all.
+pytestmark = pytest.mark.xdist_group("examples_a")
+
 EXAMPLES = ("regression", "two_inputs", "text")
 STEPS = 100
 SHORT = [f"train.total_steps={STEPS}", f"train.eval_every_steps={STEPS}", f"train.checkpoint_every_steps={STEPS}",

@@ -7,6 +7,9 @@ import pytest
 
 from tests.support import run_python
 
+# The module-scoped fixture below is shared by this file's tests: one worker runs them all.
+pytestmark = pytest.mark.xdist_group("layer_state")
+
 SCRIPT = """
 import json, os, tempfile
 import numpy as np

@@ -18,6 +18,9 @@ import pytest
 
 from tests.support import REPO, run_main, run_python, tree_digest
 
+# The module-scoped fixture below is shared by this file's tests: one worker runs them all.
+pytestmark = pytest.mark.xdist_group("mistakes")
+
 GIN = "--gin_file=gin/single.gin"
 IMPORT = "--gin_bindings=import tests.broken_functions"
 UNCLOSED = "include 'gin/single.gin'\ntrain.total_steps = (3\n"

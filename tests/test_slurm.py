@@ -44,7 +44,9 @@ def _why_not() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=f"no local SLURM cluster: {_why_not()}")
+# One worker runs this file: its tests share one SLURM cluster (a module-scoped fixture).
+pytestmark = [pytest.mark.skipif(_why_not() is not None, reason=f"no local SLURM cluster: {_why_not()}"),
+              pytest.mark.xdist_group("slurm")]
 
 STEPS = 150
 FIRST_CHECKPOINT = 25
