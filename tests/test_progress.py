@@ -25,8 +25,11 @@ def run_under_terminal(args: list[str], timeout: float = 240) -> tuple[int, str,
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     with open(os.devnull) as devnull, tempfile.TemporaryFile("w+") as stderr:
+        # The size comes from the terminal itself: COLUMNS/LINES (set by pytest-xdist's workers to
+        # 80x24) would take precedence over it.
+        env = {k: v for k, v in subprocess_env(TERM="xterm").items() if k not in ("COLUMNS", "LINES")}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=subprocess_env(TERM="xterm"),
+            [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env,
             stdin=devnull, stdout=slave, stderr=stderr,
         )
         os.close(slave)
