@@ -64,8 +64,8 @@ from trainer.tools.bench.compare import compare  # noqa: E402
 from trainer.tools.bench.orbit import INSTALL as ORBIT_INSTALL  # noqa: E402
 from trainer.tools.bench.worker import run_worker  # noqa: E402
 # The report's API where experiments/bench/run.sh and the tests have always found it:
-from trainer.tools.bench.plan import plan_variants  # noqa: E402, F401
-from trainer.tools.bench.report import markdown, paired_ratios, results, text_table  # noqa: E402, F401
+from trainer.tools.bench.plan import VARIANTS, plan_variants  # noqa: E402, F401
+from trainer.tools.bench.report import intervals, markdown, results, text_table  # noqa: E402, F401
 
 FLAGS = flags.FLAGS
 
@@ -88,13 +88,17 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 0, "Steps per measured chunk, rounded up to a multiple of every call length (0: "
                          "the least multiple of log_every_steps and checkpoint_every_steps, so that every chunk holds "
                          "the same hook work: one checkpoint and chunk/log_every_steps progress records).")
-    flags.DEFINE_integer("repeats", 5, "Measured chunks per variant (interleaved across variants).")
+    flags.DEFINE_integer("repeats", 20, "Measured rounds: each runs one chunk of every variant, in alternating "
+                         "order; the 95% intervals of the ratios are over these rounds.")
     flags.DEFINE_integer("warmup_steps", 0, "Steps each variant runs after its first call before measuring "
                          "(0: one chunk).")
-    flags.DEFINE_list("variants", ["limit", "ours", "orbit", "fit"], "Which variants to run: limit, ours, orbit, "
-                      "fit (orbit is reported as not runnable where it is not installed).")
+    flags.DEFINE_list("variants", list(VARIANTS), "Which variants to run: " + ", ".join(VARIANTS) + " (orbit is "
+                      "reported as not runnable where it is not installed).")
     flags.DEFINE_list("fit_steps_per_execution", [], "fit's steps_per_execution values (default: 1 and "
                       "steps_per_loop).")
+    flags.DEFINE_list("cpus", [], "Cores every variant is pinned to (default: every core this process may use).")
+    flags.DEFINE_bool("pause_waiting", True, "Stop (SIGSTOP) every worker but the one being measured; "
+                      "--nopause_waiting leaves them running, blocked on their input, to measure what that costs.")
     flags.DEFINE_string("json", None, "Write all results as JSON here.")
     flags.DEFINE_string("report", None, "Append a markdown table to this file.")
     flags.DEFINE_integer("timeout_secs", 3600, "Longest a variant may take to answer one request.")
@@ -130,7 +134,8 @@ def dispatch(mode: str) -> tuple[int, dict | None]:
                                  step_threads=FLAGS.save_stall_step_threads, print_fn=print_fn)
     return compare(FLAGS.gin_file, FLAGS.gin_bindings, variants=FLAGS.variants, steps=FLAGS.steps,
                    repeats=FLAGS.repeats, warmup_steps=FLAGS.warmup_steps,
-                   fit_steps_per_execution=FLAGS.fit_steps_per_execution, timeout_secs=FLAGS.timeout_secs,
+                   fit_steps_per_execution=FLAGS.fit_steps_per_execution, cpus=FLAGS.cpus,
+                   pause_waiting=FLAGS.pause_waiting, timeout_secs=FLAGS.timeout_secs,
                    json_path=FLAGS.json, report_path=FLAGS.report, argv=sys.argv[1:]), None
 
 
