@@ -60,7 +60,9 @@ class Variant:
         return (steps / max(self.chunks), steps / min(self.chunks)) if self.chunks else None
 
 
-VARIANTS = ("limit", "limit_input", "ours", "ours_async", "orbit", "fit")
+# In the order they run in a forward round: ours between the limit and Orbit, fit next to Orbit, so that the
+# chunks compared most run close together in time.
+VARIANTS = ("limit_input", "ours_async", "limit", "ours", "orbit", "fit")
 
 
 def plan_variants(settings, names: list[str], fit_spes: list[int]) -> list[Variant]:
