@@ -105,6 +105,47 @@ def test_without_orbit_the_variant_is_one_line_and_the_rest_runs(tmp_path):
     assert len(lines) == 1 and "--install_orbit" in lines[0] and "pip install --no-deps" in lines[0], proc.stdout
 
 
+def _made_up_result(ours_seconds: list[float], fit_seconds: list[float]) -> dict:
+    """A bench result on one device from made-up chunk seconds (limit and limit_input 10% faster than ours)."""
+    from trainer import bench, data
+    from trainer.run.settings import Settings
+    from trainer.tools.bench.plan import Schedule
+
+    settings = Settings(strategy="default", global_batch_size=64, steps_per_loop=10, log_every_steps=100,
+                        checkpoint_every_steps=200, jit_compile=False, mixed_precision=None,
+                        data_source=data.Digits(), model_fn=len)
+    variants = bench.plan_variants(settings, ["limit", "limit_input", "ours", "ours_async", "fit"], [1])
+    seconds = {"limit": [s * 0.9 for s in ours_seconds], "limit_input": [s * 0.9 for s in ours_seconds],
+               "ours": ours_seconds, "ours_async": ours_seconds, "fit_spe1": fit_seconds}
+    for v in variants:
+        v.chunks, v.cpu, v.first_step_s, v.compile_count, v.peak_rss_mib = seconds[v.name], seconds[v.name], 4.0, 1, 700.0
+    return bench.results(settings, variants, plan=Schedule(200, 200, len(ours_seconds)), cpus=[0],
+                         pause_waiting=True, load_before=(0.5, 0, 0), load_after=(0.6, 0, 0),
+                         command="python -m trainer.bench --gin_file=gin/single.gin")
+
+
+def test_readme_shows_every_run_of_a_config_with_its_verdicts(tmp_path):
+    from trainer.tools.bench.readme import readme
+
+    rounds = [2.0, 2.4, 2.1, 2.2, 1.9, 2.3]
+    ahead = _made_up_result(rounds, [s * 1.2 for s in rounds])  # fit takes 20% longer every round
+    behind = _made_up_result(rounds, [s * 0.8 for s in rounds])
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "mlp_single.json").write_text(json.dumps(ahead))
+    (tmp_path / "results" / "mlp_single.run2.json").write_text(json.dumps(behind))
+    (tmp_path / "results" / "cnn_single.json").write_text(json.dumps({"ratios": {}}))  # an earlier bench's
+    text = readme(str(tmp_path), "cores (nproc): 2")
+    first = [line for line in text.splitlines() if line.startswith("| mlp_single (run 1) |")]
+    second = [line for line in text.splitlines() if line.startswith("| mlp_single (run 2) |")]
+    assert len(first) == len(second) == 2, text  # one row per run in the summary and in the targets
+    assert all("ahead" in line and "behind" not in line for line in first), first
+    assert all("behind" in line for line in second), second
+    assert "1.200 [1.200, 1.200] ahead" in first[0] and "0.900 [0.900, 0.900]" in first[0]  # fit best, limit
+    assert "### mlp_single (run 2): len on Digits" in text and "cores (nproc): 2" in text
+    assert 'cnn_single; rerun them: `CONFIGS="cnn_single" experiments/bench/run.sh`' in text
+    assert "| cnn_single" not in text and "RUNS=2 experiments/bench/run.sh" in text
+
+
 def test_unknown_mode_is_one_error_line():
     proc = run_module("trainer.bench", "--gin_file=gin/single.gin", "--mode=fast", timeout=120)
     assert proc.returncode == 2
