@@ -76,9 +76,9 @@ from trainer.errors import UserError  # noqa: E402
 from trainer.tools.bench.compare import compare  # noqa: E402
 from trainer.tools.bench.orbit import INSTALL as ORBIT_INSTALL  # noqa: E402
 from trainer.tools.bench.worker import run_worker  # noqa: E402
-# The report's API where experiments/bench/run.sh and the tests have always found it:
+# The report's API where the tests have always found it:
 from trainer.tools.bench.plan import VARIANTS, plan_variants  # noqa: E402, F401
-from trainer.tools.bench.report import intervals, markdown, results, text_table  # noqa: E402, F401
+from trainer.tools.bench.report import markdown, results, text_table  # noqa: E402, F401
 
 FLAGS = flags.FLAGS
 
