@@ -114,7 +114,8 @@ def _made_up_result(ours_seconds: list[float], fit_seconds: list[float]) -> dict
     seconds = {"limit": [s * 0.9 for s in ours_seconds], "limit_input": [s * 0.9 for s in ours_seconds],
                "ours": ours_seconds, "ours_async": ours_seconds, "fit_spe1": fit_seconds}
     for v in variants:
-        v.chunks, v.cpu, v.first_step_s, v.compile_count, v.peak_rss_mib = seconds[v.name], seconds[v.name], 4.0, 1, 700.0
+        v.chunks = v.cpu = seconds[v.name]
+        v.first_step_s, v.compile_count, v.peak_rss_mib = 4.0, 1, 700.0
     return bench.results(settings, variants, plan=Schedule(200, 200, len(ours_seconds)), cpus=[0],
                          pause_waiting=True, load_before=(0.5, 0, 0), load_after=(0.6, 0, 0),
                          command="python -m trainer.bench --gin_file=gin/single.gin")
