@@ -11,9 +11,6 @@ import pytest
 
 from tests.support import run_module, subprocess_env
 
-# The module-scoped fixture below is shared by this file's tests: one worker runs them all.
-pytestmark = pytest.mark.xdist_group("bench")
-
 FIELDS = ("steps_per_sec", "examples_per_sec", "steps_per_sec_min_max", "chunk_seconds", "chunk_cpu_seconds",
           "cores_used", "time_to_first_step_s", "first_call_steps", "compile_count", "peak_rss_mib", "status")
 TINY = ("--gin_file=gin/single.gin", "--gin_bindings=train.model_fn=@mlp", "--gin_bindings=train.global_batch_size=32",
