@@ -8,34 +8,47 @@ For the config's model, data, optimizer, strategy and speed options it measures,
   and precision settings, outputs SUM-reduced and added up) on one batch already on the
   device(s) instead of `next(iterator)`: no input pipeline, no hooks, no Python between
   steps. (Without the per-step reduce and sum it measured slower on this CPU, not faster.)
+- limit_input: the same function on `next(iterator)` of the config's distributed train data:
+  what the input costs every loop (under mirrored, mostly TensorFlow's distributed iterator);
 - ours: `trainer.train.train` itself, unchanged, with its default hooks (progress records
   to metrics.jsonl and TensorBoard every `log_every_steps`, checkpoints every
   `checkpoint_every_steps`, the operative config) and `steps_per_loop` as configured, in a
   temporary model_dir. Eval runs once, after the last measured step (fit gets no
-  validation data either);
+  validation data either); ours_async: the same with `train.async_checkpoint = True`, so
+  that the two side by side show what saving in line costs;
 - orbit: Orbit's `Controller` over an `orbit.StandardTrainer` (TensorFlow Model Garden's loop)
   on the same model, optimizer, step, distributed dataset and strategy, with its checkpoint
   manager and summaries at our intervals (trainer/tools/bench/orbit.py). Orbit is not a
   dependency: `--install_orbit` installs it (pip, without dependencies) into this Python; where
   it is absent the table says so in one line and the rest runs;
 - fit: Keras 3 `model.fit` on the same model, optimizer, input pipeline and strategy, with
-  the step's loss and an accuracy metric, at each `--fit_steps_per_execution` (default 1
-  and `steps_per_loop`); the best one is "fit best". Under multi_worker_mirrored and
-  parameter_server Keras 3 `fit` cannot run (docs/design.md, rule 7): the table says so.
+  the step's loss and an accuracy metric and no callbacks (no saves), at each
+  `--fit_steps_per_execution` (default 1 and `steps_per_loop`); the best one is "fit best".
+  Under multi_worker_mirrored and parameter_server Keras 3 `fit` cannot run (docs/design.md,
+  rule 7): the table says so.
 
 Method. Each variant runs in its own process (so peak RSS is its own), started one after
-the other (so start-up and first step are timed on a quiet machine). Time to first step
-is from process start to the end of its first compiled call (1 step for limit and ours,
-`steps_per_execution` steps for fit). Then every variant runs a warm-up chunk and
-`--repeats` chunks of `--steps` steps, interleaved (limit, ours, fit..., limit, ours, ...):
-while one runs the others wait, blocked between two of their own calls. Steps/s is the
-median over the chunks; a chunk's time includes everything its process does between the
-chunk's boundaries (hooks, Python, input). The compile count is how often the variant's
-outer function was traced; ours must stay at 1 although its calls have different step
-counts (1, then steps_per_loop, then shorter calls ending on hook boundaries).
+the other (so start-up and first step are timed on a quiet machine), every one pinned to the
+same cores (`--cpus`, default every core the parent may use). Time to first step is from
+process start to the end of its first compiled call (1 step for limit and ours,
+`steps_per_execution` steps for fit). Then every variant runs a warm-up chunk and `--repeats`
+rounds of one chunk of `--steps` steps each, in alternating order (limit, ours, ..., fit, then
+fit, ..., ours, limit, ...). Only the variant being measured runs: every other worker is
+stopped (SIGSTOP) from its answer to its next request, so no thread of it competes; the CPU
+each used while waiting is recorded. A chunk's time includes everything its process does
+between the chunk's boundaries (hooks, Python, input); its worker also reports its CPU, what
+it did besides its steps (checkpoints, records) and the CPU the rest of the machine used
+meanwhile. Each comparison is the median over rounds of the round's ratio (chunk i of two
+variants ran in round i, so their ratio cancels how fast the machine was then) with its 95%
+percentile bootstrap interval over rounds (a fixed seed); against Orbit and fit the verdict
+is ahead (the interval above 1.0), tie (it holds 1.0) or behind (trainer/tools/bench/intervals.py).
+The compile count is how often the variant's outer function was traced; ours must stay at 1
+although its calls have different step counts (1, then steps_per_loop, then shorter calls
+ending on hook boundaries).
 
-Output: a table on stdout, `--json=PATH` (every figure and the machine), and
-`--report=FILE` appends a markdown table (experiments/bench/run.sh builds its README so).
+Output: a table on stdout, `--json=PATH` (every figure, every round, and the machine), and
+`--report=FILE` appends a markdown table (experiments/bench/run.sh builds its README from the
+JSON with trainer/tools/bench/readme.py).
 Exit 0 when everything ran, 1 when a variant other than fit failed, 2 on a user mistake.
 
 `--mode` picks what is measured: `train` (the above), `input` (the input pipeline alone, for
@@ -63,9 +76,9 @@ from trainer.errors import UserError  # noqa: E402
 from trainer.tools.bench.compare import compare  # noqa: E402
 from trainer.tools.bench.orbit import INSTALL as ORBIT_INSTALL  # noqa: E402
 from trainer.tools.bench.worker import run_worker  # noqa: E402
-# The report's API where experiments/bench/run.sh and the tests have always found it:
-from trainer.tools.bench.plan import plan_variants  # noqa: E402, F401
-from trainer.tools.bench.report import markdown, paired_ratios, results, text_table  # noqa: E402, F401
+# The report's API where the tests have always found it:
+from trainer.tools.bench.plan import VARIANTS, plan_variants  # noqa: E402, F401
+from trainer.tools.bench.report import markdown, results, text_table  # noqa: E402, F401
 
 FLAGS = flags.FLAGS
 
@@ -88,13 +101,17 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 0, "Steps per measured chunk, rounded up to a multiple of every call length (0: "
                          "the least multiple of log_every_steps and checkpoint_every_steps, so that every chunk holds "
                          "the same hook work: one checkpoint and chunk/log_every_steps progress records).")
-    flags.DEFINE_integer("repeats", 5, "Measured chunks per variant (interleaved across variants).")
+    flags.DEFINE_integer("repeats", 20, "Measured rounds: each runs one chunk of every variant, in alternating "
+                         "order; the 95% intervals of the ratios are over these rounds.")
     flags.DEFINE_integer("warmup_steps", 0, "Steps each variant runs after its first call before measuring "
                          "(0: one chunk).")
-    flags.DEFINE_list("variants", ["limit", "ours", "orbit", "fit"], "Which variants to run: limit, ours, orbit, "
-                      "fit (orbit is reported as not runnable where it is not installed).")
+    flags.DEFINE_list("variants", list(VARIANTS), "Which variants to run, in the order of a forward round: " +
+                      ", ".join(VARIANTS) + " (orbit is reported as not runnable where it is not installed).")
     flags.DEFINE_list("fit_steps_per_execution", [], "fit's steps_per_execution values (default: 1 and "
                       "steps_per_loop).")
+    flags.DEFINE_list("cpus", [], "Cores every variant is pinned to (default: every core this process may use).")
+    flags.DEFINE_bool("pause_waiting", True, "Stop (SIGSTOP) every worker but the one being measured; "
+                      "--nopause_waiting leaves them running, blocked on their input, to measure what that costs.")
     flags.DEFINE_string("json", None, "Write all results as JSON here.")
     flags.DEFINE_string("report", None, "Append a markdown table to this file.")
     flags.DEFINE_integer("timeout_secs", 3600, "Longest a variant may take to answer one request.")
@@ -130,7 +147,8 @@ def dispatch(mode: str) -> tuple[int, dict | None]:
                                  step_threads=FLAGS.save_stall_step_threads, print_fn=print_fn)
     return compare(FLAGS.gin_file, FLAGS.gin_bindings, variants=FLAGS.variants, steps=FLAGS.steps,
                    repeats=FLAGS.repeats, warmup_steps=FLAGS.warmup_steps,
-                   fit_steps_per_execution=FLAGS.fit_steps_per_execution, timeout_secs=FLAGS.timeout_secs,
+                   fit_steps_per_execution=FLAGS.fit_steps_per_execution, cpus=FLAGS.cpus,
+                   pause_waiting=FLAGS.pause_waiting, timeout_secs=FLAGS.timeout_secs,
                    json_path=FLAGS.json, report_path=FLAGS.report, argv=sys.argv[1:]), None
 
 

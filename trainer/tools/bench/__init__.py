@@ -1,10 +1,14 @@
 """`python -m trainer.bench`, in parts (how it measures: trainer/bench.py's docstring).
 
-- protocol: the JSON-lines conversation between the parent and each worker process;
-- probes: what a worker reports about its machine and its memory;
+- protocol: the JSON-lines conversation between the parent and each worker process, and stopping a
+  worker while it waits for its turn;
+- probes: what a worker reports about its machine, its memory and the rest of the machine's CPU;
 - config: the `train` parameters the gin config binds, built by `train`'s own setup;
-- limit, ours, orbit, fit: the worker variants (orbit only where Orbit is installed); worker: a worker
-  process's main;
-- plan: the variants and the chunk schedule; measure: starting and pacing the workers;
-- report: the JSON result, the text table and the markdown; compare: the parent's main.
+- limit, ours, orbit, fit: the worker variants (limit also as limit_input, ours also as ours_async,
+  orbit only where Orbit is installed); worker: a worker process's main;
+- plan: the variants, what each does besides its steps, and the rounds; measure: starting and
+  pacing the workers;
+- intervals: per-round ratios, their bootstrap interval and the verdict against a peer;
+- report: the JSON result, the text table and the markdown; compare: the parent's main;
+- readme: experiments/bench/README.md from the JSON results.
 """

@@ -1,5 +1,6 @@
-"""The parent's main: checks the flags, plans the variants and chunks, measures, prints the
-table, writes `--json` and appends `--report`."""
+"""The parent's main: checks the flags, pins itself (and so every worker it starts) to the same
+cores, plans the variants and chunks, measures, prints the table, writes `--json` and appends
+`--report`."""
 from __future__ import annotations
 
 import json
@@ -13,15 +14,31 @@ from trainer.tools.bench.plan import plan_variants, schedule
 from trainer.tools.bench.report import markdown, results, text_table
 
 
+def pin(cpus: list[str]) -> list[int]:
+    """Pins this process to `cpus` (empty: every core it may use now); the workers it starts inherit it,
+    so every variant runs on the same cores, and TensorFlow sizes its thread pools alike in each."""
+    allowed = sorted(os.sched_getaffinity(0))
+    try:
+        chosen = sorted({int(c) for c in cpus}) or allowed
+    except ValueError:
+        raise UserError(f"--cpus takes core numbers, got {cpus}") from None
+    if not set(chosen) <= set(allowed):
+        raise UserError(f"--cpus {','.join(map(str, chosen))} is not a subset of the cores this process may use "
+                        f"({','.join(map(str, allowed))}); pick among those")
+    os.sched_setaffinity(0, chosen)
+    return chosen
+
+
 def compare(gin_files: list[str], gin_bindings: list[str], *, variants: list[str], steps: int, repeats: int,
-            warmup_steps: int, fit_steps_per_execution: list[str], timeout_secs: float, json_path: str | None,
-            report_path: str | None, argv: list[str]) -> int:
+            warmup_steps: int, fit_steps_per_execution: list[str], cpus: list[str], pause_waiting: bool,
+            timeout_secs: float, json_path: str | None, report_path: str | None, argv: list[str]) -> int:
     """Runs the bench; the exit code: 0 when everything ran, 1 when a variant other than fit failed.
     `argv` (the command line's arguments) goes into the report as the command to rerun it."""
     settings = train_settings(gin_files, gin_bindings)
     refuse_asynchronous(settings, "trainer.bench")
     if steps < 0 or repeats < 1 or warmup_steps < 0:
         raise UserError("--repeats must be at least 1, --steps and --warmup_steps at least 0")
+    pinned = pin(cpus)
     try:
         fit_spes = sorted({int(s) for s in fit_steps_per_execution} or {1, settings.steps_per_loop})
     except ValueError:
@@ -34,11 +51,11 @@ def compare(gin_files: list[str], gin_bindings: list[str], *, variants: list[str
     command = shlex.join(["python", "-m", "trainer.bench", *(a for a in argv if not a.startswith(("--json",
                                                                                                   "--report")))])
     print_fn = lambda line: print(line, flush=True)  # noqa: E731
-    print_fn(f"bench: {', '.join(v.name for v in planned)}; {repeats} x {plan.chunk} steps after warm-up to "
-             f"step {plan.warmup}")
+    print_fn(f"bench: {', '.join(v.name for v in planned)}; {repeats} rounds of {plan.chunk} steps each after "
+             f"warm-up to step {plan.warmup}, on cores {','.join(map(str, pinned))}")
     load_before = os.getloadavg()
-    measure(planned, gin_args, plan, timeout=timeout_secs, print_fn=print_fn)
-    res = results(settings, planned, chunk=plan.chunk, warmup=plan.warmup, repeats=repeats,
+    measure(planned, gin_args, plan, timeout=timeout_secs, pause_waiting=pause_waiting, print_fn=print_fn)
+    res = results(settings, planned, plan=plan, cpus=pinned, pause_waiting=pause_waiting,
                   load_before=load_before, load_after=os.getloadavg(), command=command)
     print_fn("")
     print_fn(text_table(res))

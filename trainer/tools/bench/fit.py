@@ -2,8 +2,6 @@
 strategy, with the step's loss and an accuracy metric, paced by a callback."""
 from __future__ import annotations
 
-import time
-
 from trainer.tools.bench.config import setup
 from trainer.tools.bench.protocol import Channel
 
@@ -56,7 +54,6 @@ def run_fit(settings, channel: Channel, steps_per_execution: int, total_steps: i
         def __init__(self):
             super().__init__()
             self.until = steps_per_execution
-            self.started = 0.0
 
         def on_train_batch_begin(self, batch, logs=None):
             channel.done = batch
@@ -65,10 +62,9 @@ def run_fit(settings, channel: Channel, steps_per_execution: int, total_steps: i
             if batch == steps_per_execution:
                 self.until = channel.ready()
             else:
-                self.until = channel.chunk_done(time.monotonic() - self.started)
+                self.until = channel.chunk_done()
             if self.until is None:
                 self.model.stop_training = True  # after one more call, which is not measured
-            self.started = time.monotonic()
 
     model.fit(dataset, epochs=1, steps_per_epoch=total_steps + steps_per_execution, verbose=0,
               callbacks=[Pacer()])

@@ -1,23 +1,26 @@
-"""The `limit` worker: the bare step on one batch already on the device(s).
+"""The `limit` worker: the bare step on one batch already on the device(s); and `limit_input`,
+the same loop fed by the config's distributed input.
 
 A `tf.function` with the structure of TrainLoop's compiled loop (`steps_per_loop` steps per
 call in a graph while loop, each `strategy.run` of the same replica step with the same XLA and
 precision settings, its outputs added up on each replica and SUM-reduced once per call by the
-loop's own `ReplicaTotals`), but no `next(iterator)` and no non-finite check: no input pipeline,
-no hooks, no Python between steps.
+loop's own `ReplicaTotals`), but no non-finite check, no hooks, no Python between steps; and,
+for `limit`, no `next(iterator)` either: no input pipeline. What `limit_input` loses against
+`limit` is what the input costs every variant (under a strategy with several replicas, mostly
+TensorFlow's distributed iterator, which splits each global batch per replica).
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
-from trainer.tools.bench.config import setup
+from trainer.tools.bench.config import setup, train_data
 from trainer.tools.bench.protocol import Channel
 
 
-def run_limit(settings, channel: Channel) -> None:
-    """Runs to the steps the parent asks for, `steps_per_loop` steps per call."""
-    run_steps, limit = bare_step(*setup(settings), settings)
+def run_limit(settings, channel: Channel, *, from_input: bool = False) -> None:
+    """Runs to the steps the parent asks for, `steps_per_loop` steps per call (`from_input`: each step on
+    `next(iterator)` of the distributed train data, as the train loop gets it)."""
+    run_steps, limit = bare_step(*setup(settings), settings, from_input=from_input)
 
     def run_until(until: int) -> None:
         while channel.done < until:
@@ -28,13 +31,12 @@ def run_limit(settings, channel: Channel) -> None:
     run_until(1)
     until = channel.ready()
     while until is not None:
-        started = time.monotonic()
         run_until(until)
-        until = channel.chunk_done(time.monotonic() - started)
+        until = channel.chunk_done()
     channel.finished(limit.experimental_get_tracing_count())
 
 
-def bare_step(dist, task, settings) -> tuple[Callable[[int], None], Any]:
+def bare_step(dist, task, settings, *, from_input: bool = False) -> tuple[Callable[[int], None], Any]:
     """`run_steps(count)`, which runs `count` steps in one call and waits for them, and the compiled function.
 
     Apart from the worker so that the input bench (trainer/tools/bench/input_only.py) measures
@@ -60,11 +62,13 @@ def bare_step(dist, task, settings) -> tuple[Callable[[int], None], Any]:
     totals = ReplicaTotals(dist, step, "train.step_fn", count_finite=False)
 
     @tf.function(autograph=False)
-    def limit(batch, num_steps):  # TrainLoop's loop, with the batch in memory instead of next(iterator)
-        return totals.sums(totals.accumulate(num_steps, lambda: batch))
+    def limit(source, num_steps):  # TrainLoop's loop, on the batch in memory or on next(iterator)
+        return totals.sums(totals.accumulate(num_steps, (lambda: next(source)) if from_input else lambda: source))
+
+    source = iter(train_data(dist, task.input, settings)) if from_input else batch
 
     def run_steps(count: int) -> None:
-        outputs = limit(batch, tf.constant(count, tf.int32))
+        outputs = limit(source, tf.constant(count, tf.int32))
         {k: float(v) for k, v in outputs.items()}  # noqa: B018  (waits for the call, like ours does)
 
     return run_steps, limit

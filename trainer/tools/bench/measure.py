@@ -1,6 +1,13 @@
 """Starts one worker process per variant, one after the other (start-up and first step are timed
-on a quiet machine), then paces them through the warm-up and interleaved chunks (limit, ours,
-fit..., limit, ours, ...): while one runs, the others wait between two of their own calls."""
+on a quiet machine), then paces them through the warm-up and the measured rounds, one chunk per
+variant a round, in alternating order (A B C, C B A, ...: `plan.round_order`).
+
+Only the variant being measured runs: every other worker is stopped (SIGSTOP) between its answer
+and its next request, so no thread of a waiting process (TensorFlow's pools, a checkpoint writer,
+Keras' callback thread, a summary writer) competes with it; the CPU each worker used while it
+waited is recorded, and is 0 when that works. `pause_waiting=False` leaves the waiting workers
+running, blocked on their input as before, to measure what that costs.
+"""
 from __future__ import annotations
 
 import os
@@ -8,7 +15,7 @@ import tempfile
 import time
 from typing import Callable, Iterator
 
-from trainer.tools.bench.plan import Schedule, Variant
+from trainer.tools.bench.plan import Schedule, Variant, round_order
 from trainer.tools.bench.protocol import Worker, WorkerError
 
 
@@ -20,15 +27,34 @@ def _running(variants: list[Variant], workers: dict[str, Worker]) -> Iterator[tu
             yield variant, worker
 
 
-def _ask(variant: Variant, worker: Worker, until: int | None) -> dict | None:
-    """Asks the worker to run to step `until` (None: to finish) and returns its answer; None when there
-    is none (the variant failed, with the reason)."""
-    try:
-        worker.send(until=until)
-        return worker.receive()
-    except WorkerError as e:
-        variant.status, variant.reason = "failed", str(e)
-        return None
+class Turns:
+    """Lets one worker run at a time: the others are stopped, and their CPU time is watched."""
+
+    def __init__(self, workers: dict[str, Worker], pause_waiting: bool):
+        self.workers, self.pause_waiting = workers, pause_waiting
+        self.waiting_cpu: dict[str, float] = {}  # by variant: CPU seconds used while another one ran
+
+    def ask(self, variant: Variant, worker: Worker, until: int | None) -> dict | None:
+        """Asks the worker to run to step `until` (None: to finish) and returns its answer; None when there
+        is none (the variant failed, with the reason). While it runs to a step, the CPU the other workers
+        use is added to their `waiting_cpu`."""
+        watched = {name: w.cpu_seconds() for name, w in self.workers.items() if w is not worker and until is not None}
+        worker.resume()
+        try:
+            worker.send(until=until)
+            message = worker.receive()
+        except WorkerError as e:
+            variant.status, variant.reason = "failed", str(e)
+            message = None
+        self.wait(worker)
+        for name, before in watched.items():
+            self.waiting_cpu[name] = self.waiting_cpu.get(name, 0.0) + self.workers[name].cpu_seconds() - before
+        return message
+
+    def wait(self, worker: Worker) -> None:
+        """The worker waits for its next request: stopped, unless waiting workers are left running."""
+        if self.pause_waiting:
+            worker.pause()
 
 
 def _start(variant: Variant, gin_args: list[str], schedule: Schedule, log_dir: str, timeout: float,
@@ -53,19 +79,19 @@ def _start(variant: Variant, gin_args: list[str], schedule: Schedule, log_dir: s
 
 
 def measure(variants: list[Variant], gin_args: list[str], schedule: Schedule, *, timeout: float,
-            print_fn: Callable[[str], None]) -> None:
+            pause_waiting: bool, print_fn: Callable[[str], None]) -> None:
     """Runs the variants that can run; fills in what each measured, or why it failed."""
     workers: dict[str, Worker] = {}
+    turns = Turns(workers, pause_waiting)
     log_dir = tempfile.mkdtemp(prefix="bench-logs-")
     try:
         for variant in variants:
             if variant.status == "ok":
-                workers[variant.name] = _start(variant, gin_args, schedule, log_dir, timeout, print_fn)
-        targets = [("warmup", schedule.warmup)] + [(f"repeat {r + 1}", schedule.warmup + (r + 1) * schedule.chunk)
-                                                   for r in range(schedule.repeats)]
-        for label, until in targets:
-            for variant, worker in _running(variants, workers):
-                message = _ask(variant, worker, until)
+                workers[variant.name] = worker = _start(variant, gin_args, schedule, log_dir, timeout, print_fn)
+                turns.wait(worker)
+        for index, (label, until) in enumerate(schedule.targets()):
+            for variant, worker in _running(round_order(variants, index), workers):
+                message = turns.ask(variant, worker, until)
                 if message is None:
                     print_fn(f"{variant.name}: failed in {label}: {variant.reason} (log: {variant.log_path})")
                     continue
@@ -75,12 +101,16 @@ def measure(variants: list[Variant], gin_args: list[str], schedule: Schedule, *,
                 if label == "warmup":
                     variant.warmup_s = seconds
                     print_fn(f"{label:>9}  {variant.name:<12} {seconds:.2f} s")
-                else:
-                    variant.chunks.append(seconds)
-                    print_fn(f"{label:>9}  {variant.name:<12} {schedule.chunk / seconds:8.2f} steps/s  "
-                             f"({seconds:.2f} s)")
+                    continue
+                variant.chunks.append(seconds)
+                variant.cpu.append(message["cpu_seconds"])
+                variant.other_cpu.append(message["other_cpu_seconds"])
+                variant.steal.append(message["steal_seconds"])
+                variant.work.append(message.get("work") or {})
+                print_fn(f"{label:>9}  {variant.name:<12} {schedule.chunk / seconds:8.2f} steps/s  "
+                         f"({seconds:.2f} s, {message['cpu_seconds'] / seconds:.2f} cores)")
         for variant, worker in _running(variants, workers):
-            message = _ask(variant, worker, None)
+            message = turns.ask(variant, worker, None)
             if message is None:
                 continue
             variant.compile_count = message.get("compile_count")
@@ -89,3 +119,5 @@ def measure(variants: list[Variant], gin_args: list[str], schedule: Schedule, *,
     finally:
         for worker in workers.values():
             worker.close()
+        for variant in variants:
+            variant.waiting_cpu_s = turns.waiting_cpu.get(variant.name, 0.0)

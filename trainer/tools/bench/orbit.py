@@ -24,7 +24,6 @@ No eval (as for fit): ours evaluates once, after the last measured step.
 from __future__ import annotations
 
 import tempfile
-import time
 
 from trainer.tools.bench.config import setup, train_data
 from trainer.tools.bench.protocol import Channel
@@ -88,27 +87,36 @@ def run_orbit(settings, channel: Channel) -> None:
         def train_loop_end(self):
             if log_every <= 0 or int(global_step.numpy()) % log_every:
                 return None
+            work["records"] += 1
             results = {name: mean.result() for name, mean in self.means.items()}
             for mean in self.means.values():
                 mean.reset_state()
             return results
 
+    class CountingManager(tf.train.CheckpointManager):
+        """Orbit's checkpoint manager, counting the saves it writes (a save off the interval writes none)."""
+
+        def save(self, *args, **kwargs):
+            path = super().save(*args, **kwargs)
+            work["checkpoints"] += path is not None
+            return path
+
+    work = {"checkpoints": 0, "records": 0}  # since the last report
     trainer = Trainer()
     with tempfile.TemporaryDirectory(prefix="bench-orbit-") as model_dir:
-        manager = tf.train.CheckpointManager(tf.train.Checkpoint(**task.checkpoint_items), model_dir,
-                                             max_to_keep=settings.keep_checkpoints,
-                                             step_counter=global_step,
-                                             checkpoint_interval=settings.checkpoint_every_steps,
-                                             last_checkpoint_step=0)
+        manager = CountingManager(tf.train.Checkpoint(**task.checkpoint_items), model_dir,
+                                  max_to_keep=settings.keep_checkpoints, step_counter=global_step,
+                                  checkpoint_interval=settings.checkpoint_every_steps, last_checkpoint_step=0)
         controller = orbit.Controller(global_step=global_step, trainer=trainer, strategy=dist,
                                       steps_per_loop=lambda at: next_call(at, settings),
                                       checkpoint_manager=manager, summary_dir=model_dir)
         controller.train(steps=1, checkpoint_at_completion=False)
         channel.done = 1
         until = channel.ready()
+        work.update(checkpoints=0, records=0)
         while until is not None:
-            started = time.monotonic()
             controller.train(steps=until, checkpoint_at_completion=False)
             channel.done = until
-            until = channel.chunk_done(time.monotonic() - started)
+            until = channel.chunk_done(**work)
+            work.update(checkpoints=0, records=0)
         channel.finished(trainer.loop_fn.experimental_get_tracing_count())

@@ -1,10 +1,10 @@
 """The `ours` worker: `trainer.train.train` itself, unchanged, with its default hooks, in a
-temporary model_dir, plus one hook that paces it from the parent."""
+temporary model_dir, plus one hook that paces it from the parent; `ours_async` is the same with
+`train.async_checkpoint = True`, so that the two side by side show what the saves cost."""
 from __future__ import annotations
 
 import sys
 import tempfile
-import time
 
 from trainer.hooks.base import Hook
 from trainer.tools.bench.config import refuse_asynchronous
@@ -12,34 +12,45 @@ from trainer.tools.bench.protocol import Channel
 
 
 class Pacer(Hook):
-    """Ends a loop call at each step the parent asks for, reports, waits for the next."""
+    """Ends a loop call at each step the parent asks for, reports (with the checkpoints and train records
+    written since the last report), waits for the next. It runs before the checkpoint hook, so the save
+    at a chunk's last step falls into the next chunk: each chunk of a checkpoint interval holds one."""
 
     def __init__(self, channel: Channel):
         self.channel = channel
         self.until: int | None = None
-        self.started = 0.0
+        self.saved_step: int | None = None
+        self.work = {"checkpoints": 0, "records": 0}
 
     def begin(self, run):
         self.until = run.start_step + 1  # the first call: one step
+        run.metrics_log.subscribe(self._record)
+
+    def _record(self, step, split, metrics):
+        self.work["records"] += split == "train"
 
     def steps_to_boundary(self, step):
         return self.until - step if self.until is not None and self.until > step else None
 
     def after_loop(self, run, step, metrics):
         self.channel.done = step
+        if run.saver.last_saved_step != self.saved_step:
+            self.saved_step = run.saver.last_saved_step
+            self.work["checkpoints"] += 1
         if step != self.until:
             return
         if step == run.start_step + 1:
             self.until = self.channel.ready()
         else:
-            self.until = self.channel.chunk_done(time.monotonic() - self.started)
+            self.until = self.channel.chunk_done(**self.work)
+        self.work = dict.fromkeys(self.work, 0)
         if self.until is None:
             self.channel.finished(run.loop.trace_count)
-        self.started = time.monotonic()
 
 
-def run_ours(settings, channel: Channel, total_steps: int) -> None:
-    """Trains `total_steps` measured steps (and one more: the final eval and checkpoint come after)."""
+def run_ours(settings, channel: Channel, total_steps: int, *, async_checkpoint: bool = False) -> None:
+    """Trains `total_steps` measured steps (and one more: the final eval and checkpoint come after);
+    `async_checkpoint`: with `train.async_checkpoint = True`."""
     import gin
 
     from trainer import configurables
@@ -50,4 +61,5 @@ def run_ours(settings, channel: Channel, total_steps: int) -> None:
             model_dir=model_dir, total_steps=total_steps + 1, eval_every_steps=total_steps + 1,
             hooks=[*settings.hooks, Pacer(channel)], describe_config=gin.operative_config_str,
             print_fn=lambda line: print(line, file=sys.stderr, flush=True),
+            async_checkpoint=async_checkpoint or settings.async_checkpoint,
         )

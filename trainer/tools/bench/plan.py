@@ -15,6 +15,19 @@ def fit_cannot_run(mode) -> str:
     return "Keras 3 fit cannot run under ParameterServerStrategy (keras-team/keras 18624)"
 
 
+# What each variant does between its steps in a measured chunk, besides running them (the table's
+# "work per chunk" counts what its worker did, measured; this says what kind of work that is).
+WORK = {
+    "limit": "none: the step on one batch held on the device(s)",
+    "limit_input": "next(iterator) of the config's distributed input, nothing else",
+    "ours": "progress records (metrics.jsonl, TensorBoard) and checkpoints, saved in line",
+    "ours_async": "progress records and checkpoints, written on a background thread",
+    "orbit": "summaries (TensorBoard: the means at log boundaries, its steps/s and a flush after every call) "
+             "and checkpoints, saved in line",
+    "fit": "none: no callbacks but the pacer (fit's History runs on its own thread)",
+}
+
+
 @dataclasses.dataclass
 class Variant:
     """One measured variant and what came back from its worker."""
@@ -28,6 +41,11 @@ class Variant:
     first_step_s: float | None = None
     first_call_steps: int = 1
     chunks: list[float] = dataclasses.field(default_factory=list)  # seconds per measured chunk
+    cpu: list[float] = dataclasses.field(default_factory=list)  # the worker's CPU seconds per measured chunk
+    other_cpu: list[float] = dataclasses.field(default_factory=list)  # the rest of the machine's, per chunk
+    steal: list[float] = dataclasses.field(default_factory=list)  # CPU seconds the hypervisor stole, per chunk
+    work: list[dict] = dataclasses.field(default_factory=list)  # what the worker did per chunk (saves, records)
+    waiting_cpu_s: float = 0.0  # CPU the worker used while other variants were measured
     warmup_s: float | None = None
     compile_count: int | None = None
     peak_rss_mib: float | None = None
@@ -42,6 +60,11 @@ class Variant:
         return (steps / max(self.chunks), steps / min(self.chunks)) if self.chunks else None
 
 
+# In the order they run in a forward round: ours between the limit and Orbit, fit next to Orbit, so that the
+# chunks compared most run close together in time.
+VARIANTS = ("limit_input", "ours_async", "limit", "ours", "orbit", "fit")
+
+
 def plan_variants(settings, names: list[str], fit_spes: list[int]) -> list[Variant]:
     """The variants `names` ask for (fit once per steps_per_execution), fit marked where it cannot run,
     orbit where it is not installed."""
@@ -49,8 +72,12 @@ def plan_variants(settings, names: list[str], fit_spes: list[int]) -> list[Varia
     for name in names:
         if name == "limit":
             variants.append(Variant("limit", "limit (bare step, batch in memory)", "limit"))
+        elif name == "limit_input":
+            variants.append(Variant("limit_input", "limit + input (bare step on next(iterator))", "limit_input"))
         elif name == "ours":
             variants.append(Variant("ours", "ours (trainer.train + hooks)", "ours"))
+        elif name == "ours_async":
+            variants.append(Variant("ours_async", "ours, train.async_checkpoint = True", "ours_async"))
         elif name == "orbit":
             variant = Variant("orbit", "Orbit Controller + StandardTrainer", "orbit")
             if reason := orbit.missing():
@@ -64,7 +91,7 @@ def plan_variants(settings, names: list[str], fit_spes: list[int]) -> list[Varia
                     variant.status, variant.reason = "cannot_run", fit_cannot_run(settings.mode)
                 variants.append(variant)
         else:
-            raise UserError(f"unknown --variants entry {name!r}: use limit, ours, orbit, fit")
+            raise UserError(f"unknown --variants entry {name!r}: use {', '.join(VARIANTS)}")
     return variants
 
 
@@ -74,7 +101,8 @@ def round_up(value: int, multiple: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Measured chunks of `chunk` steps after a warm-up to step `warmup`; `total` steps in all."""
+    """Measured rounds of one `chunk`-step chunk per variant after a warm-up to step `warmup`;
+    `total` steps in all."""
 
     chunk: int
     warmup: int
@@ -83,6 +111,18 @@ class Schedule:
     @property
     def total(self) -> int:
         return self.warmup + self.repeats * self.chunk
+
+    def targets(self) -> list[tuple[str, int]]:
+        """(label, the step every variant runs to) for the warm-up and each round."""
+        return [("warmup", self.warmup)] + [(f"round {r + 1}", self.warmup + (r + 1) * self.chunk)
+                                            for r in range(self.repeats)]
+
+
+def round_order(variants: list, index: int) -> list:
+    """The order of round `index` (0 is the warm-up): forward, then backward, alternately (A B C, C B A,
+    A B C, ...), so that each variant runs as often early in a round as late in one and a drift of the
+    machine's speed across a pair of rounds falls on every variant alike."""
+    return list(variants) if index % 2 == 0 else list(reversed(variants))
 
 
 def schedule(settings, fit_spes: list[int], *, steps: int, warmup_steps: int, repeats: int) -> Schedule:

@@ -1,4 +1,5 @@
-"""What a worker reports about where it ran: the machine, and its own peak memory."""
+"""What a worker reports about where it ran: the machine, the CPU the whole machine used (to tell
+a chunk that shared the cores with another process), and its own peak memory."""
 from __future__ import annotations
 
 import os
@@ -37,3 +38,16 @@ def peak_gpu_mib() -> float | None:
     if not tf.config.list_logical_devices("GPU"):
         return None
     return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+
+
+def machine_cpu_seconds() -> tuple[float, float]:
+    """CPU seconds since boot the whole machine has been busy (every process and the kernel), and that
+    the hypervisor stole from it; (0, 0) where /proc/stat cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick

@@ -2,14 +2,20 @@
 stdout (everything else it prints there, and its stderr, go to its log), commands as JSON lines on its stdin.
 
 The parent asks "run until step N" (`{"until": N}`) or "finish" (`{"until": null}`); the worker
-answers `ready` after its first call, `chunk` (with the chunk's seconds) after each request,
-`finished` (compile count, peak memory) or `error` (one line).
+answers `ready` after its first call, `chunk` after each request (the chunk's wall and CPU seconds,
+from the request's arrival to the answer, the CPU the rest of the machine used meanwhile, and the
+work it did besides its steps), `finished`
+(compile count, peak memory) or `error` (one line). Between its answer and the next request a
+worker waits; the parent stops it there (SIGSTOP, SIGCONT before the request), so that none of its
+threads (TensorFlow's pools, a checkpoint writer, Keras' callback thread) runs while another
+variant is measured.
 """
 from __future__ import annotations
 
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +31,7 @@ class Channel:
 
     def __init__(self):
         self.done = 0
+        self._started = self._cpu_started = self._machine_started = self._steal_started = 0.0
 
     @staticmethod
     def send(**message) -> None:
@@ -38,15 +45,27 @@ class Channel:
             raise SystemExit("bench: the parent went away")
         return json.loads(line)
 
+    def _next(self) -> int | None:
+        """Waits for the next request; the chunk it asks for starts when it arrives."""
+        until = self.receive().get("until")
+        self._machine_started, self._steal_started = probes.machine_cpu_seconds()
+        self._started, self._cpu_started = time.monotonic(), time.process_time()
+        return until
+
     def ready(self) -> int:
         """Reports the first call (and the machine) and returns the step to run to next."""
         self.send(event="ready", steps=self.done, machine=probes.machine())
-        return self.receive()["until"]
+        return self._next()
 
-    def chunk_done(self, seconds: float) -> int | None:
-        """Reports a chunk; returns the step to run to next, or None when told to finish."""
-        self.send(event="chunk", steps=self.done, seconds=seconds)
-        return self.receive().get("until")
+    def chunk_done(self, **work: int) -> int | None:
+        """Reports the chunk since the last request (`work`: what the worker did besides its steps, by
+        kind, e.g. checkpoints=1); returns the step to run to next, or None when told to finish."""
+        seconds, cpu = time.monotonic() - self._started, time.process_time() - self._cpu_started
+        machine, steal = probes.machine_cpu_seconds()
+        self.send(event="chunk", steps=self.done, seconds=seconds, cpu_seconds=cpu, work=work,
+                  other_cpu_seconds=max(0.0, machine - self._machine_started - cpu),
+                  steal_seconds=steal - self._steal_started)
+        return self._next()
 
     def finished(self, compile_count: int | None) -> None:
         self.send(event="finished", compile_count=compile_count, peak_rss_mib=probes.peak_rss_mib(),
@@ -98,6 +117,29 @@ class Worker:
         self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
 
+    def pause(self) -> None:
+        """Stops the whole process (every thread) until `resume`."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.send_signal(signum)
+            except ProcessLookupError:  # exited since poll
+                pass
+
+    def cpu_seconds(self) -> float:
+        """The worker's CPU time so far, user and system, every thread (0 once it has exited)."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
     def log_tail(self) -> str:
         self.log.flush()
         with open(self.log_path) as f:
@@ -105,6 +147,7 @@ class Worker:
         return lines[-1] if lines else "no output"
 
     def close(self) -> None:
+        self.resume()  # a stopped worker would never read the end of its input
         if self.process.poll() is None:
             try:
                 self.process.stdin.close()

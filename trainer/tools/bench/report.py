@@ -1,52 +1,79 @@
 """What a bench run reports: every figure as one JSON-ready dict, and that dict as the text table
-on stdout and as markdown (experiments/bench/run.sh builds its README from the JSON with it)."""
+on stdout and as markdown (experiments/bench/run.sh builds its README from the JSON with it).
+
+The speed comparisons are the paired per-round ratios of trainer/tools/bench/intervals.py: the
+median over rounds, its 95% bootstrap interval and, against each peer, the verdict.
+"""
 from __future__ import annotations
 
 import statistics
 
-from trainer.tools.bench.plan import Variant
+from trainer.tools.bench import intervals as intervals_lib
+from trainer.tools.bench.plan import WORK, Schedule, Variant
+
+# Paired comparisons beyond "ours over every other variant" (`ours_over_<name>`): (key, numerator,
+# denominator), "fit_best" standing for the faster fit variant that ran. Those against a peer get a verdict.
+COMPARISONS = (
+    ("ours_over_fit_best", "ours", "fit_best"),
+    ("limit_input_over_limit", "limit_input", "limit"),  # what the input costs every variant
+    ("ours_async_over_ours", "ours_async", "ours"),  # what saving in line costs
+    ("ours_async_over_orbit", "ours_async", "orbit"),
+    ("ours_async_over_fit_best", "ours_async", "fit_best"),
+)
 
 
-def _per_chunk(every: int, warmup: int, chunk: int, repeats: int) -> float:
-    """How many multiples of `every` the measured steps (warmup, warmup + repeats * chunk] hold, per chunk."""
-    end = warmup + repeats * chunk
-    return (end // every - warmup // every) / repeats
+def is_peer(key: str) -> bool:
+    """Comparisons against another loop (Orbit, fit) get a verdict; against the limits and ourselves not."""
+    return key.split("_over_")[-1].startswith(("orbit", "fit"))
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def paired_ratios(res: dict) -> dict:
-    """Ours over each peer chunk by chunk: chunk i of every variant ran in the same round of the
-    interleaved schedule, so their ratio cancels the machine's speed in that round (on a shared
-    2-core machine whole rounds run 10-20% fast or slow together). The median and min-max of
-    the per-round ratios, for limit, orbit and fit's best; None where a variant did not run."""
+def intervals(res: dict) -> dict:
+    """`intervals.summary` of ours over every other variant that ran and of each of COMPARISONS."""
     variants = res["variants"]
-    ours = (variants.get("ours") or {}).get("chunk_seconds") or []
+    pairs = [(f"ours_over_{name}", "ours", name) for name in variants if name != "ours"] + list(COMPARISONS)
     out = {}
-    for key, name in (("ours_over_limit", "limit"), ("ours_over_orbit", "orbit"),
-                      ("ours_over_fit_best", res["ratios"].get("fit_best"))):
-        other = (variants.get(name) or {}).get("chunk_seconds") or [] if name else []
-        per_round = [theirs / mine for mine, theirs in zip(ours, other)]  # seconds: theirs/ours is speed ours/theirs
-        out[key] = ({"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
-                    if per_round else None)
+    for key, top, bottom in pairs:
+        bottom = res["ratios"].get("fit_best") if bottom == "fit_best" else bottom
+        mine = (variants.get(top) or {}).get("chunk_seconds") or []
+        theirs = (variants.get(bottom) or {}).get("chunk_seconds") or [] if bottom else []
+        if summary := intervals_lib.summary(mine, theirs):
+            out[key] = summary
     return out
 
 
-def results(settings, variants: list[Variant], *, chunk: int, warmup: int, repeats: int,
+def _work(v: Variant) -> dict:
+    """What the variant did per measured chunk, on average, by kind (checkpoints, records)."""
+    kinds = sorted({kind for chunk in v.work for kind in chunk})
+    return {kind: sum(chunk.get(kind, 0) for chunk in v.work) / len(v.work) for kind in kinds} if v.work else {}
+
+
+def others(variants: list[Variant]) -> dict | None:
+    """How much the rest of the machine ran during the measured chunks, in cores (CPU seconds per second):
+    the median and the most over chunks, and the cores the hypervisor stole on average."""
+    shares = [o / s for v in variants for o, s in zip(v.other_cpu, v.chunks)]
+    seconds = sum(s for v in variants for s in v.chunks[:len(v.steal)])
+    if not shares or not seconds:
+        return None
+    return {"median_cores": statistics.median(shares), "max_cores": max(shares),
+            "stolen_cores": sum(x for v in variants for x in v.steal) / seconds}
+
+
+def results(settings, variants: list[Variant], *, plan: Schedule, cpus: list[int], pause_waiting: bool,
             load_before: tuple, load_after: tuple, command: str) -> dict:
     """Everything measured, as one JSON-ready dict."""
     by_name = {v.name: v for v in variants}
-    gb = settings.global_batch_size
+    gb, chunk = settings.global_batch_size, plan.chunk
     rate = {v.name: v.steps_per_sec(chunk) for v in variants}
     fits = [v for v in variants if v.role == "fit" and rate[v.name] is not None]
     best_fit = max(fits, key=lambda v: rate[v.name]) if fits else None
-    ours, limit, orbit = by_name.get("ours"), by_name.get("limit"), by_name.get("orbit")
+    ours = by_name.get("ours")
     first = {v.name: v.first_step_s for v in variants}
     source = settings.input_fn or settings.data_source
     model_fn = settings.model_fn
-    mach = next((v.machine for v in variants if v.machine), None)
     out = {
         "command": command,
         "config": {
@@ -59,16 +86,15 @@ def results(settings, variants: list[Variant], *, chunk: int, warmup: int, repea
             "jit_compile": bool(settings.jit_compile),
             "mixed_precision": settings.mixed_precision or "float32",
         },
-        "method": {"steps_per_chunk": chunk, "warmup_until_step": warmup, "repeats": repeats,
-                   "order": [v.name for v in variants], "statistic": "median over chunks",
-                   # What our loop's hooks did in the measured chunks, per chunk on average.
-                   "ours_progress_records_per_chunk": _per_chunk(settings.log_every_steps, warmup, chunk, repeats),
-                   "ours_checkpoints_per_chunk": _per_chunk(settings.checkpoint_every_steps, warmup, chunk,
-                                                            repeats)},
-        "machine": mach,
+        "method": {"steps_per_chunk": chunk, "warmup_until_step": plan.warmup, "rounds": plan.repeats,
+                   "order": [v.name for v in variants], "order_rule": "forward and backward in turn",
+                   "cpus": cpus, "waiting_workers": "stopped" if pause_waiting else "left running",
+                   "statistic": f"median of the per-round ratios, {intervals_lib.LEVEL:.0%} percentile bootstrap "
+                                f"interval over rounds ({intervals_lib.RESAMPLES} resamples)"},
+        "machine": next((v.machine for v in variants if v.machine), None),
         "load_average": {"before": list(load_before), "after": list(load_after)},
         "variants": {},
-        "ratios": {
+        "ratios": {  # ratios of the medians over chunks; the paired comparisons are in "intervals"
             "ours_over_limit": ratio(rate.get("ours"), rate.get("limit")),
             "ours_over_fit_spe1": ratio(rate.get("ours"), rate.get("fit_spe1")),
             "ours_over_fit_best": ratio(rate.get("ours"), rate[best_fit.name] if best_fit else None),
@@ -82,8 +108,8 @@ def results(settings, variants: list[Variant], *, chunk: int, warmup: int, repea
                                        min((v.peak_rss_mib for v in fits if v.peak_rss_mib), default=None)),
         },
         "ours_compile_count": ours.compile_count if ours else None,
-        "limit_compile_count": limit.compile_count if limit else None,
-        "orbit_compile_count": orbit.compile_count if orbit else None,
+        "limit_compile_count": by_name["limit"].compile_count if "limit" in by_name else None,
+        "orbit_compile_count": by_name["orbit"].compile_count if "orbit" in by_name else None,
     }
     for v in variants:
         spread = v.spread(chunk)
@@ -91,11 +117,17 @@ def results(settings, variants: list[Variant], *, chunk: int, warmup: int, repea
             "label": v.label, "status": v.status, "reason": v.reason,
             "steps_per_sec": rate[v.name], "examples_per_sec": rate[v.name] * gb if rate[v.name] else None,
             "steps_per_sec_min_max": list(spread) if spread else None,
-            "chunk_seconds": v.chunks, "warmup_seconds": v.warmup_s,
+            "chunk_seconds": v.chunks, "chunk_cpu_seconds": v.cpu, "chunk_other_cpu_seconds": v.other_cpu,
+            "chunk_steal_seconds": v.steal,
+            "cores_used": statistics.median(c / s for c, s in zip(v.cpu, v.chunks)) if v.cpu else None,
+            "work": WORK[v.role], "work_per_chunk": _work(v), "waiting_cpu_s": v.waiting_cpu_s,
+            "warmup_seconds": v.warmup_s,
             "time_to_first_step_s": v.first_step_s, "first_call_steps": v.first_call_steps,
             "compile_count": v.compile_count, "peak_rss_mib": v.peak_rss_mib, "peak_gpu_mib": v.peak_gpu_mib,
         }
-    out["paired_ratios"] = paired_ratios(out)
+    out["method"]["others"] = others(variants)
+    out["intervals"] = intervals(out)
+    out["verdicts"] = {key: s["verdict"] for key, s in out["intervals"].items() if is_peer(key)}
     return out
 
 
@@ -103,23 +135,34 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def interval_text(s: dict | None) -> str:
+    """`0.981 [0.962, 1.004]`: the median of the per-round ratios and its 95% interval."""
+    return "-" if s is None else f"{s['median']:.3f} [{s['low']:.3f}, {s['high']:.3f}]"
+
+
+def work_text(work: dict) -> str:
+    return ", ".join(f"{kind} {n:g}" for kind, n in work.items() if n) or "none"
+
+
 def table_rows(res: dict) -> list[list[str]]:
     """The header and one row a variant; a variant that did not run has its reason in the second cell."""
-    limit_rate = (res["variants"].get("limit") or {}).get("steps_per_sec")
     gpu = any(v.get("peak_gpu_mib") is not None for v in res["variants"].values())
-    rows = [["variant", "steps/s", "examples/s", "min-max steps/s", "vs limit", "first step s", "peak RSS MiB",
-             *(["peak GPU MiB"] if gpu else []), "compiles"]]
-    for v in res["variants"].values():
+    rows = [["variant", "steps/s", "examples/s", "min-max steps/s", "ours/this [95%]", "verdict", "cores",
+             "work per chunk", "first step s", "peak RSS MiB", *(["peak GPU MiB"] if gpu else []), "compiles"]]
+    for name, v in res["variants"].items():
         if v["status"] != "ok":
             reason = f"{v['status'].replace('_', ' ')}: {v['reason']}"
             rows.append([v["label"], reason, *[""] * (len(rows[0]) - 2)])
             continue
+        key = f"ours_over_{name}"
+        s = res["intervals"].get(key)
         spread = v["steps_per_sec_min_max"]
         first = _fmt(v["time_to_first_step_s"], ".1f") + (f" ({v['first_call_steps']} steps)"
                                                           if v["first_call_steps"] != 1 else "")
         rows.append([v["label"], _fmt(v["steps_per_sec"], ".2f"), _fmt(v["examples_per_sec"], ".0f"),
-                     f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-",
-                     _fmt(ratio(v["steps_per_sec"], limit_rate), ".3f"), first, _fmt(v["peak_rss_mib"], ".0f"),
+                     f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-", interval_text(s),
+                     s["verdict"] if s and is_peer(key) else "-", _fmt(v.get("cores_used"), ".2f"),
+                     work_text(v.get("work_per_chunk") or {}), first, _fmt(v["peak_rss_mib"], ".0f"),
                      *([_fmt(v.get("peak_gpu_mib"), ".0f")] if gpu else []), _fmt(v["compile_count"], "d")])
     return rows
 
@@ -131,26 +174,41 @@ def headline(res: dict) -> str:
             f"{', XLA' if c['jit_compile'] else ''}")
 
 
+def verdict_line(res: dict) -> str:
+    """Ours (and ours with async checkpoints) against each peer: the interval and the verdict."""
+    s, r = res["intervals"], res["ratios"]
+    parts = []
+    for key, label in (("ours_over_limit", "ours/limit"), ("ours_over_orbit", "ours/orbit"),
+                       ("ours_over_fit_best", f"ours/fit best ({r['fit_best'] or '-'})"),
+                       ("ours_async_over_ours", "ours_async/ours"), ("ours_async_over_orbit", "ours_async/orbit"),
+                       ("ours_async_over_fit_best", "ours_async/fit best"),
+                       ("limit_input_over_limit", "limit_input/limit (the input's cost)"),
+                       ("ours_over_limit_input", "ours/limit_input")):
+        if key in s:
+            parts.append(f"{label} {interval_text(s[key])}" + (f" {s[key]['verdict']}" if is_peer(key) else ""))
+    return "; ".join(parts)
+
+
 def ratio_line(res: dict) -> str:
     r = res["ratios"]
-    parts = [f"ours/limit {_fmt(r['ours_over_limit'], '.3f')}",
-             f"ours/fit(spe 1) {_fmt(r['ours_over_fit_spe1'], '.2f')}",
-             f"ours/fit(best{', ' + r['fit_best'] if r['fit_best'] else ''}) {_fmt(r['ours_over_fit_best'], '.2f')}",
-             # .get: results written before Orbit was measured have none of these
-             f"ours/orbit {_fmt(r.get('ours_over_orbit'), '.3f')}",
-             f"first step ours/fit {_fmt(r.get('first_step_ours_over_fit'), '.2f')}, ours/orbit "
-             f"{_fmt(r.get('first_step_ours_over_orbit'), '.2f')}",
-             f"peak RSS ours/fit {_fmt(r['rss_ours_over_fit'], '.2f')}",
-             f"ours compile count {_fmt(res['ours_compile_count'], 'd')}"]
-    return "; ".join(parts)
+    return "; ".join([
+        f"first step ours/fit {_fmt(r.get('first_step_ours_over_fit'), '.2f')}, ours/orbit "
+        f"{_fmt(r.get('first_step_ours_over_orbit'), '.2f')}",
+        f"peak RSS ours/fit {_fmt(r['rss_ours_over_fit'], '.2f')}",
+        f"ours compile count {_fmt(res['ours_compile_count'], 'd')}"])
 
 
 def method_line(res: dict) -> str:
     m, load = res["method"], res["load_average"]
-    return (f"{m['repeats']} interleaved chunks of {m['steps_per_chunk']} steps per variant after warm-up to step "
-            f"{m['warmup_until_step']}; medians; our loop's hooks per chunk: "
-            f"{m['ours_progress_records_per_chunk']:g} progress record(s), {m['ours_checkpoints_per_chunk']:g} "
-            f"checkpoint(s). Load average (1 min) {load['before'][0]:.2f} before, {load['after'][0]:.2f} after.")
+    waiting = sum(v.get("waiting_cpu_s") or 0.0 for v in res["variants"].values())
+    o = m.get("others")
+    busy = (f" Other processes ran on a median {o['median_cores']:.2f} cores (at most {o['max_cores']:.2f}) during "
+            f"the chunks; the hypervisor stole {o['stolen_cores']:.2f} cores." if o else "")
+    return (f"{m['rounds']} rounds of one {m['steps_per_chunk']}-step chunk per variant, forward and backward in "
+            f"turn, after warm-up to step {m['warmup_until_step']}; on cores {','.join(map(str, m['cpus']))}; "
+            f"waiting workers {m['waiting_workers']} (their CPU while others ran: {waiting:.2f} s); ratios: "
+            f"median of the per-round ratios [95% bootstrap interval]. Load average (1 min) "
+            f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after.{busy}")
 
 
 def text_table(res: dict) -> str:
@@ -163,7 +221,7 @@ def text_table(res: dict) -> str:
         else:
             lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
                                    enumerate(zip(row, widths))))
-    return "\n".join([headline(res), method_line(res), *lines, ratio_line(res)])
+    return "\n".join([headline(res), method_line(res), *lines, verdict_line(res), ratio_line(res)])
 
 
 def markdown(res: dict) -> str:
@@ -171,5 +229,5 @@ def markdown(res: dict) -> str:
     lines = [f"### {headline(res)}", "", f"`{res['command']}`", "", method_line(res), "",
              "| " + " | ".join(rows[0]) + " |", "|---|" + "---:|" * (len(rows[0]) - 1)]
     lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
-    lines += ["", f"**{ratio_line(res)}**", ""]
+    lines += ["", f"**{verdict_line(res)}**", "", ratio_line(res), ""]
     return "\n".join(lines)

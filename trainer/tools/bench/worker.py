@@ -32,14 +32,15 @@ def error_summary(error: BaseException, role: str) -> str:
 
 
 def run_worker(role: str, gin_files: list[str], gin_bindings: list[str], *, fit_spe: int, total_steps: int) -> None:
-    """Runs variant `role` (limit, ours, orbit or fit at `fit_spe`) for `total_steps` steps, as the parent paces it."""
+    """Runs variant `role` (limit, limit_input, ours, ours_async, orbit or fit at `fit_spe`) for `total_steps`
+    steps, as the parent paces it."""
     channel = Channel()
     try:
         settings = train_settings(gin_files, gin_bindings)
-        if role == "limit":
-            run_limit(settings, channel)
-        elif role == "ours":
-            run_ours(settings, channel, total_steps)
+        if role in ("limit", "limit_input"):
+            run_limit(settings, channel, from_input=role == "limit_input")
+        elif role in ("ours", "ours_async"):
+            run_ours(settings, channel, total_steps, async_checkpoint=role == "ours_async")
         elif role == "orbit":
             run_orbit(settings, channel)
         elif role == "fit":
