@@ -2,12 +2,15 @@
 
 Accuracy after the last step on the validation split and the test images, seconds per
 epoch of training (Keras' own epoch time for the reference; for ours, 429 steps at the
-logged steps/s, which counts training only), and each run's wall time from run.sh.
+logged steps/s, which counts training only): the first (it includes tracing) and the median of
+the others (a median, so that an epoch slowed by other work on the machine does not carry the
+figure), and each run's wall time from run.sh.
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 
 STEPS_PER_EPOCH = 55000 // 128
@@ -37,7 +40,7 @@ def ours(model_dir: str) -> tuple[float, float, list[float]]:
 def main(out: str) -> None:
     with open(os.path.join(out, "times.txt")) as f:
         wall = {line.split()[0]: line.split()[3] for line in f if line.strip()}
-    print("| run | validation accuracy | test accuracy | s per epoch (first, mean of the others) | wall time |")
+    print("| run | validation accuracy | test accuracy | s per epoch (first, median of the others) | wall time |")
     print("|---|---:|---:|---:|---:|")
     for name, what in RUNS.items():
         try:
@@ -46,7 +49,7 @@ def main(out: str) -> None:
             print(f"| {what} | did not finish ({type(e).__name__}: {e}) | | | |")
             continue
         rest = epochs[1:] or epochs
-        print(f"| {what} | {validation:.4f} | {test:.4f} | {epochs[0]:.0f}, {sum(rest) / len(rest):.0f} | "
+        print(f"| {what} | {validation:.4f} | {test:.4f} | {epochs[0]:.0f}, {statistics.median(rest):.0f} | "
               f"{wall.get(name, '?')} s |")
 
 
