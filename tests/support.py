@@ -63,9 +63,13 @@ def tree_digest(root: str) -> dict[str, str]:
     return digest
 
 
-def refusal(proc: subprocess.CompletedProcess, model_dir) -> str:
-    """The one `error:` line of a run refused before it wrote anything: exit 2, that line last on
-    stderr and the only one, `model_dir` left empty. Returns the line."""
+def refused_run(tmp_path, *args: str, timeout: float = 150) -> str:
+    """Runs trainer.main on an empty `tmp_path/run` and returns the one `error:` line of its refusal,
+    after checking it is one: exit 2, that line last on stderr and the only one, the directory still
+    empty (refused before anything was written)."""
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    proc = run_main(*args, f"--model_dir={model_dir}", timeout=timeout)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0] == proc.stderr.strip().splitlines()[-1], proc.stderr[-3000:]

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.support import read_jsonl, refusal, run_main, run_module, subprocess_env, tree_digest
+from tests.support import read_jsonl, refused_run, run_main, run_module, subprocess_env, tree_digest
 from tests.test_multiworker import model_weights
 
 # The module-scoped fixture below is shared by this file's tests: one worker runs them all.
@@ -74,9 +74,6 @@ def test_a_mis_scaled_step_that_gathers_is_still_stopped(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_parameter_server_refuses_a_cross_replica_call_in_one_line(tmp_path):
-    model_dir = tmp_path / "run"
-    model_dir.mkdir()
-    error = refusal(run_main("--gin_file=gin/ps.gin", GIN, f"--model_dir={model_dir}", *SGD_30, timeout=150),
-                    model_dir)
+    error = refused_run(tmp_path, "--gin_file=gin/ps.gin", GIN, *SGD_30)
     assert "calls get_replica_context().all_gather, a cross-replica call, which parameter_server does not " \
            "support" in error, error

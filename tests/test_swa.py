@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.support import REPO, read_jsonl, refusal, run_main, run_module, subprocess_env
+from tests.support import REPO, read_jsonl, refused_run, run_main, run_module, subprocess_env
 from tests.test_multiworker import model_weights
 from tests.test_resume import kill_group, wait_for_step
 
@@ -87,10 +87,7 @@ def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bi
 
 @pytest.mark.timeout(200)
 def test_swa_is_refused_under_parameter_server_in_one_line(tmp_path):
-    model_dir = tmp_path / "run"
-    model_dir.mkdir()
-    error = refusal(run_main("--gin_file=gin/ps.gin", SWA, f"--model_dir={model_dir}", *SHORT, timeout=150),
-                    model_dir)
+    error = refused_run(tmp_path, "--gin_file=gin/ps.gin", SWA, *SHORT)
     assert error.startswith("error: swa (train.extensions) is not supported with parameter_server"), error
 
 

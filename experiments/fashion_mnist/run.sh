@@ -8,7 +8,7 @@
 #   PYTHON=/path/to/python DATA_DIR=/path/to/files experiments/fashion_mnist/run.sh OUT_DIR
 #
 # Logs, model_dirs and reference.json go to OUT_DIR (which must not hold earlier runs: ours
-# would resume); the table is printed at the end (table.py). About 75 minutes on 2 CPU cores.
+# would resume); the table is printed at the end (table.py). About 50 minutes on 2 otherwise idle CPU cores.
 set -uo pipefail
 out=$(realpath -m "${1:?usage: run.sh OUT_DIR}")
 cd "$(dirname "$0")/../.."
