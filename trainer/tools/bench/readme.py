@@ -11,7 +11,7 @@ import os
 import re
 import sys
 
-from trainer.tools.bench.report import interval_text, markdown
+from trainer.tools.bench.report import interval_text, markdown, number_text
 
 ORDER = ["cnn_single", "cnn_mirrored", "cnn28_single", "cnn28_mirrored", "mlp_single", "mlp_mirrored", "cnn_gpu",
          "mlp_gpu"]
@@ -82,16 +82,16 @@ def run_label(name: str) -> str:
 
 
 def summary_rows(results: dict[str, dict]) -> list[str]:
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     rows = []
     for name, r in results.items():
         q, load, others = r["ratios"], r["load_average"], r["method"].get("others") or {}
         rows.append(f"| {run_label(name)} | {cell(r, 'ours_over_limit')} | {cell(r, 'ours_over_orbit')} | "
                     f"{cell(r, 'ours_over_fit_best')} ({(q['fit_best'] or '-').replace('fit_', '')}) | "
                     f"{cell(r, 'ours_async_over_ours')} | {cell(r, 'limit_input_over_limit')} | "
-                    f"{fmt(q.get('first_step_ours_over_fit'), '.2f')} | {fmt(q['rss_ours_over_fit'], '.2f')} | "
-                    f"{fmt(r['ours_compile_count'], 'd')} | {load['before'][0]:.2f} / {load['after'][0]:.2f} | "
-                    f"{fmt(others.get('max_cores'), '.2f')} |")
+                    f"{number_text(q.get('first_step_ours_over_fit'), '.2f')} | "
+                    f"{number_text(q['rss_ours_over_fit'], '.2f')} | {number_text(r['ours_compile_count'], 'd')} | "
+                    f"{load['before'][0]:.2f} / {load['after'][0]:.2f} | "
+                    f"{number_text(others.get('max_cores'), '.2f')} |")
     return rows
 
 
@@ -108,7 +108,7 @@ def target_rows(results: dict[str, dict]) -> list[str]:
                      default=None)
         rows.append(f"| {run_label(name)} | {reaches} | {r['verdicts'].get('ours_over_orbit', '-')} | "
                     f"{r['verdicts'].get('ours_over_fit_best', '-')} | {cell(r, 'limit_input_over_limit')} | "
-                    f"{'-' if widest is None else format(widest, '.3f')} |")
+                    f"{number_text(widest, '.3f')} |")
     return rows
 
 

@@ -131,7 +131,8 @@ def results(settings, variants: list[Variant], *, plan: Schedule, cpus: list[int
     return out
 
 
-def _fmt(value, spec: str, missing: str = "-") -> str:
+def number_text(value, spec: str, missing: str = "-") -> str:
+    """`value` formatted by `spec`, or `missing` where there is none."""
     return missing if value is None else format(value, spec)
 
 
@@ -157,13 +158,14 @@ def table_rows(res: dict) -> list[list[str]]:
         key = f"ours_over_{name}"
         s = res["intervals"].get(key)
         spread = v["steps_per_sec_min_max"]
-        first = _fmt(v["time_to_first_step_s"], ".1f") + (f" ({v['first_call_steps']} steps)"
+        first = number_text(v["time_to_first_step_s"], ".1f") + (f" ({v['first_call_steps']} steps)"
                                                           if v["first_call_steps"] != 1 else "")
-        rows.append([v["label"], _fmt(v["steps_per_sec"], ".2f"), _fmt(v["examples_per_sec"], ".0f"),
+        rows.append([v["label"], number_text(v["steps_per_sec"], ".2f"), number_text(v["examples_per_sec"], ".0f"),
                      f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-", interval_text(s),
-                     s["verdict"] if s and is_peer(key) else "-", _fmt(v.get("cores_used"), ".2f"),
-                     work_text(v.get("work_per_chunk") or {}), first, _fmt(v["peak_rss_mib"], ".0f"),
-                     *([_fmt(v.get("peak_gpu_mib"), ".0f")] if gpu else []), _fmt(v["compile_count"], "d")])
+                     s["verdict"] if s and is_peer(key) else "-", number_text(v.get("cores_used"), ".2f"),
+                     work_text(v.get("work_per_chunk") or {}), first, number_text(v["peak_rss_mib"], ".0f"),
+                     *([number_text(v.get("peak_gpu_mib"), ".0f")] if gpu else []),
+                     number_text(v["compile_count"], "d")])
     return rows
 
 
@@ -192,10 +194,10 @@ def verdict_line(res: dict) -> str:
 def ratio_line(res: dict) -> str:
     r = res["ratios"]
     return "; ".join([
-        f"first step ours/fit {_fmt(r.get('first_step_ours_over_fit'), '.2f')}, ours/orbit "
-        f"{_fmt(r.get('first_step_ours_over_orbit'), '.2f')}",
-        f"peak RSS ours/fit {_fmt(r['rss_ours_over_fit'], '.2f')}",
-        f"ours compile count {_fmt(res['ours_compile_count'], 'd')}"])
+        f"first step ours/fit {number_text(r.get('first_step_ours_over_fit'), '.2f')}, ours/orbit "
+        f"{number_text(r.get('first_step_ours_over_orbit'), '.2f')}",
+        f"peak RSS ours/fit {number_text(r['rss_ours_over_fit'], '.2f')}",
+        f"ours compile count {number_text(res['ours_compile_count'], 'd')}"])
 
 
 def method_line(res: dict) -> str:
