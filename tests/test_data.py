@@ -126,14 +126,21 @@ def test_synthetic_any_shape():
     np.testing.assert_array_equal(images[0], same[0])
 
 
+def _write_files(directory, counts=(20, 7)) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Random images and labels in the Fashion-MNIST files' layout, `counts` for train and eval;
+    returns what was written, by split."""
+    rng = np.random.RandomState(0)
+    os.makedirs(directory, exist_ok=True)
+    arrays = {}
+    for split, (image_file, label_file), count in zip(data.SPLITS, data.FASHION_MNIST_FILES.values(), counts):
+        arrays[split] = rng.randint(0, 256, (count, 28, 28)), rng.randint(0, 10, count)
+        write_idx(os.path.join(directory, image_file), 2051, arrays[split][0])
+        write_idx(os.path.join(directory, label_file), 2049, arrays[split][1])
+    return arrays
+
 
 def test_fashion_mnist_reads_idx_files(tmp_path):
-    rng = np.random.RandomState(0)
-    arrays = {}
-    for split, (image_file, label_file), count in zip(data.SPLITS, data.FASHION_MNIST_FILES.values(), (20, 7)):
-        arrays[split] = rng.randint(0, 256, (count, 28, 28)), rng.randint(0, 10, count)
-        write_idx(tmp_path / image_file, 2051, arrays[split][0])
-        write_idx(tmp_path / label_file, 2049, arrays[split][1])
+    arrays = _write_files(tmp_path)
     source = data.FashionMnist(str(tmp_path))
     source.validate()
     for split, (raw_images, raw_labels) in arrays.items():
@@ -141,16 +148,6 @@ def test_fashion_mnist_reads_idx_files(tmp_path):
         assert source.num_examples(split) == len(raw_labels) and images.shape[1:] == (28, 28, 1)
         np.testing.assert_allclose(images.numpy()[..., 0], raw_images / 255.0, rtol=1e-6)
         np.testing.assert_array_equal(labels, raw_labels)
-
-
-def _write_files(directory, counts=(20, 7), images=None, labels=None) -> None:
-    rng = np.random.RandomState(0)
-    os.makedirs(directory, exist_ok=True)
-    for (image_file, label_file), count in zip(data.FASHION_MNIST_FILES.values(), counts):
-        write_idx(os.path.join(directory, image_file), 2051,
-                  rng.randint(0, 256, (count, 28, 28)) if images is None else images)
-        write_idx(os.path.join(directory, label_file), 2049,
-                  rng.randint(0, 10, count) if labels is None else labels)
 
 
 def test_fashion_mnist_is_read_from_data_dir_else_keras_cache_else_debian(tmp_path, monkeypatch):
