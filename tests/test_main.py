@@ -157,3 +157,28 @@ def test_without_model_dir_a_fresh_one_is_made_and_printed(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     model_dir = proc.stdout.split("model_dir: ")[1].split()[0]
     assert os.path.exists(os.path.join(tmp_path, model_dir, "ckpt-5.index"))
+
+
+def test_a_finished_run_leaves_after_its_threads_and_exit_handlers(tmp_path):
+    # trainer.main skips the interpreter's teardown once the outcome is out (trainer/cli.py), but not
+    # what a normal exit does that a user may rely on: a non-daemon thread is joined, atexit runs.
+    (tmp_path / "at_exit.py").write_text(textwrap.dedent(f'''
+        import atexit, pathlib, threading, time
+
+        def late_write():  # still running when the run returns: it writes after the final checkpoint
+            while not pathlib.Path({str(tmp_path / "run" / "ckpt-2.index")!r}).exists():
+                time.sleep(0.01)
+            time.sleep(1.0)
+            pathlib.Path({str(tmp_path / "thread.txt")!r}).write_text("joined")
+
+        threading.Thread(target=late_write).start()
+        atexit.register(pathlib.Path({str(tmp_path / "atexit.txt")!r}).write_text, "ran")
+    '''))
+    env = subprocess_env(PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={tmp_path / 'run'}", "--gin_bindings=import at_exit",
+                    "--gin_bindings=train.total_steps=2", "--gin_bindings=train.eval_every_steps=2", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "thread.txt").read_text() == "joined"
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("eval at step 2:")
+    assert os.path.exists(tmp_path / "run" / "ckpt-2.index")

@@ -24,7 +24,7 @@ quiet_start.import_tensorflow()  # so its load-time C++ notices do not come befo
 from absl import app, flags, logging  # noqa: E402
 
 from trainer.distribution import local_cluster  # noqa: E402
-from trainer.cli import fail, parse_flags  # noqa: E402
+from trainer.cli import exit_without_teardown, fail, parse_flags  # noqa: E402
 from trainer.errors import RunFailure, UserError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -118,6 +118,8 @@ def run(argv: list[str]) -> None:
             print(f"model_dir: {model_dir}", flush=True)
         bindings = gin.get_bindings("train", resolve_references=False)
         strategy, resolver = bindings.get("strategy", "default"), bindings.get("cluster_resolver", "tf_config")
+        if local_cluster.needs_local_cluster(strategy, resolver):
+            configurables.check_settings(model_dir)  # a mistake in the settings starts no server
         with local_cluster.cluster_for(strategy, configurables.local_cluster, print_fn=print_fn,
                                        cluster_resolver=resolver):
             configurables.train(
@@ -138,7 +140,7 @@ def run(argv: list[str]) -> None:
 
 
 def main() -> None:
-    app.run(local_cluster.exit_hard_after_ps(run), flags_parser=parse_flags)
+    app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

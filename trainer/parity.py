@@ -57,6 +57,7 @@ if "--role=tf_keras_fit" in sys.argv[1:]:
 from absl import app, flags, logging  # noqa: E402
 
 from trainer import main as main_lib  # noqa: E402  (defines --gin_file and --gin_bindings)
+from trainer.cli import exit_without_teardown  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.tools.parity import config as parity_config  # noqa: E402  (imports no Keras)
 
@@ -163,9 +164,8 @@ def run(argv: list[str]) -> None:
 def main() -> None:
     from trainer.distribution import local_cluster
 
-    # A ParameterServer coordinator leaves with os._exit (TensorFlow's teardown would call
-    # the stopped servers), as trainer.main does.
-    app.run(local_cluster.exit_hard_after_ps(run), flags_parser=main_lib.parse_flags)
+    # Leaves without the interpreter's teardown once the outcome is printed, as trainer.main does.
+    app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=main_lib.parse_flags)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from typing import Callable, Iterator
 
 from trainer.distribution import modes, netns
@@ -307,34 +306,7 @@ def cluster_for(
     return embedded_cluster(make_config(), print_fn=print_fn)
 
 
-def exit_hard_after_ps(run: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
-    """Wraps an entry point so that a ParameterServer coordinator ends with `os._exit`.
-
-    After a ParameterServer run TensorFlow's teardown tries to reach every server again
-    (to unregister functions); the embedded servers are gone by then, and each attempt
-    logs an error (or a dead ps makes it hang). The outcome is decided and printed by
-    then, so the process leaves without the teardown, with the same exit code.
-    """
-
-    def leave(code: int) -> None:
-        if _coordinates_ps_cluster:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-    # os._exit inside each `except`: once the exception is dropped, the frames it holds are
-    # freed and their tf.functions try to unregister themselves from the stopped servers.
-    def wrapped(argv: list[str]) -> None:
-        try:
-            run(argv)
-        except SystemExit as e:
-            leave(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
-            raise
-        except Exception:
-            if _coordinates_ps_cluster:
-                traceback.print_exc()
-            leave(1)
-            raise
-        leave(0)
-
-    return wrapped
+def coordinates_ps_cluster() -> bool:
+    """Whether this process coordinates a ParameterServer cluster (set by `cluster_for`): such a
+    process must leave without TensorFlow's exit handlers (trainer/cli.py, `exit_without_teardown`)."""
+    return _coordinates_ps_cluster
