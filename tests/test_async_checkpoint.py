@@ -168,6 +168,7 @@ def test_refused_in_one_line_before_model_dir_is_touched(tmp_path, args, expecte
     assert len(errors) == 1 and proc.stderr.strip().splitlines()[-1] == errors[0]
     assert expected in errors[0]
     assert tree_digest(str(model_dir)) == before
+    assert "local cluster:" not in proc.stdout  # refused before an embedded cluster's servers start
 
 
 @pytest.mark.parametrize("step_threads", [0, 1])

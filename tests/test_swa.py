@@ -87,7 +87,7 @@ def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bi
 
 @pytest.mark.timeout(200)
 def test_swa_is_refused_under_parameter_server_in_one_line(tmp_path):
-    error = refused_run(tmp_path, "--gin_file=gin/ps.gin", SWA, *SHORT)
+    error = refused_run(tmp_path, "--gin_file=gin/ps.gin", SWA, *SHORT, before_cluster=True)
     assert error.startswith("error: swa (train.extensions) is not supported with parameter_server"), error
 
 

@@ -37,9 +37,7 @@ def train(**arguments: Any) -> dict[str, float]:
     """
     settings = Settings(**arguments)
     console = Console(settings.print_fn)
-    registry = Registry(factory.participants(settings), settings)
-    registry.check()
-    model_dir_lib.check_model_dir(settings.model_dir)
+    registry = checked_registry(settings)
     runtime, task = setup(settings)
     contributions = registry.attach(runtime, task, console.print)
     record = _checked_record(settings, runtime, task)
@@ -76,6 +74,17 @@ def train(**arguments: Any) -> dict[str, float]:
 
 
 train.__signature__ = signature()  # gin reads the parameters (Settings' fields) from here
+
+
+def checked_registry(settings: Settings) -> Registry:
+    """The run's hooks and extensions, each having checked the settings (what it supports under
+    the strategy, its own options), and model_dir checked: what a run refuses from its settings
+    alone, before TensorFlow runs anything. Raises UserError. An entry point that starts an
+    embedded cluster calls it first too, so that such a mistake starts no server."""
+    registry = Registry(factory.participants(settings), settings)
+    registry.check()
+    model_dir_lib.check_model_dir(settings.model_dir)
+    return registry
 
 
 def _checked_record(settings: Settings, runtime, task) -> dict:
