@@ -1,9 +1,12 @@
 """Fixtures shared across test files."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from tests.support import run_main
+from tests.listening import SampledRun, sampled
+from tests.support import Main, run_main, subprocess_env
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +38,36 @@ def profiled_run(tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return model_dir, proc
+
+
+@pytest.fixture(scope="session")
+def embedded_ps_run(tmp_path_factory) -> SampledRun:
+    """One `trainer.main --gin_file=gin/ps.gin` run (no TF_CONFIG: an embedded 1 ps + 2 workers,
+    600 steps) with the sidecar evaluator beside it, sampled for listening sockets while it trains:
+    read by tests/test_ps.py (training, sidecar, servers stopped) and tests/test_network.py (closed
+    to the network). Its tests carry the xdist_group "embedded_ps_run", so it runs once."""
+    model_dir = tmp_path_factory.mktemp("embedded_ps") / "run"
+    sidecar = Main("--gin_file=gin/ps.gin", "--mode=eval_continuous", f"--model_dir={model_dir}",
+                   "--gin_bindings=eval_continuous.timeout_secs=200")
+    try:
+        run = sampled([sys.executable, "-m", "trainer.main", "--gin_file=gin/ps.gin", f"--model_dir={model_dir}"],
+                      model_dir, sidecar=sidecar)
+        run.sidecar_code = sidecar.finish(timeout=90)
+    finally:
+        sidecar.kill()
+    return run
+
+
+@pytest.fixture(scope="session")
+def launched_mwms_run(tmp_path_factory) -> SampledRun:
+    """One `trainer.launch --num_workers=2 -- --gin_file=gin/mwms.gin` run of 400 steps, with its own
+    TMPDIR, sampled for listening sockets while it trains: read by tests/test_multiworker.py (only the
+    chief writes, nothing left behind) and tests/test_network.py (closed to the network). Its tests
+    carry the xdist_group "launched_mwms_run", so it runs once."""
+    root = tmp_path_factory.mktemp("launched_mwms")
+    scratch = root / "tmp"
+    scratch.mkdir()
+    model_dir = root / "run"
+    return sampled([sys.executable, "-m", "trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin",
+                    f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=400"],
+                   model_dir, env=subprocess_env(TMPDIR=str(scratch)), scratch=scratch)

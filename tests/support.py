@@ -5,8 +5,12 @@ import gzip
 import hashlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -63,10 +67,11 @@ def tree_digest(root: str) -> dict[str, str]:
     return digest
 
 
-def refused_run(tmp_path, *args: str, timeout: float = 150) -> str:
+def refused_run(tmp_path, *args: str, timeout: float = 150, before_cluster: bool = False) -> str:
     """Runs trainer.main on an empty `tmp_path/run` and returns the one `error:` line of its refusal,
     after checking it is one: exit 2, that line last on stderr and the only one, the directory still
-    empty (refused before anything was written)."""
+    empty (refused before anything was written) and, with `before_cluster`, no embedded cluster
+    started for it."""
     model_dir = tmp_path / "run"
     model_dir.mkdir()
     proc = run_main(*args, f"--model_dir={model_dir}", timeout=timeout)
@@ -74,6 +79,8 @@ def refused_run(tmp_path, *args: str, timeout: float = 150) -> str:
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0] == proc.stderr.strip().splitlines()[-1], proc.stderr[-3000:]
     assert tree_digest(str(model_dir)) == {}
+    if before_cluster:  # a mistake in the settings alone starts no embedded cluster
+        assert "local cluster:" not in proc.stdout, proc.stdout[-3000:]
     return errors[0]
 
 
@@ -82,3 +89,67 @@ def write_idx(path, magic: int, array: np.ndarray) -> None:
     header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
     with gzip.open(path, "wb") as f:
         f.write(header + array.astype(np.uint8).tobytes())
+
+
+class Main:
+    """`python -m trainer.main args` in its own session, its output collected line by line."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=subprocess_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._changed = threading.Condition()
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream, lines: list[str]) -> None:
+        for line in stream:
+            with self._changed:
+                lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        """The first stdout line matching `pattern`; fails if the process ends or time runs out."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for line in self.out:
+                    if match := regex.search(line):
+                        return match
+                assert self.proc.poll() is None, f"exited {self.proc.returncode} before {pattern!r}: {self.tail()}"
+                assert time.monotonic() < deadline, f"no {pattern!r} within {timeout} s: {self.tail()}"
+                self._changed.wait(0.2)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILLs the whole session (the process and any server it started) if still there."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    @property
+    def stdout(self) -> str:
+        return "\n".join(self.out)
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(self.err)
+
+    def tail(self) -> str:
+        return "\n".join(self.out[-10:] + self.err[-10:])

@@ -79,13 +79,12 @@ def model_weights(model_dir: str) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.timeout(300)
-def test_two_launched_workers_train_and_only_the_chief_writes(tmp_path):
-    model_dir = str(tmp_path / "run")
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    proc = launch("--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
-                  "--gin_bindings=train.total_steps=400", env=subprocess_env(TMPDIR=str(scratch)))
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+@pytest.mark.xdist_group("launched_mwms_run")
+def test_two_launched_workers_train_and_only_the_chief_writes(launched_mwms_run):
+    """The run is tests/conftest.py's (400 steps, its own TMPDIR), shared with tests/test_network.py;
+    its stdout holds its stderr too."""
+    proc, model_dir, scratch = launched_mwms_run.result, str(launched_mwms_run.model_dir), launched_mwms_run.scratch
+    assert proc.returncode == 0, proc.stdout[-6000:]
     assert "[worker 0]" in proc.stdout and "[worker 1]" in proc.stdout
     assert "on 2 replica(s) (2 worker(s))" in proc.stdout
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
@@ -96,7 +95,7 @@ def test_two_launched_workers_train_and_only_the_chief_writes(tmp_path):
     assert len(os.listdir(os.path.join(model_dir, "eval"))) == 1
     assert os.path.exists(os.path.join(model_dir, "ckpt-400.index"))
     leftovers = [p for p in (scratch.rglob("*")) if "trainer" in p.name or "workertemp" in p.name]
-    leftovers += [p for p in tmp_path.rglob("*") if "workertemp" in p.name or ".tmp-" in p.name]
+    leftovers += [p for p in scratch.parent.rglob("*") if "workertemp" in p.name or ".tmp-" in p.name]
     assert not leftovers, leftovers
     assert not trainer_pids_for(model_dir)
 

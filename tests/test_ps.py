@@ -9,86 +9,19 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import textwrap
-import threading
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import REPO, read_jsonl, run_main, run_module, subprocess_env
+from tests.support import REPO, Main, read_jsonl, run_main, run_module, subprocess_env
 from trainer.distribution import early_isolation, local_cluster
 
 PS = "--gin_file=gin/ps.gin"
 SERVER_LINE = re.compile(r"server (\w+) (\d+) \(pid (\d+)\) listening at")
 RESTARTED = re.compile(r"restarted it as pid (\d+)")
-
-
-class Main:
-    """`python -m trainer.main args` in its own session, its output collected line by line."""
-
-    def __init__(self, *args: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=subprocess_env(),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._changed = threading.Condition()
-        self._readers = [
-            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
-
-    def _read(self, stream, lines: list[str]) -> None:
-        for line in stream:
-            with self._changed:
-                lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        """The first stdout line matching `pattern`; fails if the process ends or time runs out."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for line in self.out:
-                    if match := regex.search(line):
-                        return match
-                assert self.proc.poll() is None, f"exited {self.proc.returncode} before {pattern!r}: {self.tail()}"
-                assert time.monotonic() < deadline, f"no {pattern!r} within {timeout} s: {self.tail()}"
-                self._changed.wait(0.2)
-
-    def finish(self, timeout: float) -> int:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        finally:
-            self.kill()
-        for reader in self._readers:
-            reader.join(timeout=10)
-        return code
-
-    def kill(self) -> None:
-        """SIGKILLs the whole session (the process and any server it started) if still there."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    @property
-    def stdout(self) -> str:
-        return "\n".join(self.out)
-
-    @property
-    def stderr(self) -> str:
-        return "\n".join(self.err)
-
-    def tail(self) -> str:
-        return "\n".join(self.out[-10:] + self.err[-10:])
 
 
 def server_pids(*texts: str) -> dict[str, int]:
@@ -130,20 +63,14 @@ def assert_one_line_error(stderr: str, *needles: str) -> str:
 
 
 @pytest.mark.timeout(240)
-def test_embedded_cluster_trains_to_accuracy_and_sidecar_evaluates_each_checkpoint(tmp_path):
-    """Must-show 1 (no TF_CONFIG: 1 ps + 2 workers as subprocesses) and 6 (the sidecar)."""
-    model_dir = tmp_path / "run"
-    sidecar = Main(PS, "--mode=eval_continuous", f"--model_dir={model_dir}",
-                   "--gin_bindings=eval_continuous.timeout_secs=200")
-    try:
-        started = time.monotonic()
-        run = run_main(PS, f"--model_dir={model_dir}", timeout=200)
-        seconds = time.monotonic() - started
-        assert run.returncode == 0, run.stderr[-4000:]
-        assert sidecar.finish(timeout=90) == 0, sidecar.tail()
-    finally:
-        sidecar.kill()
-    print(f"embedded ps run: {seconds:.0f} s")
+@pytest.mark.xdist_group("embedded_ps_run")
+def test_embedded_cluster_trains_to_accuracy_and_sidecar_evaluates_each_checkpoint(embedded_ps_run):
+    """Must-show 1 (no TF_CONFIG: 1 ps + 2 workers as subprocesses) and 6 (the sidecar). The run is
+    tests/conftest.py's, shared with tests/test_network.py; its stdout holds its stderr too."""
+    run, model_dir, sidecar = embedded_ps_run.result, embedded_ps_run.model_dir, embedded_ps_run.sidecar
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert embedded_ps_run.sidecar_code == 0, sidecar.tail()
+    print(f"embedded ps run: {embedded_ps_run.seconds:.0f} s")
     assert "local cluster: ps 0 pid" in run.stdout and "strategy 'parameter_server'" in run.stdout
     chief, side = evals(model_dir)
     assert [r["step"] for r in chief] == [200, 400, 600]
@@ -157,8 +84,8 @@ def test_embedded_cluster_trains_to_accuracy_and_sidecar_evaluates_each_checkpoi
     assert "reached train.total_steps 600; done" in sidecar.stdout
     # The servers stopped on SIGTERM, cleanly, and nothing is left.
     for name in ("ps 0", "worker 0", "worker 1"):
-        assert f"[{name}] server {name} stopped" in run.stderr
-    assert_all_gone(server_pids(run.stderr))
+        assert f"[{name}] server {name} stopped" in run.stdout
+    assert_all_gone(server_pids(run.stdout))
 
 
 @pytest.mark.timeout(200)

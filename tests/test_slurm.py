@@ -24,7 +24,7 @@ import time
 import pytest
 
 from tests.support import REPO, read_jsonl, run_module, subprocess_env
-from tests.test_network import listening
+from tests.listening import listening
 from tests.test_resume import per_step_losses
 
 SCRIPT = os.path.join(REPO, "experiments", "cluster", "slurm", "local_slurm.py")
