@@ -29,12 +29,13 @@ def expected_bindings(path: str, found: dict[str, tuple[str, str]] | None = None
     return found
 
 
-# Runs trainer.main's own entry point once per gin file in one fresh interpreter (TensorFlow's
-# import dominates, so once, not once per file), then reports each exit code and output, and
-# whether TensorFlow's runtime (the eager context) was ever started.
+# Runs trainer.main's `run` under absl, with its flag parser, as its `main` does, once per gin file in
+# one fresh interpreter (TensorFlow's import dominates, so once, not once per file; `main` itself would
+# end the process after the first), then reports each exit code and output, and whether TensorFlow's
+# runtime (the eager context) was ever started.
 PRINT_EVERY_FILE = """
 import contextlib, io, json, sys
-from absl import flags
+from absl import app, flags
 from trainer import main
 results = {}
 for path, model_dir, extra in json.loads(sys.argv[1]):
@@ -44,7 +45,7 @@ for path, model_dir, extra in json.loads(sys.argv[1]):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:
-            main.main()
+            app.run(main.run, flags_parser=main.parse_flags)
         except SystemExit as e:
             code = e.code or 0
     results[path] = {'code': code, 'out': out.getvalue()}
