@@ -72,6 +72,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags, logging  # noqa: E402
 
 from trainer import main as main_lib  # noqa: E402  (defines --gin_file and --gin_bindings)
+from trainer.cli import exit_without_teardown  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.tools.bench.compare import compare  # noqa: E402
 from trainer.tools.bench.orbit import INSTALL as ORBIT_INSTALL  # noqa: E402
@@ -173,8 +174,11 @@ def run(argv: list[str]) -> None:
 
 
 def main() -> None:
+    from trainer.distribution import local_cluster
+
     define_flags()
-    app.run(run, flags_parser=main_lib.parse_flags)
+    # Every process, the comparing one and each variant's worker, leaves without the interpreter's teardown.
+    app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=main_lib.parse_flags)
 
 
 if __name__ == "__main__":
