@@ -55,12 +55,7 @@ def exit_without_teardown(run: Callable[[list[str]], None],
         if not coordinates_ps_cluster():
             threading._shutdown()  # what Py_FinalizeEx runs first  # noqa: SLF001
             atexit._run_exitfuncs()  # noqa: SLF001
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (BrokenPipeError, OSError):
-                pass
-        os._exit(code)
+        flush_and_exit(code)
 
     # os._exit inside each `except`: once the exception is dropped, the frames it holds are
     # freed and their tf.functions try to unregister themselves from a stopped server.
@@ -77,3 +72,14 @@ def exit_without_teardown(run: Callable[[list[str]], None],
         leave(0)
 
     return wrapped
+
+
+def flush_and_exit(code: int) -> NoReturn:
+    """Flushes stdout and stderr (a reader that went away is no error) and ends the process with
+    `code` at once, with no exit handler and no teardown."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, OSError):
+            pass
+    os._exit(code)

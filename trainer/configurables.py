@@ -58,6 +58,7 @@ def settings_from_gin(**overrides) -> settings_lib.Settings:
     the entry points that build what a run builds: the sidecar, trainer.bench, trainer.parity."""
     return settings_lib.Settings.of(resolve_functions(gin.get_bindings("train")) | overrides)
 
+
 def check_settings(model_dir: str) -> None:
     """What a run of the parsed config refuses from its settings alone (`train.checked_registry`),
     for an entry point to call before it starts an embedded cluster. Raises UserError."""

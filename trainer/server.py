@@ -35,6 +35,7 @@ from typing import Any
 os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from trainer.cli import flush_and_exit  # noqa: E402
 from trainer.distribution import cluster  # noqa: E402  (no TensorFlow import)
 from trainer.errors import UserError  # noqa: E402
 
@@ -160,9 +161,4 @@ if __name__ == "__main__":
     finally:
         # The gRPC server has no shutdown and a normal exit can hang in its threads, so the
         # process always ends here, whatever happened.
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (BrokenPipeError, OSError):
-                pass
-        os._exit(code)
+        flush_and_exit(code)
