@@ -36,6 +36,8 @@ def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
         assert variant["steps_per_sec"] > 0 and variant["peak_rss_mib"] > 0 and variant["cores_used"] > 0
     # --steps 8 is rounded up to whole calls of 5: chunks of 10 steps.
     assert result["method"]["steps_per_chunk"] == 10 and result["method"]["rounds"] == 3
+    # Each chunk ran in two turns of one 5-step call, every variant's turn after another's, and was added up.
+    assert result["method"]["steps_per_turn"] == 5 and "in turns of 5 steps" in proc.stdout
     # What each variant did besides its steps, counted by its worker: ours one checkpoint and two train records
     # per 10-step chunk, with sync or async saves alike; the limits and fit nothing.
     for name in ("ours", "ours_async"):
@@ -213,6 +215,26 @@ def test_rounds_alternate_their_order():
     assert [round_order("ABC", i) for i in range(4)] == [list("ABC"), list("CBA"), list("ABC"), list("CBA")]
     assert Schedule(chunk=10, warmup=20, repeats=3).targets() == [("warmup", 20), ("round 1", 30), ("round 2", 40),
                                                                   ("round 3", 50)]
+
+
+def test_a_round_runs_in_turns_that_end_on_every_call_boundary():
+    from trainer import data
+    from trainer.errors import UserError
+    from trainer.run.settings import Settings
+    from trainer.tools.bench.plan import Schedule, schedule
+
+    assert Schedule(chunk=600, warmup=600, repeats=2, turn=200).turn_targets(1200) == [800, 1000, 1200]
+    assert Schedule(chunk=600, warmup=600, repeats=2).turn_targets(1200) == [1200]  # no turns: the chunk at once
+    with pytest.raises(ValueError):
+        Schedule(chunk=600, warmup=600, repeats=2, turn=250)
+    settings = Settings(strategy="default", global_batch_size=128, steps_per_loop=100, log_every_steps=250,
+                        checkpoint_every_steps=1500, jit_compile=False, mixed_precision=None,
+                        data_source=data.Digits(), model_fn=len)
+    plan = schedule(settings, [1, 100], steps=0, warmup_steps=0, repeats=12)
+    assert (plan.chunk, plan.turn, plan.turns_per_chunk, plan.warmup) == (1500, 100, 15, 1500)
+    assert schedule(settings, [1, 100], steps=0, warmup_steps=0, repeats=12, turn_steps=220).turn == 300
+    with pytest.raises(UserError, match="--turn_steps 400 .* does not divide a chunk of 1500"):
+        schedule(settings, [1, 100], steps=0, warmup_steps=0, repeats=12, turn_steps=400)
 
 
 def _rounds(ours: float, other: float, n: int = 24) -> tuple[list[float], list[float]]:

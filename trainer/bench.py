@@ -32,8 +32,12 @@ the other (so start-up and first step are timed on a quiet machine), every one p
 same cores (`--cpus`, default every core the parent may use). Time to first step is from
 process start to the end of its first compiled call (1 step for limit and ours,
 `steps_per_execution` steps for fit). Then every variant runs a warm-up chunk and `--repeats`
-rounds of one chunk of `--steps` steps each, in alternating order (limit, ours, ..., fit, then
-fit, ..., ours, limit, ...). Only the variant being measured runs: every other worker is
+rounds of one chunk of `--steps` steps each. A round runs in turns of `--turn_steps` steps
+(about a second): every variant runs a turn, in alternating order (limit, ours, ..., fit, then
+fit, ..., ours, limit, ...), then every variant its next turn, until each has run its chunk, so
+the chunks of one round are spread alike over the same stretch of time. (On this kind of shared
+VM the machine's speed drifts by 10-20% over tens of seconds; chunks run one after the other,
+seconds apart, each saw a different drift, and the per-round ratios spread by +-10%.) Only the variant being measured runs: every other worker is
 stopped (SIGSTOP) from its answer to its next request, so no thread of it competes; the CPU
 each used while waiting is recorded. A chunk's time includes everything its process does
 between the chunk's boundaries (hooks, Python, input); its worker also reports its CPU, what
@@ -102,8 +106,11 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 0, "Steps per measured chunk, rounded up to a multiple of every call length (0: "
                          "the least multiple of log_every_steps and checkpoint_every_steps, so that every chunk holds "
                          "the same hook work: one checkpoint and chunk/log_every_steps progress records).")
-    flags.DEFINE_integer("repeats", 20, "Measured rounds: each runs one chunk of every variant, in alternating "
-                         "order; the 95% intervals of the ratios are over these rounds.")
+    flags.DEFINE_integer("repeats", 12, "Measured rounds: each runs one chunk of every variant, in turns; the 95% "
+                         "intervals of the ratios are over these rounds.")
+    flags.DEFINE_integer("turn_steps", 0, "Steps a variant runs per turn, a multiple of every call length that "
+                         "divides the chunk (0: the least multiple of steps_per_loop and fit's steps_per_execution "
+                         "values).")
     flags.DEFINE_integer("warmup_steps", 0, "Steps each variant runs after its first call before measuring "
                          "(0: one chunk).")
     flags.DEFINE_list("variants", list(VARIANTS), "Which variants to run, in the order of a forward round: " +
@@ -147,7 +154,7 @@ def dispatch(mode: str) -> tuple[int, dict | None]:
         return 0, run_save_stall(params=FLAGS.save_stall_params, saves=FLAGS.saves,
                                  step_threads=FLAGS.save_stall_step_threads, print_fn=print_fn)
     return compare(FLAGS.gin_file, FLAGS.gin_bindings, variants=FLAGS.variants, steps=FLAGS.steps,
-                   repeats=FLAGS.repeats, warmup_steps=FLAGS.warmup_steps,
+                   repeats=FLAGS.repeats, warmup_steps=FLAGS.warmup_steps, turn_steps=FLAGS.turn_steps,
                    fit_steps_per_execution=FLAGS.fit_steps_per_execution, cpus=FLAGS.cpus,
                    pause_waiting=FLAGS.pause_waiting, timeout_secs=FLAGS.timeout_secs,
                    json_path=FLAGS.json, report_path=FLAGS.report, argv=sys.argv[1:]), None

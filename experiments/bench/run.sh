@@ -6,7 +6,7 @@
 # (one GPU, batch 1024, mixed_bfloat16, XLA) for both models. Orbit is not a dependency:
 # `python -m trainer.bench --install_orbit` first, or its rows say that it is not installed.
 #
-#   experiments/bench/run.sh                        # everything (an estimated 45 min on 2 cores)
+#   experiments/bench/run.sh                        # everything (about 11 min per config on 2 cores)
 #   RUNS=2 experiments/bench/run.sh                 # each config twice, back to back: do the verdicts hold?
 #   CONFIGS="cnn28_mirrored" experiments/bench/run.sh  # the CNN at 28x28 (not in the default set)
 #   CONFIGS="mlp_single" experiments/bench/run.sh   # rerun one config, rebuild the README from all results
@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=experiments/bench
 PYTHON=${PYTHON:-python}
-REPEATS=${REPEATS:-20}
+REPEATS=${REPEATS:-12}
 RUNS=${RUNS:-1}
 read -r -a EXTRA <<< "${BENCH_ARGS:-}"
 HAVE_GPU=0

@@ -30,14 +30,14 @@ def pin(cpus: list[str]) -> list[int]:
 
 
 def compare(gin_files: list[str], gin_bindings: list[str], *, variants: list[str], steps: int, repeats: int,
-            warmup_steps: int, fit_steps_per_execution: list[str], cpus: list[str], pause_waiting: bool,
+            warmup_steps: int, turn_steps: int, fit_steps_per_execution: list[str], cpus: list[str], pause_waiting: bool,
             timeout_secs: float, json_path: str | None, report_path: str | None, argv: list[str]) -> int:
     """Runs the bench; the exit code: 0 when everything ran, 1 when a variant other than fit failed.
     `argv` (the command line's arguments) goes into the report as the command to rerun it."""
     settings = train_settings(gin_files, gin_bindings)
     refuse_asynchronous(settings, "trainer.bench")
-    if steps < 0 or repeats < 1 or warmup_steps < 0:
-        raise UserError("--repeats must be at least 1, --steps and --warmup_steps at least 0")
+    if steps < 0 or repeats < 1 or warmup_steps < 0 or turn_steps < 0:
+        raise UserError("--repeats must be at least 1, --steps, --warmup_steps and --turn_steps at least 0")
     pinned = pin(cpus)
     try:
         fit_spes = sorted({int(s) for s in fit_steps_per_execution} or {1, settings.steps_per_loop})
@@ -46,12 +46,14 @@ def compare(gin_files: list[str], gin_bindings: list[str], *, variants: list[str
     if min(fit_spes) < 1:
         raise UserError("--fit_steps_per_execution values must be at least 1")
     planned = plan_variants(settings, variants, fit_spes)
-    plan = schedule(settings, fit_spes, steps=steps, warmup_steps=warmup_steps, repeats=repeats)
+    plan = schedule(settings, fit_spes, steps=steps, warmup_steps=warmup_steps, repeats=repeats,
+                    turn_steps=turn_steps)
     gin_args = [*(f"--gin_file={f}" for f in gin_files), *(f"--gin_bindings={b}" for b in gin_bindings)]
     command = shlex.join(["python", "-m", "trainer.bench", *(a for a in argv if not a.startswith(("--json",
                                                                                                   "--report")))])
     print_fn = lambda line: print(line, flush=True)  # noqa: E731
-    print_fn(f"bench: {', '.join(v.name for v in planned)}; {repeats} rounds of {plan.chunk} steps each after "
+    print_fn(f"bench: {', '.join(v.name for v in planned)}; {repeats} rounds of {plan.chunk} steps each, in "
+             f"turns of {plan.turn}, after "
              f"warm-up to step {plan.warmup}, on cores {','.join(map(str, pinned))}")
     load_before = os.getloadavg()
     measure(planned, gin_args, plan, timeout=timeout_secs, pause_waiting=pause_waiting, print_fn=print_fn)

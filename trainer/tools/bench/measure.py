@@ -1,6 +1,9 @@
 """Starts one worker process per variant, one after the other (start-up and first step are timed
 on a quiet machine), then paces them through the warm-up and the measured rounds, one chunk per
-variant a round, in alternating order (A B C, C B A, ...: `plan.round_order`).
+variant a round. A round runs in turns (`Schedule.turn` steps each, about a second): every variant
+runs its turn, then every variant its next one, in alternating order (A B C, C B A, ...:
+`plan.round_order`), so that the chunks of a round, added up from their turns, cover the same
+stretch of time and see the same drifts of the machine's speed.
 
 Only the variant being measured runs: every other worker is stopped (SIGSTOP) between its answer
 and its next request, so no thread of a waiting process (TensorFlow's pools, a checkpoint writer,
@@ -78,6 +81,28 @@ def _start(variant: Variant, gin_args: list[str], schedule: Schedule, log_dir: s
     return worker
 
 
+def _record(variant: Variant, label: str, answers: list[dict], schedule: Schedule,
+            print_fn: Callable[[str], None]) -> None:
+    """Adds up the answers of the variant's turns in one round (or the warm-up) into its chunk."""
+    seconds = sum(m["seconds"] for m in answers)
+    if label == "warmup":
+        variant.warmup_s = seconds
+        print_fn(f"{label:>9}  {variant.name:<12} {seconds:.2f} s")
+        return
+    cpu = sum(m["cpu_seconds"] for m in answers)
+    work: dict[str, int] = {}
+    for m in answers:
+        for kind, count in (m.get("work") or {}).items():
+            work[kind] = work.get(kind, 0) + count
+    variant.chunks.append(seconds)
+    variant.cpu.append(cpu)
+    variant.other_cpu.append(sum(m["other_cpu_seconds"] for m in answers))
+    variant.steal.append(sum(m["steal_seconds"] for m in answers))
+    variant.work.append(work)
+    print_fn(f"{label:>9}  {variant.name:<12} {schedule.chunk / seconds:8.2f} steps/s  "
+             f"({seconds:.2f} s, {cpu / seconds:.2f} cores)")
+
+
 def measure(variants: list[Variant], gin_args: list[str], schedule: Schedule, *, timeout: float,
             pause_waiting: bool, print_fn: Callable[[str], None]) -> None:
     """Runs the variants that can run; fills in what each measured, or why it failed."""
@@ -89,26 +114,22 @@ def measure(variants: list[Variant], gin_args: list[str], schedule: Schedule, *,
             if variant.status == "ok":
                 workers[variant.name] = worker = _start(variant, gin_args, schedule, log_dir, timeout, print_fn)
                 turns.wait(worker)
-        for index, (label, until) in enumerate(schedule.targets()):
-            for variant, worker in _running(round_order(variants, index), workers):
-                message = turns.ask(variant, worker, until)
-                if message is None:
-                    print_fn(f"{variant.name}: failed in {label}: {variant.reason} (log: {variant.log_path})")
-                    continue
-                if message.get("steps") != until:
-                    raise RuntimeError(f"{variant.name} answered {message} when asked to run to step {until}")
-                seconds = message["seconds"]
-                if label == "warmup":
-                    variant.warmup_s = seconds
-                    print_fn(f"{label:>9}  {variant.name:<12} {seconds:.2f} s")
-                    continue
-                variant.chunks.append(seconds)
-                variant.cpu.append(message["cpu_seconds"])
-                variant.other_cpu.append(message["other_cpu_seconds"])
-                variant.steal.append(message["steal_seconds"])
-                variant.work.append(message.get("work") or {})
-                print_fn(f"{label:>9}  {variant.name:<12} {schedule.chunk / seconds:8.2f} steps/s  "
-                         f"({seconds:.2f} s, {message['cpu_seconds'] / seconds:.2f} cores)")
+        turn_index = 0
+        for label, until in schedule.targets():
+            steps = [until] if label == "warmup" else schedule.turn_targets(until)
+            done = {variant.name: [] for variant in variants}
+            for step in steps:
+                for variant, worker in _running(round_order(variants, turn_index), workers):
+                    message = turns.ask(variant, worker, step)
+                    if message is None:
+                        print_fn(f"{variant.name}: failed in {label}: {variant.reason} (log: {variant.log_path})")
+                    elif message.get("steps") != step:
+                        raise RuntimeError(f"{variant.name} answered {message} when asked to run to step {step}")
+                    else:
+                        done[variant.name].append(message)
+                turn_index += 1
+            for variant, _ in _running(variants, workers):
+                _record(variant, label, done[variant.name], schedule, print_fn)
         for variant, worker in _running(variants, workers):
             message = turns.ask(variant, worker, None)
             if message is None:

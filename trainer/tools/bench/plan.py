@@ -101,36 +101,60 @@ def round_up(value: int, multiple: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Measured rounds of one `chunk`-step chunk per variant after a warm-up to step `warmup`;
-    `total` steps in all."""
+    """Measured rounds of one `chunk`-step chunk per variant after a warm-up to step `warmup`; `total`
+    steps in all. A round's chunks are run in turns of `turn` steps (a divisor of `chunk`; 0: the whole
+    chunk at once): every variant runs one turn, then every variant the next, and so on, so the chunks of
+    one round are spread alike over the same stretch of time."""
 
     chunk: int
     warmup: int
     repeats: int
+    turn: int = 0
+
+    def __post_init__(self):
+        if self.turn and self.chunk % self.turn:
+            raise ValueError(f"a turn of {self.turn} steps does not divide a chunk of {self.chunk}")
 
     @property
     def total(self) -> int:
         return self.warmup + self.repeats * self.chunk
+
+    @property
+    def turns_per_chunk(self) -> int:
+        return self.chunk // self.turn if self.turn else 1
 
     def targets(self) -> list[tuple[str, int]]:
         """(label, the step every variant runs to) for the warm-up and each round."""
         return [("warmup", self.warmup)] + [(f"round {r + 1}", self.warmup + (r + 1) * self.chunk)
                                             for r in range(self.repeats)]
 
+    def turn_targets(self, until: int) -> list[int]:
+        """The steps a round that ends at step `until` runs to, turn by turn."""
+        step = self.turn or self.chunk
+        return list(range(until - self.chunk + step, until + 1, step))
+
 
 def round_order(variants: list, index: int) -> list:
-    """The order of round `index` (0 is the warm-up): forward, then backward, alternately (A B C, C B A,
-    A B C, ...), so that each variant runs as often early in a round as late in one and a drift of the
-    machine's speed across a pair of rounds falls on every variant alike."""
+    """The order of turn `index` (0 is the warm-up): forward, then backward, alternately (A B C, C B A,
+    A B C, ...), so that each variant runs as often early in a turn as late in one and a drift of the
+    machine's speed across a pair of turns falls on every variant alike."""
     return list(variants) if index % 2 == 0 else list(reversed(variants))
 
 
-def schedule(settings, fit_spes: list[int], *, steps: int, warmup_steps: int, repeats: int) -> Schedule:
+def schedule(settings, fit_spes: list[int], *, steps: int, warmup_steps: int, repeats: int,
+             turn_steps: int = 0) -> Schedule:
     """Chunks that end on a call boundary of every variant (a multiple of steps_per_loop and of fit's
-    values) and, by default, hold the same hook work: the least multiple of both hook intervals."""
+    values) and, by default, hold the same hook work: the least multiple of both hook intervals. Turns
+    are, by default, the shortest stretch that ends on every variant's call boundaries (the same unit):
+    the machine's speed drifts by 10-20% over tens of seconds on a shared VM, and only chunks spread over
+    the same seconds see the same drift."""
     unit = math.lcm(settings.steps_per_loop, *fit_spes)
     hooks_unit = math.lcm(settings.log_every_steps, settings.checkpoint_every_steps)
     chunk = round_up(steps or (hooks_unit if hooks_unit <= 20_000 else 1000), unit)
+    turn = round_up(turn_steps or unit, unit)
+    if chunk % turn:
+        raise UserError(f"--turn_steps {turn_steps} (rounded up to {turn}, a multiple of every variant's call "
+                        f"length {unit}) does not divide a chunk of {chunk} steps: pick a divisor of {chunk}")
     # Warm-up ends on a chunk boundary beyond every variant's first call (fit's first call is unit steps long).
     warmup = round_up(max(warmup_steps or chunk, unit + 1), chunk)
-    return Schedule(chunk, warmup, repeats)
+    return Schedule(chunk, warmup, repeats, turn)

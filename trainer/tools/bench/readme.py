@@ -38,9 +38,11 @@ whether the verdicts hold, run every config twice, back to back, on an otherwise
   `steps_per_execution` 1 and `steps_per_loop`, with no callbacks (no saves); "fit best" is the faster one that ran.
 
 Each variant runs in its own process (its own peak RSS), every one pinned to the same cores. After a warm-up they
-run rounds of one chunk each, forward and backward in turn (A B C, C B A, ...); only the variant being measured
-runs, the others are stopped (SIGSTOP) until their turn. A round's ratio of two variants cancels the machine's
-speed in that round; each ratio below is the median of the per-round ratios with its 95% bootstrap interval over
+run rounds of one chunk each. A round runs in turns of about a second (one `steps_per_loop` call): every variant
+runs a turn, forward and backward in alternation (A B C, C B A, ...), until each has run its chunk, so the chunks
+of a round spread alike over the same stretch of time. Only the variant being measured runs, the others are
+stopped (SIGSTOP) until their turn. A round's ratio of two variants cancels the machine's speed in that round
+(this VM's speed drifts by 10-20% over tens of seconds: chunks run one after the other saw different drifts); each ratio below is the median of the per-round ratios with its 95% bootstrap interval over
 rounds. Against a peer (Orbit, fit) the verdict is **ahead** (the interval above 1.0), **tie** (it holds 1.0) or
 **behind**. "work per chunk" is what each variant's worker did besides its steps, counted; "cores" the CPU it used
 per second of its chunks. Time to first step is from process start (Python, TensorFlow, building, tracing) to the

@@ -87,7 +87,9 @@ def results(settings, variants: list[Variant], *, plan: Schedule, cpus: list[int
             "mixed_precision": settings.mixed_precision or "float32",
         },
         "method": {"steps_per_chunk": chunk, "warmup_until_step": plan.warmup, "rounds": plan.repeats,
-                   "order": [v.name for v in variants], "order_rule": "forward and backward in turn",
+                   "steps_per_turn": plan.turn or chunk, "order": [v.name for v in variants],
+                   "order_rule": "turns of steps_per_turn steps, every variant's turn in forward and backward order "
+                                 "alternately",
                    "cpus": cpus, "waiting_workers": "stopped" if pause_waiting else "left running",
                    "statistic": f"median of the per-round ratios, {intervals_lib.LEVEL:.0%} percentile bootstrap "
                                 f"interval over rounds ({intervals_lib.RESAMPLES} resamples)"},
@@ -206,8 +208,10 @@ def method_line(res: dict) -> str:
     o = m.get("others")
     busy = (f" Other processes ran on a median {o['median_cores']:.2f} cores (at most {o['max_cores']:.2f}) during "
             f"the chunks; the hypervisor stole {o['stolen_cores']:.2f} cores." if o else "")
-    return (f"{m['rounds']} rounds of one {m['steps_per_chunk']}-step chunk per variant, forward and backward in "
-            f"turn, after warm-up to step {m['warmup_until_step']}; on cores {','.join(map(str, m['cpus']))}; "
+    turns = (f"in turns of {m['steps_per_turn']} steps, " if m.get("steps_per_turn", m["steps_per_chunk"])
+             < m["steps_per_chunk"] else "")
+    return (f"{m['rounds']} rounds of one {m['steps_per_chunk']}-step chunk per variant, {turns}forward and "
+            f"backward in turn, after warm-up to step {m['warmup_until_step']}; on cores {','.join(map(str, m['cpus']))}; "
             f"waiting workers {m['waiting_workers']} (their CPU while others ran: {waiting:.2f} s); ratios: "
             f"median of the per-round ratios [95% bootstrap interval]. Load average (1 min) "
             f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after.{busy}")
