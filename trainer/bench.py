@@ -42,7 +42,7 @@ stopped (SIGSTOP) from its answer to its next request, so no thread of it compet
 each used while waiting is recorded. A chunk's time includes everything its process does
 between the chunk's boundaries (hooks, Python, input); its worker also reports its CPU, what
 it did besides its steps (checkpoints, records) and the CPU the rest of the machine used
-meanwhile. Each comparison is the median over rounds of the round's ratio (chunk i of two
+meanwhile. Each comparison is the geometric mean over rounds of the round's ratio (chunk i of two
 variants ran in round i, so their ratio cancels how fast the machine was then) with its 95%
 percentile bootstrap interval over rounds (a fixed seed); against Orbit and fit the verdict
 is ahead (the interval above 1.0), tie (it holds 1.0) or behind (trainer/tools/bench/intervals.py).

@@ -2,7 +2,7 @@
 on stdout and as markdown (experiments/bench/run.sh builds its README from the JSON with it).
 
 The speed comparisons are the paired per-round ratios of trainer/tools/bench/intervals.py: the
-median over rounds, its 95% bootstrap interval and, against each peer, the verdict.
+geometric mean over rounds, its 95% bootstrap interval and, against each peer, the verdict.
 """
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import statistics
 
 from trainer.tools.bench import intervals as intervals_lib
 from trainer.tools.bench.plan import WORK, Schedule, Variant
+
+STATISTIC = (f"geometric mean of the per-round ratios, {intervals_lib.LEVEL:.0%} percentile bootstrap interval over "
+             f"rounds ({intervals_lib.RESAMPLES} resamples)")
 
 # Paired comparisons beyond "ours over every other variant" (`ours_over_<name>`): (key, numerator,
 # denominator), "fit_best" standing for the faster fit variant that ran. Those against a peer get a verdict.
@@ -91,8 +94,7 @@ def results(settings, variants: list[Variant], *, plan: Schedule, cpus: list[int
                    "order_rule": "turns of steps_per_turn steps, every variant's turn in forward and backward order "
                                  "alternately",
                    "cpus": cpus, "waiting_workers": "stopped" if pause_waiting else "left running",
-                   "statistic": f"median of the per-round ratios, {intervals_lib.LEVEL:.0%} percentile bootstrap "
-                                f"interval over rounds ({intervals_lib.RESAMPLES} resamples)"},
+                   "statistic": STATISTIC},
         "machine": next((v.machine for v in variants if v.machine), None),
         "load_average": {"before": list(load_before), "after": list(load_after)},
         "variants": {},
@@ -128,9 +130,16 @@ def results(settings, variants: list[Variant], *, plan: Schedule, cpus: list[int
             "compile_count": v.compile_count, "peak_rss_mib": v.peak_rss_mib, "peak_gpu_mib": v.peak_gpu_mib,
         }
     out["method"]["others"] = others(variants)
-    out["intervals"] = intervals(out)
-    out["verdicts"] = {key: s["verdict"] for key, s in out["intervals"].items() if is_peer(key)}
-    return out
+    return score(out)
+
+
+def score(res: dict) -> dict:
+    """`res` with its paired comparisons (`intervals`), `verdicts` and `method.statistic` computed from its
+    own rounds (every variant's chunk seconds) by the current statistic; the rest is left as measured."""
+    res["method"]["statistic"] = STATISTIC
+    res["intervals"] = intervals(res)
+    res["verdicts"] = {key: s["verdict"] for key, s in res["intervals"].items() if is_peer(key)}
+    return res
 
 
 def number_text(value, spec: str, missing: str = "-") -> str:
@@ -139,8 +148,8 @@ def number_text(value, spec: str, missing: str = "-") -> str:
 
 
 def interval_text(s: dict | None) -> str:
-    """`0.981 [0.962, 1.004]`: the median of the per-round ratios and its 95% interval."""
-    return "-" if s is None else f"{s['median']:.3f} [{s['low']:.3f}, {s['high']:.3f}]"
+    """`0.981 [0.962, 1.004]`: the geometric mean of the per-round ratios and its 95% interval."""
+    return "-" if s is None else f"{s['geomean']:.3f} [{s['low']:.3f}, {s['high']:.3f}]"
 
 
 def work_text(work: dict) -> str:
@@ -213,7 +222,7 @@ def method_line(res: dict) -> str:
     return (f"{m['rounds']} rounds of one {m['steps_per_chunk']}-step chunk per variant, {turns}forward and "
             f"backward in turn, after warm-up to step {m['warmup_until_step']}; on cores {','.join(map(str, m['cpus']))}; "
             f"waiting workers {m['waiting_workers']} (their CPU while others ran: {waiting:.2f} s); ratios: "
-            f"median of the per-round ratios [95% bootstrap interval]. Load average (1 min) "
+            f"geometric mean of the per-round ratios [95% bootstrap interval]. Load average (1 min) "
             f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after.{busy}")
 
 
