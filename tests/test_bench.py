@@ -4,12 +4,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
-from tests.support import run_module, subprocess_env
+from tests.support import REPO, run_module, subprocess_env
 
 FIELDS = ("steps_per_sec", "examples_per_sec", "steps_per_sec_min_max", "chunk_seconds", "chunk_cpu_seconds",
           "cores_used", "time_to_first_step_s", "first_call_steps", "compile_count", "peak_rss_mib", "status")
@@ -290,3 +293,49 @@ def test_a_slow_round_cancels_in_the_paired_ratios():
     assert (orbit["geomean"], orbit["low"], orbit["high"]) == pytest.approx((1.1, 1.1, 1.1))
     assert orbit["verdict"] == "ahead" and "ours_over_fit_best" not in paired
 
+
+def _children(pid: int) -> set[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return {int(p) for p in f.read().split()}
+    except OSError:
+        return set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_bench_that_is_killed_leaves_no_worker_behind(signum):
+    """SIGTERM: the parent ends its workers (stopped ones too) and exits 143; SIGKILL: the kernel kills
+    them (they die with their parent)."""
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.bench", *TINY, "--variants=limit,ours", "--repeats=500"],
+                            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    workers: set[int] = set()
+    try:
+        for line in proc.stdout:  # both workers are up, and at least one of them is stopped, when rounds run
+            workers |= _children(proc.pid)
+            if line.lstrip().startswith("round 1 "):
+                break
+        assert len(workers) == 2, workers
+        proc.send_signal(signum)
+        proc.wait(timeout=120)
+        deadline = time.monotonic() + 60
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in workers), workers
+        assert proc.returncode == (143 if signum == signal.SIGTERM else -signal.SIGKILL)
+    finally:
+        proc.kill()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()

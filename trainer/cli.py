@@ -7,11 +7,13 @@ that could not go on; absl alone would print usage and exit 1 for a bad flag.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import signal
 import sys
 import threading
 import traceback
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 from absl import flags, logging
 
@@ -83,3 +85,17 @@ def flush_and_exit(code: int) -> NoReturn:
         except (BrokenPipeError, OSError):
             pass
     os._exit(code)
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) inside the block, so its `finally` blocks end the processes it
+    started (servers, bench workers) instead of leaving them behind."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from trainer.cli import sigterm_unwinds
 from trainer.distribution import modes, netns
 from trainer.errors import RunFailure
 from trainer.validation import check_int, check_number
@@ -238,19 +239,6 @@ def _free_ports(count: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM raises SystemExit(143) here, so `finally` blocks end the servers."""
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
 def _environ(name: str, value: str) -> Iterator[None]:
     previous = os.environ.get(name)
     os.environ[name] = value
@@ -276,7 +264,7 @@ def embedded_cluster(
     config: LocalClusterConfig, *, print_fn: Callable[[str], None] = print
 ) -> Iterator[LocalCluster]:
     """Runs the body as the coordinator of a fresh local cluster, ended whatever happens."""
-    with _sigterm_unwinds(), LocalCluster(config, print_fn=print_fn) as cluster:
+    with sigterm_unwinds(), LocalCluster(config, print_fn=print_fn) as cluster:
         with _environ("TF_CONFIG", cluster.coordinator_tf_config()):
             yield cluster
 

@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 
+from trainer.cli import sigterm_unwinds
 from trainer.errors import UserError
 from trainer.tools.bench.config import refuse_asynchronous, train_settings
 from trainer.tools.bench.measure import measure
@@ -56,7 +57,8 @@ def compare(gin_files: list[str], gin_bindings: list[str], *, variants: list[str
              f"turns of {plan.turn}, after "
              f"warm-up to step {plan.warmup}, on cores {','.join(map(str, pinned))}")
     load_before = os.getloadavg()
-    measure(planned, gin_args, plan, timeout=timeout_secs, pause_waiting=pause_waiting, print_fn=print_fn)
+    with sigterm_unwinds():  # a SIGTERM to the bench ends its workers (measure's finally) before it exits
+        measure(planned, gin_args, plan, timeout=timeout_secs, pause_waiting=pause_waiting, print_fn=print_fn)
     res = results(settings, planned, plan=plan, cpus=pinned, pause_waiting=pause_waiting,
                   load_before=load_before, load_after=os.getloadavg(), command=command)
     print_fn("")

@@ -12,6 +12,7 @@ variant is measured.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import selectors
@@ -24,6 +25,22 @@ from trainer import main as main_lib
 from trainer.tools.bench import probes
 
 PREFIX = "@bench "
+PARENT_ENV = "TRAINER_BENCH_PARENT"  # the parent's pid, for a worker to die with it
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Has the kernel kill this worker (SIGKILL) when its parent dies, however it dies: a parent killed
+    with SIGKILL runs no `finally`, and a worker stopped for its turn would otherwise wait forever. Linux
+    only; elsewhere the parent's SIGTERM handling is all there is."""
+    parent = os.environ.get(PARENT_ENV)
+    if not sys.platform.startswith("linux") or not parent:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() != int(parent):  # the parent died before the prctl: nobody will ask for anything
+        raise SystemExit("bench: the parent went away")
 
 
 class Channel:
@@ -85,6 +102,7 @@ class Worker:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "trainer.bench", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, text=True, bufsize=1, cwd=main_lib.REPO_ROOT,
+            env={**os.environ, PARENT_ENV: str(os.getpid())},
         )
         self.pending = b""
         self.selector = selectors.DefaultSelector()

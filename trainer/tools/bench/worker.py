@@ -12,7 +12,7 @@ from trainer.tools.bench.fit import run_fit
 from trainer.tools.bench.limit import run_limit
 from trainer.tools.bench.orbit import run_orbit
 from trainer.tools.bench.ours import run_ours
-from trainer.tools.bench.protocol import Channel
+from trainer.tools.bench.protocol import Channel, die_with_parent
 
 KNOWN_FIT_FAILURES = {
     "You must feed a value for placeholder tensor": "keras-team/keras#19246: fit with steps_per_execution > 1 under "
@@ -34,6 +34,7 @@ def error_summary(error: BaseException, role: str) -> str:
 def run_worker(role: str, gin_files: list[str], gin_bindings: list[str], *, fit_spe: int, total_steps: int) -> None:
     """Runs variant `role` (limit, limit_input, ours, ours_async, orbit or fit at `fit_spe`) for `total_steps`
     steps, as the parent paces it."""
+    die_with_parent()
     channel = Channel()
     try:
         settings = train_settings(gin_files, gin_bindings)
