@@ -10,6 +10,7 @@
 #   RUNS=2 experiments/bench/run.sh                 # each config twice, back to back: do the verdicts hold?
 #   CONFIGS="cnn28_mirrored" experiments/bench/run.sh  # the CNN at 28x28 (not in the default set)
 #   CONFIGS="mlp_single" experiments/bench/run.sh   # rerun one config, rebuild the README from all results
+#   CONFIGS=none experiments/bench/run.sh           # only rebuild the README from results/*.json
 #   REPEATS=6 PYTHON=/path/to/python BENCH_ARGS="--steps=200" experiments/bench/run.sh
 #
 # Run k > 1 of a config goes to results/<config>.run<k>.json (those of an earlier, longer series are
@@ -31,7 +32,9 @@ if ! "$PYTHON" -c "import orbit" >/dev/null 2>&1; then
     echo "note: orbit is not importable: its rows will say so (install: $PYTHON -m trainer.bench --install_orbit)" >&2
 fi
 
-for name in ${CONFIGS:-$DEFAULT_CONFIGS}; do
+CONFIGS=${CONFIGS:-$DEFAULT_CONFIGS}
+if [ "$CONFIGS" = none ]; then CONFIGS=""; fi
+for name in $CONFIGS; do
     model=${name%_*}
     mode=${name#*_}
     if [ "$mode" = gpu ]; then
