@@ -37,18 +37,18 @@ rounds of one chunk of `--steps` steps each. A round runs in turns of `--turn_st
 fit, ..., ours, limit, ...), then every variant its next turn, until each has run its chunk, so
 the chunks of one round are spread alike over the same stretch of time. (On this kind of shared
 VM the machine's speed drifts by 10-20% over tens of seconds; chunks run one after the other,
-seconds apart, each saw a different drift, and the per-round ratios spread by +-10%.) Only the variant being measured runs: every other worker is
-stopped (SIGSTOP) from its answer to its next request, so no thread of it competes; the CPU
-each used while waiting is recorded. A chunk's time includes everything its process does
-between the chunk's boundaries (hooks, Python, input); its worker also reports its CPU, what
-it did besides its steps (checkpoints, records) and the CPU the rest of the machine used
-meanwhile. Each comparison is the geometric mean over rounds of the round's ratio (chunk i of two
-variants ran in round i, so their ratio cancels how fast the machine was then) with its 95%
-percentile bootstrap interval over rounds (a fixed seed); against Orbit and fit the verdict
-is ahead (the interval above 1.0), tie (it holds 1.0) or behind (trainer/tools/bench/intervals.py).
-The compile count is how often the variant's outer function was traced; ours must stay at 1
-although its calls have different step counts (1, then steps_per_loop, then shorter calls
-ending on hook boundaries).
+seconds apart, each saw a different drift, and the per-round ratios spread by +-10%.) Only the
+variant being measured runs: every other worker is stopped (SIGSTOP) from its answer to its
+next request, so no thread of it competes; the CPU each used while waiting is recorded. A
+chunk's time includes everything its process does between the chunk's boundaries (hooks,
+Python, input); its worker also reports its CPU, what it did besides its steps (checkpoints,
+records) and the CPU the rest of the machine used meanwhile. Each comparison is the geometric
+mean over rounds of the round's ratio (chunk i of two variants ran in round i, so their ratio
+cancels how fast the machine was then) with its 95% percentile bootstrap interval over rounds
+(a fixed seed); against Orbit and fit the verdict is ahead (the interval above 1.0), tie (it
+holds 1.0) or behind (trainer/tools/bench/intervals.py). The compile count is how often the
+variant's outer function was traced; ours must stay at 1 although its calls have different step
+counts (1, then steps_per_loop, then shorter calls ending on hook boundaries).
 
 Output: a table on stdout, `--json=PATH` (every figure, every round, and the machine), and
 `--report=FILE` appends a markdown table (experiments/bench/run.sh builds its README from the

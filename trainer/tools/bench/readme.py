@@ -2,8 +2,8 @@
 prints it for `DIR/results/*.json` (experiments/bench/run.sh runs it; the machine's description comes in
 the MACHINE environment variable). A config's later runs (`<config>.run<k>.json`) get a row of their own
 in the summary, so that a series of runs shows whether its verdicts hold. Every result's comparisons are
-computed again from its rounds, so the README states them by the current statistic. A result written by an earlier
-version of the bench (without intervals) is named in one line, not shown: its config needs a rerun."""
+computed again from its rounds, so the README states them by the current statistic. A result written by
+an earlier version of the bench (without intervals) is named in one line, not shown: its config needs a rerun."""
 from __future__ import annotations
 
 import glob
@@ -43,8 +43,9 @@ run rounds of one chunk each. A round runs in turns of about a second (one `step
 runs a turn, forward and backward in alternation (A B C, C B A, ...), until each has run its chunk, so the chunks
 of a round spread alike over the same stretch of time. Only the variant being measured runs, the others are
 stopped (SIGSTOP) until their turn. A round's ratio of two variants cancels the machine's speed in that round
-(this VM's speed drifts by 10-20% over tens of seconds: chunks run one after the other saw different drifts); each ratio below is the geometric mean of the per-round ratios with its 95% bootstrap interval over
-rounds. Against a peer (Orbit, fit) the verdict is **ahead** (the interval above 1.0), **tie** (it holds 1.0) or
+(this VM's speed drifts by 10-20% over tens of seconds: chunks run one after the other saw different drifts);
+each ratio below is the geometric mean of the per-round ratios with its 95% bootstrap interval over rounds.
+Against a peer (Orbit, fit) the verdict is **ahead** (the interval above 1.0), **tie** (it holds 1.0) or
 **behind**. "work per chunk" is what each variant's worker did besides its steps, counted; "cores" the CPU it used
 per second of its chunks. Time to first step is from process start (Python, TensorFlow, building, tracing) to the
 end of the first compiled call; "first step ours/fit" divides ours by fit's at steps_per_execution 1 (lower is
@@ -121,7 +122,8 @@ def readme(here: str, machine_text: str) -> str:
     lines = [INTRO, "", "## Machine", "", "```", machine_text.strip(),
              f"python {versions.get('python', '?')}, tensorflow {versions.get('tensorflow', '?')}, keras "
              f"{versions.get('keras', '?')}, {versions.get('platform', '?')}", "```", "", "## Summary", "",
-             "Each cell: the geometric mean of the per-round ratios [its 95% interval], and against a peer the verdict.", "",
+             "Each cell: the geometric mean of the per-round ratios [its 95% interval], and against a peer the "
+             "verdict.", "",
              "| run | ours/limit | ours/orbit | ours/fit best | ours async/ours | limit+input/limit | first step "
              "ours/fit | peak RSS ours/fit | ours compile count | load before / after | others' cores, most |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *summary_rows(results), "",

@@ -220,7 +220,8 @@ def method_line(res: dict) -> str:
     turns = (f"in turns of {m['steps_per_turn']} steps, " if m.get("steps_per_turn", m["steps_per_chunk"])
              < m["steps_per_chunk"] else "")
     return (f"{m['rounds']} rounds of one {m['steps_per_chunk']}-step chunk per variant, {turns}forward and "
-            f"backward in turn, after warm-up to step {m['warmup_until_step']}; on cores {','.join(map(str, m['cpus']))}; "
+            f"backward in turn, after warm-up to step {m['warmup_until_step']}; on cores "
+            f"{','.join(map(str, m['cpus']))}; "
             f"waiting workers {m['waiting_workers']} (their CPU while others ran: {waiting:.2f} s); ratios: "
             f"geometric mean of the per-round ratios [95% bootstrap interval]. Load average (1 min) "
             f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after.{busy}")
