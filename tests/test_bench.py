@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.support import REPO, run_module, subprocess_env
+from trainer.tools.bench.protocol import KEEP_FREED_MEMORY, Worker, with_tunables
 
 FIELDS = ("steps_per_sec", "examples_per_sec", "steps_per_sec_min_max", "chunk_seconds", "chunk_cpu_seconds",
           "cores_used", "time_to_first_step_s", "first_call_steps", "compile_count", "peak_rss_mib", "status")
@@ -50,6 +51,12 @@ def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
     # Every worker ran on the cores the parent had, and none used CPU while it waited for its turn (stopped).
     assert result["method"]["cpus"] == sorted(os.sched_getaffinity(0))
     assert result["method"]["waiting_workers"] == "stopped"
+    # Every worker kept the memory it freed, and said how many page faults each chunk took.
+    assert result["method"]["malloc_tunables"] == KEEP_FREED_MEMORY and KEEP_FREED_MEMORY in proc.stdout
+    for name in ("limit", "ours", "fit_spe5"):
+        faults = result["variants"][name]["chunk_page_faults"]
+        assert len(faults) == 3 and min(faults) >= 0 and result["variants"][name]["page_faults_per_chunk"] >= 0
+    assert "| page faults per chunk |" in report
     assert all(v["waiting_cpu_s"] < 0.2 for v in result["variants"].values()), result["variants"]
     # Our loop ran calls of 1, 5 and 4 steps (the first step alone, then up to hook boundaries): one trace.
     assert result["ours_compile_count"] == 1 and result["limit_compile_count"] == 1
@@ -122,7 +129,7 @@ def _made_up_result(ours_seconds: list[float], fit_seconds: list[float]) -> dict
         v.chunks = v.cpu = seconds[v.name]
         v.first_step_s, v.compile_count, v.peak_rss_mib = 4.0, 1, 700.0
     return bench.results(settings, variants, plan=Schedule(200, 200, len(ours_seconds)), cpus=[0],
-                         pause_waiting=True, load_before=(0.5, 0, 0), load_after=(0.6, 0, 0),
+                         pause_waiting=True, malloc_tunables="", load_before=(0.5, 0, 0), load_after=(0.6, 0, 0),
                          command="python -m trainer.bench --gin_file=gin/single.gin")
 
 
@@ -167,8 +174,6 @@ def test_cores_that_are_not_ours_are_one_error_line():
 
 def test_a_waiting_worker_is_stopped_until_its_turn(tmp_path):
     """The parent stops a worker between its answer and its next request (every thread: state T in /proc)."""
-    from trainer.tools.bench.protocol import Worker
-
     def state(pid: int) -> str:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
@@ -194,6 +199,33 @@ def test_a_waiting_worker_is_stopped_until_its_turn(tmp_path):
     assert worker.process.returncode is not None
 
 
+FROM_HEAP = """
+import ctypes
+libc = ctypes.CDLL(None)
+libc.malloc.restype = libc.sbrk.restype = ctypes.c_void_p
+block = libc.malloc(1 << 20)
+print("heap" if block < libc.sbrk(0) else "own mapping")
+"""
+
+
+@pytest.mark.parametrize("tunables, where", [(KEEP_FREED_MEMORY, "heap"), ("", "own mapping")])
+def test_a_worker_keeps_the_memory_it_frees(tunables, where):
+    """glibc ignores a tunable it does not know, so check that the workers' settings take effect: a 1 MiB
+    block comes from the heap (kept and reused when freed) instead of a mapping of its own (returned to the
+    kernel when freed, its pages faulted in again the next time), as by glibc's defaults."""
+    env = Worker.environment(tunables)
+    if not tunables:
+        env.pop("GLIBC_TUNABLES", None)  # glibc's defaults
+    proc = subprocess.run([sys.executable, "-c", FROM_HEAP], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == where, proc.stderr
+
+
+def test_tunables_the_environment_sets_win():
+    assert with_tunables("", "a.b=1:c.d=2") == "a.b=1:c.d=2"
+    assert with_tunables("c.d=5:x.y=0", "a.b=1:c.d=2") == "c.d=5:x.y=0:a.b=1"
+    assert with_tunables("c.d=5", "") == "c.d=5"
+
+
 def test_table_says_where_fit_cannot_run():
     from trainer import bench, data
     from trainer.run.settings import Settings
@@ -207,7 +239,7 @@ def test_table_says_where_fit_cannot_run():
     for v in variants[:2]:
         v.chunks, v.cpu, v.first_step_s, v.compile_count, v.peak_rss_mib = [2.0, 2.2, 2.1], [4.0] * 3, 5.0, 1, 700.0
     result = bench.results(settings, variants, plan=Schedule(200, 200, 3), cpus=[0], pause_waiting=True,
-                           load_before=(0.5, 0, 0), load_after=(0.6, 0, 0), command="python -m trainer.bench")
+                           malloc_tunables="", load_before=(0.5, 0, 0), load_after=(0.6, 0, 0), command="python -m trainer.bench")
     assert result["ratios"]["ours_over_fit_best"] is None and result["ratios"]["ours_over_limit"] == 1.0
     assert result["intervals"]["ours_over_limit"]["geomean"] == pytest.approx(1.0) and result["verdicts"] == {}
     text = bench.text_table(result)

@@ -29,7 +29,11 @@ For the config's model, data, optimizer, strategy and speed options it measures,
 
 Method. Each variant runs in its own process (so peak RSS is its own), started one after
 the other (so start-up and first step are timed on a quiet machine), every one pinned to the
-same cores (`--cpus`, default every core the parent may use). Time to first step is from
+same cores (`--cpus`, default every core the parent may use) and with glibc's malloc told to
+keep the memory it frees (`--malloc_tunables`): by default glibc hands freed memory back to the
+kernel, the step's tensors then fault their pages in again every step, and how often differs
+from process to process (on this 2-core VM two processes of the same variant ran 5% apart, and
+the mirrored CNN spent a fifth of its time on it). Time to first step is from
 process start to the end of its first compiled call (1 step for limit and ours,
 `steps_per_execution` steps for fit). Then every variant runs a warm-up chunk and `--repeats`
 rounds of one chunk of `--steps` steps each. A round runs in turns of `--turn_steps` steps
@@ -80,6 +84,7 @@ from trainer.cli import exit_without_teardown  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.tools.bench.compare import compare  # noqa: E402
 from trainer.tools.bench.orbit import INSTALL as ORBIT_INSTALL  # noqa: E402
+from trainer.tools.bench.protocol import KEEP_FREED_MEMORY  # noqa: E402
 from trainer.tools.bench.worker import run_worker  # noqa: E402
 # The report's API where the tests have always found it:
 from trainer.tools.bench.plan import VARIANTS, plan_variants  # noqa: E402, F401
@@ -120,6 +125,10 @@ def define_flags() -> None:
     flags.DEFINE_list("cpus", [], "Cores every variant is pinned to (default: every core this process may use).")
     flags.DEFINE_bool("pause_waiting", True, "Stop (SIGSTOP) every worker but the one being measured; "
                       "--nopause_waiting leaves them running, blocked on their input, to measure what that costs.")
+    flags.DEFINE_string("malloc_tunables", KEEP_FREED_MEMORY, "glibc malloc settings added to every worker's "
+                        "GLIBC_TUNABLES (default: keep freed memory in the process, so that no variant faults its "
+                        "tensors' pages in again every step, more in one process than in another); empty: glibc's "
+                        "defaults, as a user's process runs.")
     flags.DEFINE_string("json", None, "Write all results as JSON here.")
     flags.DEFINE_string("report", None, "Append a markdown table to this file.")
     flags.DEFINE_integer("timeout_secs", 3600, "Longest a variant may take to answer one request.")
@@ -156,7 +165,8 @@ def dispatch(mode: str) -> tuple[int, dict | None]:
     return compare(FLAGS.gin_file, FLAGS.gin_bindings, variants=FLAGS.variants, steps=FLAGS.steps,
                    repeats=FLAGS.repeats, warmup_steps=FLAGS.warmup_steps, turn_steps=FLAGS.turn_steps,
                    fit_steps_per_execution=FLAGS.fit_steps_per_execution, cpus=FLAGS.cpus,
-                   pause_waiting=FLAGS.pause_waiting, timeout_secs=FLAGS.timeout_secs,
+                   pause_waiting=FLAGS.pause_waiting, malloc_tunables=FLAGS.malloc_tunables,
+                   timeout_secs=FLAGS.timeout_secs,
                    json_path=FLAGS.json, report_path=FLAGS.report, argv=sys.argv[1:]), None
 
 

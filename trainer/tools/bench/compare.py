@@ -32,7 +32,7 @@ def pin(cpus: list[str]) -> list[int]:
 
 def compare(gin_files: list[str], gin_bindings: list[str], *, variants: list[str], steps: int, repeats: int,
             warmup_steps: int, turn_steps: int, fit_steps_per_execution: list[str], cpus: list[str],
-            pause_waiting: bool, timeout_secs: float, json_path: str | None, report_path: str | None,
+            pause_waiting: bool, malloc_tunables: str, timeout_secs: float, json_path: str | None, report_path: str | None,
             argv: list[str]) -> int:
     """Runs the bench; the exit code: 0 when everything ran, 1 when a variant other than fit failed.
     `argv` (the command line's arguments) goes into the report as the command to rerun it."""
@@ -59,8 +59,10 @@ def compare(gin_files: list[str], gin_bindings: list[str], *, variants: list[str
              f"warm-up to step {plan.warmup}, on cores {','.join(map(str, pinned))}")
     load_before = os.getloadavg()
     with sigterm_unwinds():  # a SIGTERM to the bench ends its workers (measure's finally) before it exits
-        measure(planned, gin_args, plan, timeout=timeout_secs, pause_waiting=pause_waiting, print_fn=print_fn)
+        measure(planned, gin_args, plan, timeout=timeout_secs, pause_waiting=pause_waiting,
+                malloc_tunables=malloc_tunables, print_fn=print_fn)
     res = results(settings, planned, plan=plan, cpus=pinned, pause_waiting=pause_waiting,
+                  malloc_tunables=malloc_tunables,
                   load_before=load_before, load_after=os.getloadavg(), command=command)
     print_fn("")
     print_fn(text_table(res))

@@ -61,12 +61,12 @@ class Turns:
 
 
 def _start(variant: Variant, gin_args: list[str], schedule: Schedule, log_dir: str, timeout: float,
-           print_fn: Callable[[str], None]) -> Worker:
+           malloc_tunables: str, print_fn: Callable[[str], None]) -> Worker:
     """Starts the variant's worker and waits for its first call (the variant failed if it did not come)."""
     variant.log_path = os.path.join(log_dir, f"{variant.name}.log")
     args = [*gin_args, f"--role={variant.role}", f"--fit_spe={variant.fit_spe}", f"--total_steps={schedule.total}"]
     started = time.monotonic()
-    worker = Worker(args, variant.log_path, timeout)
+    worker = Worker(args, variant.log_path, timeout, malloc_tunables)
     try:
         message = worker.receive()
     except WorkerError as e:
@@ -98,21 +98,24 @@ def _record(variant: Variant, label: str, answers: list[dict], schedule: Schedul
     variant.cpu.append(cpu)
     variant.other_cpu.append(sum(m["other_cpu_seconds"] for m in answers))
     variant.steal.append(sum(m["steal_seconds"] for m in answers))
+    variant.page_faults.append(sum(m["page_faults"] for m in answers))
     variant.work.append(work)
     print_fn(f"{label:>9}  {variant.name:<12} {schedule.chunk / seconds:8.2f} steps/s  "
              f"({seconds:.2f} s, {cpu / seconds:.2f} cores)")
 
 
 def measure(variants: list[Variant], gin_args: list[str], schedule: Schedule, *, timeout: float,
-            pause_waiting: bool, print_fn: Callable[[str], None]) -> None:
-    """Runs the variants that can run; fills in what each measured, or why it failed."""
+            pause_waiting: bool, malloc_tunables: str, print_fn: Callable[[str], None]) -> None:
+    """Runs the variants that can run, each worker with `malloc_tunables` added to its GLIBC_TUNABLES;
+    fills in what each measured, or why it failed."""
     workers: dict[str, Worker] = {}
     turns = Turns(workers, pause_waiting)
     log_dir = tempfile.mkdtemp(prefix="bench-logs-")
     try:
         for variant in variants:
             if variant.status == "ok":
-                workers[variant.name] = worker = _start(variant, gin_args, schedule, log_dir, timeout, print_fn)
+                worker = _start(variant, gin_args, schedule, log_dir, timeout, malloc_tunables, print_fn)
+                workers[variant.name] = worker
                 turns.wait(worker)
         turn_index = 0
         for label, until in schedule.targets():

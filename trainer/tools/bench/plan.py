@@ -44,6 +44,7 @@ class Variant:
     cpu: list[float] = dataclasses.field(default_factory=list)  # the worker's CPU seconds per measured chunk
     other_cpu: list[float] = dataclasses.field(default_factory=list)  # the rest of the machine's, per chunk
     steal: list[float] = dataclasses.field(default_factory=list)  # CPU seconds the hypervisor stole, per chunk
+    page_faults: list[int] = dataclasses.field(default_factory=list)  # the worker's page faults per chunk
     work: list[dict] = dataclasses.field(default_factory=list)  # what the worker did per chunk (saves, records)
     waiting_cpu_s: float = 0.0  # CPU the worker used while other variants were measured
     warmup_s: float | None = None

@@ -31,6 +31,13 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
+def page_faults() -> int:
+    """Page faults of this process so far, every thread (minor: a page the kernel maps in again, often
+    one the allocator had given back; major: one read from disk)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
+
+
 def peak_gpu_mib() -> float | None:
     """Peak memory TensorFlow allocated on the first GPU (None without a GPU)."""
     import tensorflow as tf

@@ -3,8 +3,8 @@ stdout (everything else it prints there, and its stderr, go to its log), command
 
 The parent asks "run until step N" (`{"until": N}`) or "finish" (`{"until": null}`); the worker
 answers `ready` after its first call, `chunk` after each request (the chunk's wall and CPU seconds,
-from the request's arrival to the answer, the CPU the rest of the machine used meanwhile, and the
-work it did besides its steps), `finished`
+from the request's arrival to the answer, its page faults, the CPU the rest of the machine used
+meanwhile, and the work it did besides its steps), `finished`
 (compile count, peak memory) or `error` (one line). Between its answer and the next request a
 worker waits; the parent stops it there (SIGSTOP, SIGCONT before the request), so that none of its
 threads (TensorFlow's pools, a checkpoint writer, Keras' callback thread) runs while another
@@ -28,6 +28,24 @@ PREFIX = "@bench "
 PARENT_ENV = "TRAINER_BENCH_PARENT"  # the parent's pid, for a worker to die with it
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
+# glibc's malloc returns freed memory to the kernel (it trims its heaps and unmaps large blocks), and
+# TensorFlow frees and allocates the step's tensors every step, on many threads, each with its own
+# heap: every step then faults its pages in again (on this VM 0.2-0.4 million page faults in a
+# 9-s chunk of the mirrored CNN, a fifth of its time). How often that happens depends on which
+# thread got which heap, so it differs from process to process: two processes of the same variant
+# ran 5% apart. These settings keep freed memory in the process (no trimming; blocks up to 32 MiB,
+# glibc's largest, from the heap rather than mmap), the same in every worker.
+KEEP_FREED_MEMORY = ("glibc.malloc.trim_threshold=4294967295:glibc.malloc.mmap_threshold=33554432:"
+                     "glibc.malloc.top_pad=67108864")
+
+
+def with_tunables(current: str, tunables: str) -> str:
+    """`GLIBC_TUNABLES` with `tunables` added to `current` (the environment's); a tunable set in both
+    keeps the environment's value."""
+    present = {item.split("=", 1)[0] for item in current.split(":") if item}
+    added = [item for item in tunables.split(":") if item and item.split("=", 1)[0] not in present]
+    return ":".join([item for item in current.split(":") if item] + added)
+
 
 def die_with_parent() -> None:
     """Has the kernel kill this worker (SIGKILL) when its parent dies, however it dies: a parent killed
@@ -49,6 +67,7 @@ class Channel:
     def __init__(self):
         self.done = 0
         self._started = self._cpu_started = self._machine_started = self._steal_started = 0.0
+        self._faults_started = 0
 
     @staticmethod
     def send(**message) -> None:
@@ -66,6 +85,7 @@ class Channel:
         """Waits for the next request; the chunk it asks for starts when it arrives."""
         until = self.receive().get("until")
         self._machine_started, self._steal_started = probes.machine_cpu_seconds()
+        self._faults_started = probes.page_faults()
         self._started, self._cpu_started = time.monotonic(), time.process_time()
         return until
 
@@ -80,6 +100,7 @@ class Channel:
         seconds, cpu = time.monotonic() - self._started, time.process_time() - self._cpu_started
         machine, steal = probes.machine_cpu_seconds()
         self.send(event="chunk", steps=self.done, seconds=seconds, cpu_seconds=cpu, work=work,
+                  page_faults=probes.page_faults() - self._faults_started,
                   other_cpu_seconds=max(0.0, machine - self._machine_started - cpu),
                   steal_seconds=steal - self._steal_started)
         return self._next()
@@ -94,19 +115,27 @@ class WorkerError(Exception):
 
 
 class Worker:
-    """The parent's side: one `python -m trainer.bench --role=...` process, its stderr in `log_path`."""
+    """The parent's side: one `python -m trainer.bench --role=...` process, its stderr in `log_path`,
+    `malloc_tunables` added to its GLIBC_TUNABLES (empty: the environment's as it is)."""
 
-    def __init__(self, args: list[str], log_path: str, timeout: float):
+    def __init__(self, args: list[str], log_path: str, timeout: float, malloc_tunables: str = ""):
         self.log_path, self.timeout = log_path, timeout
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "trainer.bench", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, text=True, bufsize=1, cwd=main_lib.REPO_ROOT,
-            env={**os.environ, PARENT_ENV: str(os.getpid())},
+            env=self.environment(malloc_tunables),
         )
         self.pending = b""
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.process.stdout, selectors.EVENT_READ)
+
+    @staticmethod
+    def environment(malloc_tunables: str) -> dict[str, str]:
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        if tunables := with_tunables(os.environ.get("GLIBC_TUNABLES", ""), malloc_tunables):
+            env["GLIBC_TUNABLES"] = tunables
+        return env
 
     def receive(self) -> dict:
         """The next message; other lines on the worker's stdout (Orbit prints its progress there) go to its log.

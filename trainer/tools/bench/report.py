@@ -66,7 +66,7 @@ def others(variants: list[Variant]) -> dict | None:
 
 
 def results(settings, variants: list[Variant], *, plan: Schedule, cpus: list[int], pause_waiting: bool,
-            load_before: tuple, load_after: tuple, command: str) -> dict:
+            malloc_tunables: str, load_before: tuple, load_after: tuple, command: str) -> dict:
     """Everything measured, as one JSON-ready dict."""
     by_name = {v.name: v for v in variants}
     gb, chunk = settings.global_batch_size, plan.chunk
@@ -94,6 +94,7 @@ def results(settings, variants: list[Variant], *, plan: Schedule, cpus: list[int
                    "order_rule": "turns of steps_per_turn steps, every variant's turn in forward and backward order "
                                  "alternately",
                    "cpus": cpus, "waiting_workers": "stopped" if pause_waiting else "left running",
+                   "malloc_tunables": malloc_tunables,
                    "statistic": STATISTIC},
         "machine": next((v.machine for v in variants if v.machine), None),
         "load_average": {"before": list(load_before), "after": list(load_after)},
@@ -122,8 +123,9 @@ def results(settings, variants: list[Variant], *, plan: Schedule, cpus: list[int
             "steps_per_sec": rate[v.name], "examples_per_sec": rate[v.name] * gb if rate[v.name] else None,
             "steps_per_sec_min_max": list(spread) if spread else None,
             "chunk_seconds": v.chunks, "chunk_cpu_seconds": v.cpu, "chunk_other_cpu_seconds": v.other_cpu,
-            "chunk_steal_seconds": v.steal,
+            "chunk_steal_seconds": v.steal, "chunk_page_faults": v.page_faults,
             "cores_used": statistics.median(c / s for c, s in zip(v.cpu, v.chunks)) if v.cpu else None,
+            "page_faults_per_chunk": statistics.median(v.page_faults) if v.page_faults else None,
             "work": WORK[v.role], "work_per_chunk": _work(v), "waiting_cpu_s": v.waiting_cpu_s,
             "warmup_seconds": v.warmup_s,
             "time_to_first_step_s": v.first_step_s, "first_call_steps": v.first_call_steps,
@@ -160,7 +162,7 @@ def table_rows(res: dict) -> list[list[str]]:
     """The header and one row a variant; a variant that did not run has its reason in the second cell."""
     gpu = any(v.get("peak_gpu_mib") is not None for v in res["variants"].values())
     rows = [["variant", "steps/s", "examples/s", "min-max steps/s", "ours/this [95%]", "verdict", "cores",
-             "work per chunk", "first step s", "peak RSS MiB", *(["peak GPU MiB"] if gpu else []), "compiles"]]
+             "page faults per chunk", "work per chunk", "first step s", "peak RSS MiB", *(["peak GPU MiB"] if gpu else []), "compiles"]]
     for name, v in res["variants"].items():
         if v["status"] != "ok":
             reason = f"{v['status'].replace('_', ' ')}: {v['reason']}"
@@ -174,6 +176,7 @@ def table_rows(res: dict) -> list[list[str]]:
         rows.append([v["label"], number_text(v["steps_per_sec"], ".2f"), number_text(v["examples_per_sec"], ".0f"),
                      f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-", interval_text(s),
                      s["verdict"] if s and is_peer(key) else "-", number_text(v.get("cores_used"), ".2f"),
+                     number_text(v.get("page_faults_per_chunk"), ",.0f"),
                      work_text(v.get("work_per_chunk") or {}), first, number_text(v["peak_rss_mib"], ".0f"),
                      *([number_text(v.get("peak_gpu_mib"), ".0f")] if gpu else []),
                      number_text(v["compile_count"], "d")])
@@ -219,9 +222,11 @@ def method_line(res: dict) -> str:
             f"the chunks; the hypervisor stole {o['stolen_cores']:.2f} cores." if o else "")
     turns = (f"in turns of {m['steps_per_turn']} steps, " if m.get("steps_per_turn", m["steps_per_chunk"])
              < m["steps_per_chunk"] else "")
+    tunables = m.get("malloc_tunables")
+    malloc = f"GLIBC_TUNABLES {tunables}" if tunables else "glibc's malloc as the environment sets it"
     return (f"{m['rounds']} rounds of one {m['steps_per_chunk']}-step chunk per variant, {turns}forward and "
             f"backward in turn, after warm-up to step {m['warmup_until_step']}; on cores "
-            f"{','.join(map(str, m['cpus']))}; "
+            f"{','.join(map(str, m['cpus']))}; {malloc}; "
             f"waiting workers {m['waiting_workers']} (their CPU while others ran: {waiting:.2f} s); ratios: "
             f"geometric mean of the per-round ratios [95% bootstrap interval]. Load average (1 min) "
             f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after.{busy}")
