@@ -239,7 +239,8 @@ def test_table_says_where_fit_cannot_run():
     for v in variants[:2]:
         v.chunks, v.cpu, v.first_step_s, v.compile_count, v.peak_rss_mib = [2.0, 2.2, 2.1], [4.0] * 3, 5.0, 1, 700.0
     result = bench.results(settings, variants, plan=Schedule(200, 200, 3), cpus=[0], pause_waiting=True,
-                           malloc_tunables="", load_before=(0.5, 0, 0), load_after=(0.6, 0, 0), command="python -m trainer.bench")
+                           malloc_tunables="", load_before=(0.5, 0, 0), load_after=(0.6, 0, 0),
+                           command="python -m trainer.bench")
     assert result["ratios"]["ours_over_fit_best"] is None and result["ratios"]["ours_over_limit"] == 1.0
     assert result["intervals"]["ours_over_limit"]["geomean"] == pytest.approx(1.0) and result["verdicts"] == {}
     text = bench.text_table(result)

@@ -32,8 +32,8 @@ def pin(cpus: list[str]) -> list[int]:
 
 def compare(gin_files: list[str], gin_bindings: list[str], *, variants: list[str], steps: int, repeats: int,
             warmup_steps: int, turn_steps: int, fit_steps_per_execution: list[str], cpus: list[str],
-            pause_waiting: bool, malloc_tunables: str, timeout_secs: float, json_path: str | None, report_path: str | None,
-            argv: list[str]) -> int:
+            pause_waiting: bool, malloc_tunables: str, timeout_secs: float, json_path: str | None,
+            report_path: str | None, argv: list[str]) -> int:
     """Runs the bench; the exit code: 0 when everything ran, 1 when a variant other than fit failed.
     `argv` (the command line's arguments) goes into the report as the command to rerun it."""
     settings = train_settings(gin_files, gin_bindings)

@@ -42,7 +42,9 @@ Each variant runs in its own process (its own peak RSS), every one pinned to the
 run rounds of one chunk each. A round runs in turns of about a second (one `steps_per_loop` call): every variant
 runs a turn, forward and backward in alternation (A B C, C B A, ...), until each has run its chunk, so the chunks
 of a round spread alike over the same stretch of time. Only the variant being measured runs, the others are
-stopped (SIGSTOP) until their turn. A round's ratio of two variants cancels the machine's speed in that round
+stopped (SIGSTOP) until their turn. Every worker keeps the memory it frees (glibc's malloc tunables, named in
+each table's method line), so that no process faults its tensors' pages in again every step, some more than
+others; "page faults per chunk" shows it. A round's ratio of two variants cancels the machine's speed in that round
 (this VM's speed drifts by 10-20% over tens of seconds: chunks run one after the other saw different drifts);
 each ratio below is the geometric mean of the per-round ratios with its 95% bootstrap interval over rounds.
 Against a peer (Orbit, fit) the verdict is **ahead** (the interval above 1.0), **tie** (it holds 1.0) or

@@ -162,7 +162,8 @@ def table_rows(res: dict) -> list[list[str]]:
     """The header and one row a variant; a variant that did not run has its reason in the second cell."""
     gpu = any(v.get("peak_gpu_mib") is not None for v in res["variants"].values())
     rows = [["variant", "steps/s", "examples/s", "min-max steps/s", "ours/this [95%]", "verdict", "cores",
-             "page faults per chunk", "work per chunk", "first step s", "peak RSS MiB", *(["peak GPU MiB"] if gpu else []), "compiles"]]
+             "page faults per chunk", "work per chunk", "first step s", "peak RSS MiB",
+             *(["peak GPU MiB"] if gpu else []), "compiles"]]
     for name, v in res["variants"].items():
         if v["status"] != "ok":
             reason = f"{v['status'].replace('_', ' ')}: {v['reason']}"
