@@ -48,6 +48,16 @@ def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
         assert result["variants"][name]["work_per_chunk"] == {"checkpoints": 1, "records": 2}, name
     for name in ("limit", "limit_input", "fit_spe5"):
         assert result["variants"][name]["work_per_chunk"] == {}, name
+    # The workers that time their compiled step calls (the limits and ours) say how much of each chunk was
+    # spent outside them; fit (and Orbit) cannot tell.
+    for name in ("limit", "limit_input", "ours", "ours_async"):
+        variant = result["variants"][name]
+        assert len(variant["chunk_step_seconds"]) == 3, name
+        assert all(0 < s <= c for s, c in zip(variant["chunk_step_seconds"], variant["chunk_seconds"])), name
+        assert 0 <= variant["outside_step_calls"] < 1, name
+    assert result["variants"]["fit_spe5"]["chunk_step_seconds"] == []
+    assert result["variants"]["fit_spe5"]["outside_step_calls"] is None
+    assert "| outside step calls |" in report
     # Every worker ran on the cores the parent had, and none used CPU while it waited for its turn (stopped).
     assert result["method"]["cpus"] == sorted(os.sched_getaffinity(0))
     assert result["method"]["waiting_workers"] == "stopped"

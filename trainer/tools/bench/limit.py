@@ -11,6 +11,7 @@ TensorFlow's distributed iterator, which splits each global batch per replica).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from trainer.tools.bench.config import setup, train_data
@@ -22,17 +23,21 @@ def run_limit(settings, channel: Channel, *, from_input: bool = False) -> None:
     `next(iterator)` of the distributed train data, as the train loop gets it)."""
     run_steps, limit = bare_step(*setup(settings), settings, from_input=from_input)
 
-    def run_until(until: int) -> None:
+    def run_until(until: int) -> float:
+        """Runs to step `until`; returns the seconds inside the compiled calls."""
+        seconds = 0.0
         while channel.done < until:
             count = min(settings.steps_per_loop, until - channel.done)
+            started = time.monotonic()
             run_steps(count)
+            seconds += time.monotonic() - started
             channel.done += count
+        return seconds
 
     run_until(1)
     until = channel.ready()
     while until is not None:
-        run_until(until)
-        until = channel.chunk_done()
+        until = channel.chunk_done(step_seconds=run_until(until))
     channel.finished(limit.experimental_get_tracing_count())
 
 

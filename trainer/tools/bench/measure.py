@@ -100,6 +100,8 @@ def _record(variant: Variant, label: str, answers: list[dict], schedule: Schedul
     variant.steal.append(sum(m["steal_seconds"] for m in answers))
     variant.page_faults.append(sum(m["page_faults"] for m in answers))
     variant.work.append(work)
+    if all(m.get("step_seconds") is not None for m in answers):  # the workers that time their step calls
+        variant.step_seconds.append(sum(m["step_seconds"] for m in answers))
     print_fn(f"{label:>9}  {variant.name:<12} {schedule.chunk / seconds:8.2f} steps/s  "
              f"({seconds:.2f} s, {cpu / seconds:.2f} cores)")
 

@@ -13,14 +13,16 @@ from trainer.tools.bench.protocol import Channel
 
 class Pacer(Hook):
     """Ends a loop call at each step the parent asks for, reports (with the checkpoints and train records
-    written since the last report), waits for the next. It runs before the checkpoint hook, so the save
-    at a chunk's last step falls into the next chunk: each chunk of a checkpoint interval holds one."""
+    written since the last report, and the seconds the run spent in its compiled step calls), waits for
+    the next. It runs before the checkpoint hook, so the save at a chunk's last step falls into the next
+    chunk: each chunk of a checkpoint interval holds one."""
 
     def __init__(self, channel: Channel):
         self.channel = channel
         self.until: int | None = None
         self.saved_step: int | None = None
         self.work = {"checkpoints": 0, "records": 0}
+        self.train_seconds = 0.0  # the run's seconds in compiled step calls when the chunk began
 
     def begin(self, run):
         self.until = run.start_step + 1  # the first call: one step
@@ -42,8 +44,9 @@ class Pacer(Hook):
         if step == run.start_step + 1:
             self.until = self.channel.ready()
         else:
-            self.until = self.channel.chunk_done(**self.work)
+            self.until = self.channel.chunk_done(step_seconds=run.train_seconds - self.train_seconds, **self.work)
         self.work = dict.fromkeys(self.work, 0)
+        self.train_seconds = run.train_seconds
         if self.until is None:
             self.channel.finished(run.loop.trace_count)
 

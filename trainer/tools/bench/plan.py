@@ -46,6 +46,7 @@ class Variant:
     steal: list[float] = dataclasses.field(default_factory=list)  # CPU seconds the hypervisor stole, per chunk
     page_faults: list[int] = dataclasses.field(default_factory=list)  # the worker's page faults per chunk
     work: list[dict] = dataclasses.field(default_factory=list)  # what the worker did per chunk (saves, records)
+    step_seconds: list[float] = dataclasses.field(default_factory=list)  # of each chunk, in compiled step calls
     waiting_cpu_s: float = 0.0  # CPU the worker used while other variants were measured
     warmup_s: float | None = None
     compile_count: int | None = None

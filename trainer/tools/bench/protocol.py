@@ -4,7 +4,8 @@ stdout (everything else it prints there, and its stderr, go to its log), command
 The parent asks "run until step N" (`{"until": N}`) or "finish" (`{"until": null}`); the worker
 answers `ready` after its first call, `chunk` after each request (the chunk's wall and CPU seconds,
 from the request's arrival to the answer, its page faults, the CPU the rest of the machine used
-meanwhile, and the work it did besides its steps), `finished`
+meanwhile, the work it did besides its steps and, where the worker can tell, the seconds inside its
+compiled step calls), `finished`
 (compile count, peak memory) or `error` (one line). Between its answer and the next request a
 worker waits; the parent stops it there (SIGSTOP, SIGCONT before the request), so that none of its
 threads (TensorFlow's pools, a checkpoint writer, Keras' callback thread) runs while another
@@ -94,12 +95,14 @@ class Channel:
         self.send(event="ready", steps=self.done, machine=probes.machine())
         return self._next()
 
-    def chunk_done(self, **work: int) -> int | None:
-        """Reports the chunk since the last request (`work`: what the worker did besides its steps, by
+    def chunk_done(self, step_seconds: float | None = None, **work: int) -> int | None:
+        """Reports the chunk since the last request (`step_seconds`: how long of it the worker spent in
+        its compiled step calls, None where it cannot tell; `work`: what it did besides its steps, by
         kind, e.g. checkpoints=1); returns the step to run to next, or None when told to finish."""
         seconds, cpu = time.monotonic() - self._started, time.process_time() - self._cpu_started
         machine, steal = probes.machine_cpu_seconds()
         self.send(event="chunk", steps=self.done, seconds=seconds, cpu_seconds=cpu, work=work,
+                  step_seconds=step_seconds,
                   page_faults=probes.page_faults() - self._faults_started,
                   other_cpu_seconds=max(0.0, machine - self._machine_started - cpu),
                   steal_seconds=steal - self._steal_started)

@@ -127,12 +127,21 @@ def results(settings, variants: list[Variant], *, plan: Schedule, cpus: list[int
             "cores_used": statistics.median(c / s for c, s in zip(v.cpu, v.chunks)) if v.cpu else None,
             "page_faults_per_chunk": statistics.median(v.page_faults) if v.page_faults else None,
             "work": WORK[v.role], "work_per_chunk": _work(v), "waiting_cpu_s": v.waiting_cpu_s,
+            "chunk_step_seconds": v.step_seconds, "outside_step_calls": _outside(v),
             "warmup_seconds": v.warmup_s,
             "time_to_first_step_s": v.first_step_s, "first_call_steps": v.first_call_steps,
             "compile_count": v.compile_count, "peak_rss_mib": v.peak_rss_mib, "peak_gpu_mib": v.peak_gpu_mib,
         }
     out["method"]["others"] = others(variants)
     return score(out)
+
+
+def _outside(v: Variant) -> float | None:
+    """The median share of a chunk the worker spent outside its compiled step calls (hooks, saves,
+    records, the Python between calls); None for a worker that does not time its calls (Orbit, fit)."""
+    if not v.step_seconds or len(v.step_seconds) != len(v.chunks):
+        return None
+    return statistics.median(1 - steps / chunk for steps, chunk in zip(v.step_seconds, v.chunks))
 
 
 def score(res: dict) -> dict:
@@ -162,7 +171,7 @@ def table_rows(res: dict) -> list[list[str]]:
     """The header and one row a variant; a variant that did not run has its reason in the second cell."""
     gpu = any(v.get("peak_gpu_mib") is not None for v in res["variants"].values())
     rows = [["variant", "steps/s", "examples/s", "min-max steps/s", "ours/this [95%]", "verdict", "cores",
-             "page faults per chunk", "work per chunk", "first step s", "peak RSS MiB",
+             "page faults per chunk", "work per chunk", "outside step calls", "first step s", "peak RSS MiB",
              *(["peak GPU MiB"] if gpu else []), "compiles"]]
     for name, v in res["variants"].items():
         if v["status"] != "ok":
@@ -178,7 +187,8 @@ def table_rows(res: dict) -> list[list[str]]:
                      f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-", interval_text(s),
                      s["verdict"] if s and is_peer(key) else "-", number_text(v.get("cores_used"), ".2f"),
                      number_text(v.get("page_faults_per_chunk"), ",.0f"),
-                     work_text(v.get("work_per_chunk") or {}), first, number_text(v["peak_rss_mib"], ".0f"),
+                     work_text(v.get("work_per_chunk") or {}), number_text(v.get("outside_step_calls"), ".1%"),
+                     first, number_text(v["peak_rss_mib"], ".0f"),
                      *([number_text(v.get("peak_gpu_mib"), ".0f")] if gpu else []),
                      number_text(v["compile_count"], "d")])
     return rows
