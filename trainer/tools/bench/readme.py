@@ -50,9 +50,9 @@ each ratio below is the geometric mean of the per-round ratios with its 95% boot
 Against a peer (Orbit, fit) the verdict is **ahead** (the interval above 1.0), **tie** (it holds 1.0) or
 **behind**. "work per chunk" is what each variant's worker did besides its steps, counted; "outside step calls"
 the share of its chunks it spent outside its compiled step calls (hooks, saves; `-` where the worker cannot time
-its calls: Orbit, fit); "cores" the CPU it used per second of its chunks. Time to first step is from process start (Python, TensorFlow, building, tracing) to the
-end of the first compiled call; "first step ours/fit" divides ours by fit's at steps_per_execution 1 (lower is
-better).
+its calls: Orbit, fit); "cores" the CPU it used per second of its chunks. Time to first step is from process
+start (Python, TensorFlow, building, tracing) to the end of the first compiled call; "first step ours/fit"
+divides ours by fit's at steps_per_execution 1 (lower is better).
 Configs: [cnn.gin](cnn.gin) (the tutorial CNN on the embedded digits, batch 128), [cnn28.gin](cnn28.gin)
 (the same CNN on synthetic 28x28 images, the tutorial's size; run on request) and [mlp.gin](mlp.gin)
 (784-512-512-10 on synthetic 28x28 images, batch 128), each after `gin/single.gin` or `gin/mirrored.gin`;
