@@ -26,8 +26,11 @@ HAVE_ORBIT = importlib.util.find_spec("orbit") is not None
 def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
     """One tiny run of every variant (orbit where it is installed)."""
     out, report_path = tmp_path / "bench.json", tmp_path / "bench.md"
-    proc = run_module("trainer.bench", *TINY, "--mode=train", "--repeats=3", "--fit_steps_per_execution=5",
-                      f"--json={out}", f"--report={report_path}", timeout=300)
+    # Every worker is started for up to 100,000 rounds (a million steps); the intervals are narrow enough (at
+    # most 10 wide) after the 3 rounds, so every worker is told to finish then, and must end its run early:
+    # ours answers only once its run has ended, so one that went on would time out.
+    proc = run_module("trainer.bench", *TINY, "--mode=train", "--repeats=3", "--max_repeats=100000", "--max_width=10",
+                      "--fit_steps_per_execution=5", f"--json={out}", f"--report={report_path}", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result, report = json.loads(out.read_text()), report_path.read_text()
     assert set(result["variants"]) == {"limit", "limit_input", "ours", "ours_async", "orbit", "fit_spe5"}
@@ -40,6 +43,9 @@ def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
         assert variant["steps_per_sec"] > 0 and variant["peak_rss_mib"] > 0 and variant["cores_used"] > 0
     # --steps 8 is rounded up to whole calls of 5: chunks of 10 steps.
     assert result["method"]["steps_per_chunk"] == 10 and result["method"]["rounds"] == 3
+    assert (result["method"]["least_rounds"], result["method"]["most_rounds"]) == (3, 100000)
+    assert result["method"]["rounds_ended"].startswith("every headline interval at most 10 wide")
+    assert "3 rounds (3 at least, up to 100000 while" in report
     # Each chunk ran in two turns of one 5-step call, every variant's turn after another's, and was added up.
     assert result["method"]["steps_per_turn"] == 5 and "in turns of 5 steps" in proc.stdout
     # What each variant did besides its steps, counted by its worker: ours one checkpoint and two train records
@@ -138,7 +144,8 @@ def _made_up_result(ours_seconds: list[float], fit_seconds: list[float]) -> dict
     for v in variants:
         v.chunks = v.cpu = seconds[v.name]
         v.first_step_s, v.compile_count, v.peak_rss_mib = 4.0, 1, 700.0
-    return bench.results(settings, variants, plan=Schedule(200, 200, len(ours_seconds)), cpus=[0],
+    rounds = {"rounds": len(ours_seconds), "least_rounds": len(ours_seconds), "most_rounds": len(ours_seconds)}
+    return bench.results(settings, variants, plan=Schedule(200, 200, len(ours_seconds)), rounds=rounds, cpus=[0],
                          pause_waiting=True, malloc_tunables="", load_before=(0.5, 0, 0), load_after=(0.6, 0, 0),
                          command="python -m trainer.bench --gin_file=gin/single.gin")
 
@@ -248,7 +255,8 @@ def test_table_says_where_fit_cannot_run():
     assert [v.status for v in variants] == ["ok", "ok", "cannot_run", "cannot_run"]
     for v in variants[:2]:
         v.chunks, v.cpu, v.first_step_s, v.compile_count, v.peak_rss_mib = [2.0, 2.2, 2.1], [4.0] * 3, 5.0, 1, 700.0
-    result = bench.results(settings, variants, plan=Schedule(200, 200, 3), cpus=[0], pause_waiting=True,
+    result = bench.results(settings, variants, plan=Schedule(200, 200, 3), rounds={"rounds": 3}, cpus=[0],
+                           pause_waiting=True,
                            malloc_tunables="", load_before=(0.5, 0, 0), load_after=(0.6, 0, 0),
                            command="python -m trainer.bench")
     assert result["ratios"]["ours_over_fit_best"] is None and result["ratios"]["ours_over_limit"] == 1.0
@@ -307,6 +315,39 @@ def test_verdicts_on_made_up_rounds_lead_tie_and_deficit():
         assert s["rounds"] == 24 and 0 < s["width"] < 0.02 and s["min"] <= s["low"] <= s["high"] <= s["max"]
     assert intervals.summary(*_rounds(1.0, 1.05)) == lead  # a fixed seed: the same rounds, the same interval
     assert intervals.summary([1.0], []) is None
+
+
+def test_rounds_go_on_while_a_headline_interval_is_too_wide():
+    """Made-up rounds: ours and the limit move with the machine, the fit variant has 5% noise of its own."""
+    from trainer.tools.bench.plan import Variant
+    from trainer.tools.bench.rounds import Rounds, widest
+
+    ours, limit = _rounds(1.0, 0.9, n=12)
+    noisy = list(np.asarray(ours) * np.random.default_rng(5).normal(1.0, 0.05, 12))  # 5% of its own a round
+    variants = [Variant("limit", "", "limit"), Variant("ours", "", "ours"), Variant("fit_spe1", "", "fit"),
+                Variant("orbit", "", "orbit", status="cannot_run")]
+
+    def measured(rounds: int) -> list[Variant]:
+        for v, seconds in zip(variants, (limit, ours, noisy)):
+            v.chunks = seconds[:rounds]
+        return variants
+
+    # ours/fit best's interval is 0.059, 0.075, 0.064, 0.056, 0.051 wide after rounds 4 to 8 (ours/limit's under 0.01).
+    lines = []
+    rule = Rounds(least=4, most=12, max_width=0.052)
+    assert [rule.enough(measured(n), 100, n, lines.append) for n in range(1, 9)] == [False] * 7 + [True]
+    assert [line.split(":")[0] for line in lines] == [f"after round {n}" for n in range(4, 8)]
+    assert "ours/fit best's 95% interval is 0.059 wide, more than 0.052: one more round (at most 12)" in lines[0]
+    assert rule.summary() == {"rounds": 8, "least_rounds": 4, "most_rounds": 12, "max_width": 0.052,
+                              "rounds_ended": "every headline interval at most 0.052 wide (the widest: ours/fit best, "
+                                              "0.051)"}
+    strict = Rounds(least=4, most=12, max_width=0.045)  # never reached: it ends at the most rounds allowed
+    assert [strict.enough(measured(n), 100, n, lines.append) for n in range(1, 13)] == [False] * 11 + [True]
+    assert strict.summary()["rounds_ended"] == ("ours/fit best's interval still 0.050 wide after the most rounds "
+                                                "allowed (12)")
+    assert Rounds(least=4, most=2, max_width=0.5).most == 4  # never fewer than the least
+    variants[2].chunks, variants[0].status = [], "failed"  # no fit, and the limit failed: nothing to compare
+    assert widest(variants, 100) is None and Rounds(least=1, most=8, max_width=0.06).enough(variants, 100, 1, print)
 
 
 def test_the_interval_narrows_as_more_rounds_agree():

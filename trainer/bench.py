@@ -36,7 +36,9 @@ from process to process (on this 2-core VM two processes of the same variant ran
 the mirrored CNN spent a fifth of its time on it). Time to first step is from
 process start to the end of its first compiled call (1 step for limit and ours,
 `steps_per_execution` steps for fit). Then every variant runs a warm-up chunk and `--repeats`
-rounds of one chunk of `--steps` steps each. A round runs in turns of `--turn_steps` steps
+rounds of one chunk of `--steps` steps each, then one more round at a time while the interval of
+ours/limit, ours/orbit or ours/fit best is wider than `--max_width`, up to `--max_repeats`
+(trainer/tools/bench/rounds.py). A round runs in turns of `--turn_steps` steps
 (about a second): every variant runs a turn, in alternating order (limit, ours, ..., fit, then
 fit, ..., ours, limit, ...), then every variant its next turn, until each has run its chunk, so
 the chunks of one round are spread alike over the same stretch of time. (On this kind of shared
@@ -111,8 +113,13 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 0, "Steps per measured chunk, rounded up to a multiple of every call length (0: "
                          "the least multiple of log_every_steps and checkpoint_every_steps, so that every chunk holds "
                          "the same hook work: one checkpoint and chunk/log_every_steps progress records).")
-    flags.DEFINE_integer("repeats", 12, "Measured rounds: each runs one chunk of every variant, in turns; the 95% "
-                         "intervals of the ratios are over these rounds.")
+    flags.DEFINE_integer("repeats", 12, "Measured rounds at least: each runs one chunk of every variant, in turns; "
+                         "the 95% intervals of the ratios are over the rounds.")
+    flags.DEFINE_integer("max_repeats", 24, "Measured rounds at most: after --repeats, one more round at a time while "
+                         "the interval of ours/limit, ours/orbit or ours/fit best is wider than --max_width (at most "
+                         "--repeats: exactly --repeats rounds).")
+    flags.DEFINE_float("max_width", 0.06, "The widest 95% interval of ours/limit, ours/orbit and ours/fit best that "
+                       "ends the rounds before --max_repeats.")
     flags.DEFINE_integer("turn_steps", 0, "Steps a variant runs per turn, a multiple of every call length that "
                          "divides the chunk (0: the least multiple of steps_per_loop and fit's steps_per_execution "
                          "values).")
@@ -163,7 +170,8 @@ def dispatch(mode: str) -> tuple[int, dict | None]:
         return 0, run_save_stall(params=FLAGS.save_stall_params, saves=FLAGS.saves,
                                  step_threads=FLAGS.save_stall_step_threads, print_fn=print_fn)
     return compare(FLAGS.gin_file, FLAGS.gin_bindings, variants=FLAGS.variants, steps=FLAGS.steps,
-                   repeats=FLAGS.repeats, warmup_steps=FLAGS.warmup_steps, turn_steps=FLAGS.turn_steps,
+                   repeats=FLAGS.repeats, max_repeats=FLAGS.max_repeats, max_width=FLAGS.max_width,
+                   warmup_steps=FLAGS.warmup_steps, turn_steps=FLAGS.turn_steps,
                    fit_steps_per_execution=FLAGS.fit_steps_per_execution, cpus=FLAGS.cpus,
                    pause_waiting=FLAGS.pause_waiting, malloc_tunables=FLAGS.malloc_tunables,
                    timeout_secs=FLAGS.timeout_secs,

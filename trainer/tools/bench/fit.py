@@ -28,7 +28,8 @@ def tracing_count(function, name: str) -> int | None:
 
 
 def run_fit(settings, channel: Channel, steps_per_execution: int, total_steps: int) -> None:
-    """Fits `total_steps` measured steps (and one call more, so that the last chunk ends where a call starts)."""
+    """Fits up to `total_steps` measured steps (and one call more, so that the last chunk ends where a call
+    starts), stopping one call after the parent says it has measured enough."""
     import keras
 
     from trainer import data

@@ -107,9 +107,11 @@ def _record(variant: Variant, label: str, answers: list[dict], schedule: Schedul
 
 
 def measure(variants: list[Variant], gin_args: list[str], schedule: Schedule, *, timeout: float,
-            pause_waiting: bool, malloc_tunables: str, print_fn: Callable[[str], None]) -> None:
-    """Runs the variants that can run, each worker with `malloc_tunables` added to its GLIBC_TUNABLES;
-    fills in what each measured, or why it failed."""
+            pause_waiting: bool, malloc_tunables: str, print_fn: Callable[[str], None],
+            enough: Callable[[int], bool] = lambda rounds: False) -> None:
+    """Runs the variants that can run, each worker with `malloc_tunables` added to its GLIBC_TUNABLES,
+    through the schedule's rounds, ending after the round where `enough(rounds measured)` says so (each
+    worker is then told to finish); fills in what each measured, or why it failed."""
     workers: dict[str, Worker] = {}
     turns = Turns(workers, pause_waiting)
     log_dir = tempfile.mkdtemp(prefix="bench-logs-")
@@ -120,7 +122,7 @@ def measure(variants: list[Variant], gin_args: list[str], schedule: Schedule, *,
                 workers[variant.name] = worker
                 turns.wait(worker)
         turn_index = 0
-        for label, until in schedule.targets():
+        for measured, (label, until) in enumerate(schedule.targets()):  # the warm-up first: 0 rounds measured
             steps = [until] if label == "warmup" else schedule.turn_targets(until)
             done = {variant.name: [] for variant in variants}
             for step in steps:
@@ -135,6 +137,8 @@ def measure(variants: list[Variant], gin_args: list[str], schedule: Schedule, *,
                 turn_index += 1
             for variant, _ in _running(variants, workers):
                 _record(variant, label, done[variant.name], schedule, print_fn)
+            if measured and enough(measured):
+                break
         for variant, worker in _running(variants, workers):
             message = turns.ask(variant, worker, None)
             if message is None:

@@ -14,8 +14,8 @@ from trainer.tools.bench.protocol import Channel
 class Pacer(Hook):
     """Ends a loop call at each step the parent asks for, reports (with the checkpoints and train records
     written since the last report, and the seconds the run spent in its compiled step calls), waits for
-    the next. It runs before the checkpoint hook, so the save at a chunk's last step falls into the next
-    chunk: each chunk of a checkpoint interval holds one."""
+    the next; ends the run when told to finish. It runs before the checkpoint hook, so the save at a
+    chunk's last step falls into the next chunk: each chunk of a checkpoint interval holds one."""
 
     def __init__(self, channel: Channel):
         self.channel = channel
@@ -47,12 +47,16 @@ class Pacer(Hook):
             self.until = self.channel.chunk_done(step_seconds=run.train_seconds - self.train_seconds, **self.work)
         self.work = dict.fromkeys(self.work, 0)
         self.train_seconds = run.train_seconds
-        if self.until is None:
-            self.channel.finished(run.loop.trace_count)
+        if self.until is None:  # the bench has measured enough: the run ends now, however many steps are left
+            run.request_stop("the bench has measured its rounds")
+
+    def end(self, run, step):
+        self.channel.finished(run.loop.trace_count)  # only once the run has ended: a run that went on is seen
 
 
 def run_ours(settings, channel: Channel, total_steps: int, *, async_checkpoint: bool = False) -> None:
-    """Trains `total_steps` measured steps (and one more: the final eval and checkpoint come after);
+    """Trains up to `total_steps` measured steps (and one more: the final eval and checkpoint come after),
+    ending early where the parent says it has measured enough;
     `async_checkpoint`: with `train.async_checkpoint = True`."""
     import gin
 

@@ -103,32 +103,39 @@ def round_up(value: int, multiple: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Measured rounds of one `chunk`-step chunk per variant after a warm-up to step `warmup`; `total`
-    steps in all. A round's chunks are run in turns of `turn` steps (a divisor of `chunk`; 0: the whole
-    chunk at once): every variant runs one turn, then every variant the next, and so on, so the chunks of
-    one round are spread alike over the same stretch of time."""
+    """Measured rounds of one `chunk`-step chunk per variant after a warm-up to step `warmup`: `repeats`
+    rounds, and up to `max_repeats` while the intervals are too wide (0: exactly `repeats`); `total` steps
+    at most. A round's chunks are run in turns of `turn` steps (a divisor of `chunk`; 0: the whole chunk at
+    once): every variant runs one turn, then every variant the next, and so on, so the chunks of one round
+    are spread alike over the same stretch of time."""
 
     chunk: int
     warmup: int
     repeats: int
     turn: int = 0
+    max_repeats: int = 0
 
     def __post_init__(self):
         if self.turn and self.chunk % self.turn:
             raise ValueError(f"a turn of {self.turn} steps does not divide a chunk of {self.chunk}")
 
     @property
+    def most_rounds(self) -> int:
+        return max(self.repeats, self.max_repeats)
+
+    @property
     def total(self) -> int:
-        return self.warmup + self.repeats * self.chunk
+        """The steps a worker runs if every round is needed (it stops early when told the rounds are done)."""
+        return self.warmup + self.most_rounds * self.chunk
 
     @property
     def turns_per_chunk(self) -> int:
         return self.chunk // self.turn if self.turn else 1
 
     def targets(self) -> list[tuple[str, int]]:
-        """(label, the step every variant runs to) for the warm-up and each round."""
+        """(label, the step every variant runs to) for the warm-up and each round that may run."""
         return [("warmup", self.warmup)] + [(f"round {r + 1}", self.warmup + (r + 1) * self.chunk)
-                                            for r in range(self.repeats)]
+                                            for r in range(self.most_rounds)]
 
     def turn_targets(self, until: int) -> list[int]:
         """The steps a round that ends at step `until` runs to, turn by turn."""
@@ -144,7 +151,7 @@ def round_order(variants: list, index: int) -> list:
 
 
 def schedule(settings, fit_spes: list[int], *, steps: int, warmup_steps: int, repeats: int,
-             turn_steps: int = 0) -> Schedule:
+             turn_steps: int = 0, max_repeats: int = 0) -> Schedule:
     """Chunks that end on a call boundary of every variant (a multiple of steps_per_loop and of fit's
     values) and, by default, hold the same hook work: the least multiple of both hook intervals. Turns
     are, by default, the shortest stretch that ends on every variant's call boundaries (the same unit):
@@ -159,4 +166,4 @@ def schedule(settings, fit_spes: list[int], *, steps: int, warmup_steps: int, re
                         f"length {unit}) does not divide a chunk of {chunk} steps: pick a divisor of {chunk}")
     # Warm-up ends on a chunk boundary beyond every variant's first call (fit's first call is unit steps long).
     warmup = round_up(max(warmup_steps or chunk, unit + 1), chunk)
-    return Schedule(chunk, warmup, repeats, turn)
+    return Schedule(chunk, warmup, repeats, turn, max_repeats)

@@ -39,20 +39,21 @@ whether the verdicts hold, run every config twice, back to back, on an otherwise
   `steps_per_execution` 1 and `steps_per_loop`, with no callbacks (no saves); "fit best" is the faster one that ran.
 
 Each variant runs in its own process (its own peak RSS), every one pinned to the same cores. After a warm-up they
-run rounds of one chunk each. A round runs in turns of about a second (one `steps_per_loop` call): every variant
-runs a turn, forward and backward in alternation (A B C, C B A, ...), until each has run its chunk, so the chunks
-of a round spread alike over the same stretch of time. Only the variant being measured runs, the others are
-stopped (SIGSTOP) until their turn. Every worker keeps the memory it frees (glibc's malloc tunables, named in
-each table's method line), so that no process faults its tensors' pages in again every step, some more than
-others; "page faults per chunk" shows it. A round's ratio of two variants cancels the machine's speed in that round
-(this VM's speed drifts by 10-20% over tens of seconds: chunks run one after the other saw different drifts);
-each ratio below is the geometric mean of the per-round ratios with its 95% bootstrap interval over rounds.
-Against a peer (Orbit, fit) the verdict is **ahead** (the interval above 1.0), **tie** (it holds 1.0) or
-**behind**. "work per chunk" is what each variant's worker did besides its steps, counted; "outside step calls"
-the share of its chunks it spent outside its compiled step calls (hooks, saves; `-` where the worker cannot time
-its calls: Orbit, fit); "cores" the CPU it used per second of its chunks. Time to first step is from process
-start (Python, TensorFlow, building, tracing) to the end of the first compiled call; "first step ours/fit"
-divides ours by fit's at steps_per_execution 1 (lower is better).
+run 12 rounds of one chunk each, then one more at a time while the interval of ours/limit, ours/Orbit or ours/fit
+best is wider than 0.06, up to 24 (each table's method line says how many ran and why they ended). A round runs in
+turns of about a second (one `steps_per_loop` call): every variant runs a turn, forward and backward in alternation
+(A B C, C B A, ...), until each has run its chunk, so the chunks of a round spread alike over the same stretch of
+time. Only the variant being measured runs, the others are stopped (SIGSTOP) until their turn. Every worker keeps
+the memory it frees (glibc's malloc tunables, named in each table's method line), so that no process faults its
+tensors' pages in again every step, some more than others; "page faults per chunk" shows it. A round's ratio of two
+variants cancels the machine's speed in that round (this VM's speed drifts by 10-20% over tens of seconds: chunks
+run one after the other saw different drifts); each ratio below is the geometric mean of the per-round ratios with
+its 95% bootstrap interval over rounds. Against a peer (Orbit, fit) the verdict is **ahead** (the interval above
+1.0), **tie** (it holds 1.0) or **behind**. "work per chunk" is what each variant's worker did besides its steps,
+counted; "outside step calls" the share of its chunks it spent outside its compiled step calls (hooks, saves; `-`
+where the worker cannot time its calls: Orbit, fit); "cores" the CPU it used per second of its chunks. Time to first
+step is from process start (Python, TensorFlow, building, tracing) to the end of the first compiled call; "first
+step ours/fit" divides ours by fit's at steps_per_execution 1 (lower is better).
 Configs: [cnn.gin](cnn.gin) (the tutorial CNN on the embedded digits, batch 128), [cnn28.gin](cnn28.gin)
 (the same CNN on synthetic 28x28 images, the tutorial's size; run on request) and [mlp.gin](mlp.gin)
 (784-512-512-10 on synthetic 28x28 images, batch 128), each after `gin/single.gin` or `gin/mirrored.gin`;

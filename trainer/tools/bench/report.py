@@ -48,6 +48,12 @@ def intervals(res: dict) -> dict:
     return out
 
 
+def fastest_fit(variants: list[Variant], chunk: int) -> Variant | None:
+    """"fit best": the fit variant with the most steps per second (median over its chunks), if any ran."""
+    fits = [v for v in variants if v.role == "fit" and v.chunks]
+    return max(fits, key=lambda v: v.steps_per_sec(chunk)) if fits else None
+
+
 def _work(v: Variant) -> dict:
     """What the variant did per measured chunk, on average, by kind (checkpoints, records)."""
     kinds = sorted({kind for chunk in v.work for kind in chunk})
@@ -65,14 +71,15 @@ def others(variants: list[Variant]) -> dict | None:
             "stolen_cores": sum(x for v in variants for x in v.steal) / seconds}
 
 
-def results(settings, variants: list[Variant], *, plan: Schedule, cpus: list[int], pause_waiting: bool,
-            malloc_tunables: str, load_before: tuple, load_after: tuple, command: str) -> dict:
-    """Everything measured, as one JSON-ready dict."""
+def results(settings, variants: list[Variant], *, plan: Schedule, rounds: dict, cpus: list[int],
+            pause_waiting: bool, malloc_tunables: str, load_before: tuple, load_after: tuple, command: str) -> dict:
+    """Everything measured, as one JSON-ready dict; `rounds`: how many rounds ran, by which rule, and why
+    they ended (`Rounds.summary()`)."""
     by_name = {v.name: v for v in variants}
     gb, chunk = settings.global_batch_size, plan.chunk
     rate = {v.name: v.steps_per_sec(chunk) for v in variants}
     fits = [v for v in variants if v.role == "fit" and rate[v.name] is not None]
-    best_fit = max(fits, key=lambda v: rate[v.name]) if fits else None
+    best_fit = fastest_fit(variants, chunk)
     ours = by_name.get("ours")
     first = {v.name: v.first_step_s for v in variants}
     source = settings.input_fn or settings.data_source
@@ -89,7 +96,7 @@ def results(settings, variants: list[Variant], *, plan: Schedule, cpus: list[int
             "jit_compile": bool(settings.jit_compile),
             "mixed_precision": settings.mixed_precision or "float32",
         },
-        "method": {"steps_per_chunk": chunk, "warmup_until_step": plan.warmup, "rounds": plan.repeats,
+        "method": {"steps_per_chunk": chunk, "warmup_until_step": plan.warmup, **rounds,
                    "steps_per_turn": plan.turn or chunk, "order": [v.name for v in variants],
                    "order_rule": "turns of steps_per_turn steps, every variant's turn in forward and backward order "
                                  "alternately",
@@ -235,7 +242,10 @@ def method_line(res: dict) -> str:
              < m["steps_per_chunk"] else "")
     tunables = m.get("malloc_tunables")
     malloc = f"GLIBC_TUNABLES {tunables}" if tunables else "glibc's malloc as the environment sets it"
-    return (f"{m['rounds']} rounds of one {m['steps_per_chunk']}-step chunk per variant, {turns}forward and "
+    rule = (f" ({m['least_rounds']} at least, up to {m['most_rounds']} while an interval of ours/limit, ours/orbit "
+            f"or ours/fit best was wider than {m['max_width']:g}; ended: {m['rounds_ended']})"
+            if m.get("most_rounds", 0) > m.get("least_rounds", m["rounds"]) else "")
+    return (f"{m['rounds']} rounds{rule} of one {m['steps_per_chunk']}-step chunk per variant, {turns}forward and "
             f"backward in turn, after warm-up to step {m['warmup_until_step']}; on cores "
             f"{','.join(map(str, m['cpus']))}; {malloc}; "
             f"waiting workers {m['waiting_workers']} (their CPU while others ran: {waiting:.2f} s); ratios: "
