@@ -189,6 +189,13 @@ def test_cores_that_are_not_ours_are_one_error_line():
     assert len(errors) == 1 and "--cpus" in errors[0] and "subset" in errors[0], proc.stderr[-2000:]
 
 
+def test_an_interval_width_of_zero_is_one_error_line():
+    proc = run_module("trainer.bench", "--gin_file=gin/single.gin", "--max_width=0", timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--max_width must be above 0" in errors[0], proc.stderr[-2000:]
+
+
 def test_a_waiting_worker_is_stopped_until_its_turn(tmp_path):
     """The parent stops a worker between its answer and its next request (every thread: state T in /proc)."""
     def state(pid: int) -> str:
