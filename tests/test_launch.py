@@ -167,6 +167,7 @@ def test_bad_launcher_flags_exit_2_with_one_line(flags, expected):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and expected in result.stderr
+    assert result.stderr.startswith("error: "), result.stderr  # as every other refusal
     assert result.stdout == ""
 
 

@@ -182,3 +182,26 @@ def test_a_finished_run_leaves_after_its_threads_and_exit_handlers(tmp_path):
     assert (tmp_path / "atexit.txt").read_text() == "ran"
     assert proc.stdout.rstrip().splitlines()[-1].startswith("eval at step 2:")
     assert os.path.exists(tmp_path / "run" / "ckpt-2.index")
+
+
+def test_a_gin_include_loop_is_one_error_line_naming_the_loop(tmp_path):
+    (tmp_path / "self.gin").write_text(f"include '{tmp_path / 'self.gin'}'\n")
+    (tmp_path / "a.gin").write_text(f"include '{REPO}/gin/base.gin'\ninclude '{tmp_path / 'b.gin'}'\n")
+    (tmp_path / "b.gin").write_text(f"\n\ninclude '{tmp_path / 'a.gin'}'\n")
+    model_dir = tmp_path / "run"
+    itself = run_main(f"--gin_file={tmp_path / 'self.gin'}", f"--model_dir={model_dir}", timeout=120)
+    _assert_user_error(itself, f"{tmp_path / 'self.gin'}:1 -> {tmp_path / 'self.gin'}", "remove the include")
+    loop = run_main(f"--gin_file={tmp_path / 'a.gin'}", f"--model_dir={model_dir}", timeout=120)
+    _assert_user_error(loop, f"{tmp_path / 'a.gin'}:2 -> {tmp_path / 'b.gin'}:3 -> {tmp_path / 'a.gin'})")
+    assert len(itself.stderr.strip().splitlines()) == len(loop.stderr.strip().splitlines()) == 1
+    assert "recursion" not in itself.stderr + loop.stderr
+    assert not model_dir.exists()
+
+
+def test_help_prints_the_flags_and_exits_0():
+    for module in ("trainer.main", "trainer.launch"):
+        for flag in ("--help", "--helpfull"):
+            proc = subprocess.run([sys.executable, "-m", module, flag], cwd=REPO, env=subprocess_env(),
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, (module, flag, proc.returncode, proc.stderr[-2000:])
+            assert "--num_workers" in proc.stdout if module == "trainer.launch" else "--model_dir" in proc.stdout

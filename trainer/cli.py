@@ -30,11 +30,14 @@ def fail(message: str, exit_code: int = 2) -> NoReturn:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser for `app.run(..., flags_parser=parse_flags)`: a bad flag exits 2 in one line."""
+    """absl's parser for `app.run(..., flags_parser=parse_flags)`: a bad flag exits 2 in one line;
+    --help and --helpfull print the help and exit 0 (absl's own help flags exit 1, as a failure)."""
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
         fail(f"{e}; see --helpfull")
+    except SystemExit as e:  # raised while parsing only by absl's help flags, once the help is out
+        sys.exit(0 if e.code == 1 else e.code)
 
 
 def exit_without_teardown(run: Callable[[list[str]], None],

@@ -31,6 +31,7 @@ from typing import IO, NoReturn
 
 from absl import app, flags
 
+from trainer.cli import fail, parse_flags
 from trainer.distribution import netns
 from trainer.errors import UserError
 
@@ -252,19 +253,15 @@ def _parse_flags(argv: list[str]) -> list[str]:
     """Parses the launcher's flags (before `--`); returns the module's flags (after it)."""
     split = argv.index("--") if "--" in argv else len(argv)
     own, passthrough = argv[:split], argv[split + 1:]
-    try:
-        unparsed = flags.FLAGS(own)
-    except flags.Error as error:
-        _exit_user_error(str(error))
+    unparsed = parse_flags(own)
     if unparsed[1:]:
         _exit_user_error(f"unexpected argument(s) {unparsed[1:]}; put the module's flags after --")
     return passthrough
 
 
 def _exit_user_error(message: str) -> NoReturn:
-    one_line = " ".join(message.split())
-    print(f"trainer.launch: {one_line}", file=sys.stderr, flush=True)
-    sys.exit(USER_ERROR_EXIT)
+    """The `error:` line and exit 2 of every entry point's refusal, for the launcher's own mistakes."""
+    fail(" ".join(message.split()), exit_code=USER_ERROR_EXIT)
 
 
 def _define_flags() -> None:

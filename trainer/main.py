@@ -30,7 +30,8 @@ from trainer.errors import RunFailure, UserError  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("gin_file", [], "Gin config file(s), applied in order.")
 flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings applied after the files, e.g. 'train.total_steps=100'.")
-flags.DEFINE_string("model_dir", None, "Where checkpoints, summaries and metrics.jsonl go (default: a fresh ./runs/<time>).")
+flags.DEFINE_string("model_dir", None, "Where checkpoints, summaries and metrics.jsonl go (default: a fresh "
+                    "runs/<time>-<pid> in the working directory, whose path is printed).")
 flags.DEFINE_enum(
     "mode", "train", ["train", "eval_continuous"],
     "train: train and evaluate inline. eval_continuous: a sidecar evaluator that evaluates every new "
@@ -66,8 +67,23 @@ def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
             gin.parse_config_file(source, skip_unknown=False)
         source = "--gin_bindings"
         gin.parse_config(bindings)
+    except RecursionError as e:  # an include cycle; gin follows it until Python's stack runs out
+        raise UserError(include_cycle_line(e) or gin_error_line(e, source)) from e
     except Exception as e:  # noqa: BLE001  (gin raises whatever its parser or an import raised)
         raise UserError(gin_error_line(e, source)) from e
+
+
+def include_cycle_line(error: RecursionError) -> str | None:
+    """The line naming a cycle of gin includes, read from the `In file "F", line N` that gin adds
+    to the error on its way out of each include (innermost first); None if no include repeats."""
+    chain: list[tuple[str, str]] = []
+    for where in reversed(_GIN_LOCATION.findall(str(error))):  # from the file given, inwards
+        if where in chain:
+            loop = " -> ".join(f"{path}:{line}" for path, line in chain[chain.index(where):])
+            return (f"gin file {where[0]} includes itself ({loop} -> {where[0]}); remove the include "
+                    "that closes the loop")
+        chain.append(where)
+    return None
 
 
 def gin_error_line(error: Exception, source: str) -> str:
@@ -87,6 +103,7 @@ def gin_error_line(error: Exception, source: str) -> str:
 
 
 def default_model_dir() -> str:
+    """`runs/<time>-<pid>` in the working directory (the pid tells apart runs started the same second)."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return os.path.join("runs", f"{stamp}-{os.getpid()}")
 
@@ -111,9 +128,10 @@ def run(argv: list[str]) -> None:
         if FLAGS.mode == "eval_continuous":
             if not FLAGS.model_dir:
                 raise UserError("--mode=eval_continuous needs --model_dir=DIR, the directory of the run to evaluate")
-            configurables.evaluate_continuously(model_dir=FLAGS.model_dir, print_fn=print_fn)
+            configurables.evaluate_continuously(model_dir=os.path.abspath(FLAGS.model_dir), print_fn=print_fn)
             return
-        model_dir = FLAGS.model_dir or default_model_dir()
+        # Absolute from here on: a relative --model_dir means the same directory to every reader.
+        model_dir = os.path.abspath(FLAGS.model_dir or default_model_dir())
         if not FLAGS.model_dir:
             print(f"model_dir: {model_dir}", flush=True)
         bindings = gin.get_bindings("train", resolve_references=False)

@@ -81,12 +81,16 @@ class CheckpointSaver:
         return tf.train.latest_checkpoint(self.model_dir)
 
     def candidates(self) -> list[str]:
-        """Checkpoints of the chief's directory, newest first."""
+        """Checkpoints of the chief's directory, newest first.
+
+        The paths are used as the state file gives them: tf.train.get_checkpoint_state already
+        joins model_dir to each relative one (joining it again breaks a relative model_dir).
+        """
         state = tf.train.get_checkpoint_state(self.model_dir)
         if state is None:
             return []
         paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
-        return [p if os.path.isabs(p) else os.path.join(self.model_dir, p) for p in reversed(paths)]
+        return list(reversed(paths))
 
     def restore_latest(self, print_fn: Callable[[str], None] = print) -> str | None:
         """Restores the newest readable checkpoint; returns its path (None: nothing to restore).

@@ -44,14 +44,13 @@ _CHECKPOINT_NUMBER = re.compile(r"-(\d+)$")
 
 
 def checkpoints_in(model_dir: str) -> list[tuple[int, str]]:
-    """(number, path) of the complete checkpoints listed in model_dir's state file, oldest first."""
+    """(number, path) of the complete checkpoints listed in model_dir's state file, oldest first
+    (tf.train.get_checkpoint_state has joined model_dir to each relative path already)."""
     state = tf.train.get_checkpoint_state(model_dir)
     if state is None:
         return []
     found = []
     for path in state.all_model_checkpoint_paths:
-        if not os.path.isabs(path):
-            path = os.path.join(model_dir, path)
         if match := _CHECKPOINT_NUMBER.search(path):
             found.append((int(match.group(1)), path))
     return sorted(found)

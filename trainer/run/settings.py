@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 from typing import Any, Callable, Mapping, Sequence
 
 from trainer import data
@@ -118,6 +119,10 @@ class Settings:
             raise UserError(f"train.parameter_server must be @parameter_server(), got {self.parameter_server!r}")
         if self.model_dir is not None and not isinstance(self.model_dir, str):
             raise UserError(f"model_dir must be a path, got {self.model_dir!r}")
+        if self.model_dir and "://" not in self.model_dir:
+            # Resolved once, here: every reader and writer of the run sees the same absolute path,
+            # whatever working directory it was given relative to.
+            object.__setattr__(self, "model_dir", os.path.abspath(self.model_dir))
         for name in ("log_every_steps", "checkpoint_every_steps", "eval_every_steps", "keep_checkpoints"):
             check_int(f"train.{name}", getattr(self, name))
         for name in ("check_loss_scaling", "allow_resume_changes", "preemption_checkpointing", "async_checkpoint"):
