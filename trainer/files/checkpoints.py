@@ -183,8 +183,13 @@ class CheckpointSaver:
         kept = [os.path.basename(p) for p in (state.all_model_checkpoint_paths if state else [])]
         kept = [name for name in kept if name != os.path.basename(prefix)] + [os.path.basename(prefix)]
         dropped, kept = kept[:-self._max_to_keep], kept[-self._max_to_keep:]
-        tf.__internal__.train.update_checkpoint_state(  # what the manager calls (the v1 name warns)
-            self.model_dir, kept[-1], all_model_checkpoint_paths=kept)
+        # What the manager calls (the v1 name warns). The paths are given as model_dir joined to
+        # each name, and written relative to model_dir, as the manager writes them: TensorFlow
+        # reads a bare name given with a relative model_dir as relative to the working directory.
+        tf.__internal__.train.update_checkpoint_state(
+            self.model_dir, os.path.join(self.model_dir, kept[-1]),
+            all_model_checkpoint_paths=[os.path.join(self.model_dir, name) for name in kept],
+            save_relative_paths=True)
         for name in dropped:
             for path in glob.glob(os.path.join(glob.escape(self.model_dir), glob.escape(name)) + ".*"):
                 os.remove(path)
