@@ -1,0 +1,271 @@
+"""Every command README.md shows, run as written: read from README.md itself (so the test follows
+the page), with relative paths, from a copy of the repository's root and from another working
+directory, shortened only by `--gin_bindings` appended at the end (fewer steps).
+
+The commands are found in the page's `sh` blocks, in the "Every mode" table and in its prose
+(inline code starting with `python -m` or `VAR=... python`); the files its examples write
+(`# my_steps.py`, `# my.gin`, the extension) are written from its code blocks. A command that is
+not run here says why in `NOT_RUN`, and any other command the page gains is run, so nothing is
+skipped silently. Relative `--model_dir`s land in the temporary directories, never in the repository.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import REPO, read_jsonl, subprocess_env
+from tests.test_fashion_mnist import _write_fashion_mnist
+
+README = os.path.join(REPO, "README.md")
+# What the page shows that this test does not run, and why (the pip lines are checked by
+# tests/test_docs.py: each installs from the repository).
+NOT_RUN = {
+    "pip install -e .": "installs the project: done once before the suite runs",
+    "pip install -e '.[test]'": "installs the test extra: done once before the suite runs",
+    "python -m pytest -q": "the suite this test is part of",
+}
+# Shorter runs: the commands' own configs, fewer steps (appended, so they win).
+SHORT = ("train.total_steps=40", "train.steps_per_loop=20", "train.log_every_steps=20",
+         "train.checkpoint_every_steps=20", "train.eval_every_steps=20")
+LONGER = "train.total_steps=60"  # the rerun that continues from step 40
+TIMEOUT = 300
+
+
+def bindings(*values: str) -> list[str]:
+    return [f"--gin_bindings={value}" for value in values]
+
+
+class Page:
+    """What README.md shows: commands by section, the files of its examples, gin snippets."""
+
+    def __init__(self, text: str):
+        self.commands: list[tuple[str, str]] = []  # (section, command)
+        self.table: dict[str, str] = {}  # the "Every mode" table: mode -> command
+        self.files: dict[str, str] = {}  # `# name.ext` code blocks: name -> text
+        self.gin_snippets: list[str] = []  # unnamed blocks of gin statements
+        self.fragments: list[str] = []  # inline `--gin_bindings=...` examples
+        section, block, language, prose = "", None, "", []
+        for line in text.splitlines():
+            if block is not None:
+                if line.startswith("```"):
+                    self._block(section, language, block)
+                    block = None
+                else:
+                    block.append(line)
+            elif line.startswith("```"):
+                self._prose(section, " ".join(prose))
+                prose, block, language = [], [], line[3:].strip()
+            elif line.startswith("## "):
+                self._prose(section, " ".join(prose))
+                prose, section = [], line[3:].strip()
+            elif match := re.fullmatch(r"\| (.+?) \| `(.+)` \|", line):
+                self.table[match.group(1)] = match.group(2)
+                self.commands.append((section, match.group(2)))
+            else:
+                prose.append(line)
+        self._prose(section, " ".join(prose))
+
+    def _block(self, section: str, language: str, lines: list[str]) -> None:
+        name = re.fullmatch(r"# ([\w.]+\.(?:py|gin))", lines[0].strip()) if lines else None
+        if name:
+            self.files[name.group(1)] = "\n".join(lines) + "\n"
+        elif language == "sh":
+            for line in lines:
+                self.commands += [(section, part.strip()) for part in line.split("&&") if part.strip()]
+        elif not language and all(re.fullmatch(r"import [\w.]+|include '.+'|[\w.]+ = .+|#.*", line.strip())
+                                  for line in lines if line.strip()):
+            self.gin_snippets.append("\n".join(lines))
+
+    def _prose(self, section: str, text: str) -> None:
+        for span in re.findall(r"`([^`]+)`", text):
+            if re.match(r"(\w+=\S+ )*python -m ", span):
+                self.commands.append((section, span))
+            elif span.startswith("--gin_bindings="):
+                self.fragments.append(span)
+
+
+PAGE = Page(open(README).read())
+
+
+def words_of(command: str) -> tuple[dict[str, str], list[str]]:
+    """The environment assignments before the program, and the program's words (`python` first)."""
+    words = shlex.split(command)
+    assignments = {}
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        assignments[name] = value
+    assert words[:2] == ["python", "-m"], command
+    return assignments, words
+
+
+def run(command: str, cwd: str, *appended: str, install: str = REPO) -> subprocess.CompletedProcess:
+    """`command` as a shell would run it in `cwd`, with `appended` arguments; the project is
+    importable as after `pip install -e .` of `install`. Launched task groups are ended by the
+    launcher (SIGTERM) at a timeout, then killed."""
+    assignments, words = words_of(command)
+    env = subprocess_env()
+    env["PYTHONPATH"] = install
+    for name, value in assignments.items():  # PYTHONPATH=. adds to the installed project
+        env[name] = value + (os.pathsep + install if name == "PYTHONPATH" else "")
+    proc = subprocess.Popen([sys.executable, *words[1:], *appended], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"{command} ran past {TIMEOUT} s:\n{err[-3000:]}")
+    result = subprocess.CompletedProcess(words, proc.returncode, out, err)
+    assert result.returncode == 0, f"{command} (in {cwd}) exited {result.returncode}:\n{err[-3000:]}\n{out[-2000:]}"
+    assert not re.search(r"^(error:|warning: .*cannot be read)|Traceback", err, re.M), f"{command}:\n{err[-3000:]}"
+    return result
+
+
+def model_dir_of(command: str) -> str:
+    return next(w.split("=", 1)[1] for w in words_of(command)[1] if w.startswith("--model_dir="))
+
+
+def assert_trained(directory: str, step: int, *, restarted_from: int | None = None) -> None:
+    """`directory` holds a run trained to `step`, each train record once (a rerun trains no step twice)."""
+    assert os.path.exists(os.path.join(directory, f"ckpt-{step}.index")), sorted(os.listdir(directory))
+    records = read_jsonl(os.path.join(directory, "metrics.jsonl"))
+    train_steps = [r["step"] for r in records if r["split"] == "train"]
+    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == step, train_steps
+    if restarted_from is not None:
+        assert restarted_from in train_steps
+
+
+def assert_resumed(result: subprocess.CompletedProcess, directory: str) -> None:
+    assert re.search(rf"restored {re.escape(os.path.join(directory, 'ckpt-40'))}; continuing from step 40",
+                     result.stdout), result.stdout[-2000:]
+    assert "eval at step 60:" in result.stdout
+    assert_trained(directory, 60, restarted_from=40)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    """A copy of the repository: the commands' `gin/...` and `runs/...` are relative to its root."""
+    copy = str(tmp_path_factory.mktemp("readme") / "trainer")
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".pytest_cache",
+                                                               "*.egg-info"))
+    return copy
+
+
+def test_the_page_shows_the_commands_this_test_runs():
+    assert set(PAGE.table) >= {"one device", "a sidecar evaluator of a run", "multi-worker, N local processes"}
+    assert {"my_steps.py", "my.gin", "my_extensions.py"} <= set(PAGE.files)
+    assert PAGE.gin_snippets and PAGE.fragments
+    quickstart = [c for s, c in PAGE.commands if s == "Quickstart"]
+    assert "python -m trainer.main --gin_file=gin/mwms.gin" in quickstart
+    for section, command in PAGE.commands:
+        if command in NOT_RUN:
+            continue
+        assert words_of(command)[1][2] in ("trainer.main", "trainer.launch", "trainer.configurables"), (section, command)
+
+
+def test_quickstart_and_every_mode_from_the_repository_root(root, tmp_path):
+    """Every command of the page from the repository's root, in the page's order; the reruns it
+    promises continue; the sidecar evaluates the run it names."""
+    fashion = tmp_path / "fashion"
+    fashion.mkdir()
+    _write_fashion_mnist(str(fashion))
+    ran = set()
+    for section, command in PAGE.commands:
+        if command in NOT_RUN or "--print_config" in command or "trainer.configurables" in command \
+                or "my.gin" in command:
+            continue  # the last three: test_the_examples_and_listings_from_another_directory
+        ran.add(command)
+        if section == "Quickstart":  # a fresh runs/<time>-<pid>, printed; run again with it, it continues
+            first = run(command, root, *bindings(*SHORT), install=root)
+            printed = re.search(r"^model_dir: (\S+)$", first.stdout, re.M).group(1)
+            assert os.path.dirname(printed) == os.path.join(root, "runs"), printed
+            assert_trained(printed, 40)
+            relative = os.path.relpath(printed, root)
+            again = run(f"{command} --model_dir={relative}", root, *bindings(*SHORT, LONGER), install=root)
+            assert_resumed(again, printed)
+            continue
+        model_dir = os.path.join(root, model_dir_of(command))
+        if "--mode=eval_continuous" in command:  # the sidecar of the finished run it names
+            result = run(command, root, *bindings(*SHORT), install=root)
+            evaluated = re.findall(r"^sidecar eval of ckpt-(\d+) at step \d+", result.stdout, re.M)
+            assert evaluated == ["20", "40"], result.stdout[-2000:]
+            assert "reached train.total_steps 40; done" in result.stdout
+            continue
+        extra = SHORT
+        if "fashion_mnist" in command:
+            extra += (f"fashion_mnist.data_dir='{fashion}'", "fashion_mnist.validation_size=100")
+        result = run(command, root, *bindings(*extra), install=root)
+        assert "eval at step 40:" in result.stdout, result.stdout[-2000:]
+        assert_trained(model_dir, 40)
+        if command == PAGE.table["one device"]:  # the issue's own case: run it again with more steps
+            assert_resumed(run(command, root, *bindings(*SHORT, LONGER), install=root), model_dir)
+    assert set(PAGE.table.values()) <= ran
+    expected = {os.path.basename(model_dir_of(c)) for c in PAGE.table.values()} | {os.path.basename(printed)}
+    assert sorted(os.listdir(os.path.join(root, "runs"))) == sorted(expected)
+
+
+def test_the_examples_and_listings_from_another_directory(root, tmp_path):
+    """From a directory that is not the repository: the step and extension examples (their files
+    written from the page), the listings, and the one-device row with every reader of model_dir
+    that takes a path (resume, the sidecar, export, best checkpoints, warm start) on a relative
+    --model_dir."""
+    elsewhere = str(tmp_path)
+    for name, text in PAGE.files.items():
+        with open(os.path.join(elsewhere, name), "w") as f:
+            f.write(text)
+    # The step example, with the extension example's gin lines appended: every 100 steps its norm.
+    (step_command,) = [c for _, c in PAGE.commands if "--gin_file=my.gin" in c]
+    snippet = [line for block in PAGE.gin_snippets for line in block.splitlines() if line.strip()]
+    result = run(step_command, elsewhere, *bindings(*snippet, *SHORT, "train.total_steps=100"), install=root)
+    model_dir = os.path.join(elsewhere, model_dir_of(step_command))
+    assert_trained(model_dir, 100)
+    records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records if r["split"] == "weights" and r["norm"] > 0] == [100], records
+    with open(os.path.join(model_dir, "operative_config.gin")) as f:
+        assert "my_step.label_smoothing = 0.2" in f.read()
+
+    # The listings: every gin name, and a config with the page's override example.
+    (listing,) = [c for _, c in PAGE.commands if "trainer.configurables" in c]
+    assert re.search(r"^cnn\(input_shape, num_classes", run(listing, elsewhere, install=root).stdout, re.M)
+    (print_config,) = [c for _, c in PAGE.commands if "--print_config" in c]
+    overrides = [w for fragment in PAGE.fragments for w in shlex.split(fragment)]
+    shown = run(print_config.replace("--gin_file=...", "--gin_file=gin/single.gin"), elsewhere, *overrides,
+                install=root).stdout
+    assert re.search(r"train\.total_steps = 2000\b", shown) and "make_optimizer.name = 'sgd'" in shown, shown[-2000:]
+
+    # The one-device row on its relative runs/single, here, with export and best checkpoints;
+    # run again, it continues; its sidecar; a warm start from it by a relative path.
+    single = PAGE.table["one device"]
+    features = (*SHORT, "train.export_saved_model=True", "train.keep_best=1", "train.best_metric='accuracy'",
+                "train.best_mode='max'")
+    directory = os.path.join(elsewhere, model_dir_of(single))
+    run(single, elsewhere, *bindings(*features), install=root)
+    assert_trained(directory, 40)
+    assert_resumed(run(single, elsewhere, *bindings(*features, LONGER), install=root), directory)
+    assert os.path.isdir(os.path.join(directory, "export", "60", "variables"))
+    with open(os.path.join(directory, "best", "checkpoint")) as f:
+        best = re.search(r'model_checkpoint_path: "([^"]+)"', f.read()).group(1)
+    assert os.path.exists(os.path.join(directory, "best", os.path.basename(best) + ".index"))
+    sidecar = f"{single} --mode=eval_continuous"
+    result = run(sidecar, elsewhere, *bindings(*SHORT, LONGER), install=root)
+    assert re.findall(r"^sidecar eval of ckpt-(\d+)", result.stdout, re.M) == ["20", "40", "60"], result.stdout
+    warm = run(single.replace(f"--model_dir={model_dir_of(single)}", "--model_dir=runs/warm"), elsewhere,
+               *bindings(*SHORT, f"train.warm_start='{model_dir_of(single)}'", "train.total_steps=20"), install=root)
+    source = re.search(r"^warm start from (\S+): restored (\d+) of the model's \2 variables", warm.stdout, re.M)
+    assert source and os.path.samefile(os.path.join(elsewhere, source.group(1) + ".index"),
+                                       os.path.join(directory, "ckpt-60.index")), warm.stdout[-2000:]
+    assert_trained(os.path.join(elsewhere, "runs", "warm"), 20)
+    assert sorted(os.listdir(os.path.join(elsewhere, "runs"))) == sorted(
+        {os.path.basename(model_dir_of(step_command)), os.path.basename(model_dir_of(single)), "warm"})
+    assert not os.path.exists(os.path.join(directory, "runs"))  # no runs/single/runs/single/...
