@@ -2,6 +2,9 @@
 
     python -m trainer.write_tfrecords --dataset=digits --out_dir=/tmp/digits --num_shards=4
 
+It prints the gin bindings that train on the files written (`train.input_fn = @tfrecord_files()`
+and the `tfrecord_files.*` lines).
+
 Examples go round-robin into the shards (example i into shard i % N), so that
 `TFRecordFiles` reads them back in the original order. The record format is the
 one described in `trainer.data.tfrecord` (the built-in format).
@@ -10,13 +13,19 @@ one described in `trainer.data.tfrecord` (the built-in format).
 import os
 from collections.abc import Sequence
 
-import numpy as np
-import tensorflow as tf
-from absl import app, flags
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as trainer.main: TensorFlow's INFO lines are noise here
 
-from trainer import data
-from trainer.cli import fail, parse_flags
-from trainer.errors import UserError
+from trainer import quiet_start  # noqa: E402
+
+quiet_start.import_tensorflow()  # so its load-time C++ notices do not reach stderr
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from trainer import data  # noqa: E402
+from trainer.cli import fail, parse_flags  # noqa: E402
+from trainer.errors import UserError  # noqa: E402
 
 _DATASET = flags.DEFINE_enum("dataset", "digits", ["digits", "fashion_mnist", "synthetic"], "Dataset to write.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Directory to write the shards into (created if missing).")
@@ -78,13 +87,20 @@ def main(argv: Sequence[str]) -> None:
         if not _OUT_DIR.value:
             raise UserError("--out_dir is required: pass the directory to write the shards into")
         source = make_source(_DATASET.value, _FASHION_MNIST_DIR.value)
-        written = write(source, _OUT_DIR.value, _NUM_SHARDS.value)
+        written = write(source, os.path.abspath(_OUT_DIR.value), _NUM_SHARDS.value)  # patterns valid anywhere
     except UserError as error:
         fail(str(error))
-    print(f"train_pattern = '{written.train_pattern}'")
-    print(f"eval_pattern = '{written.eval_pattern}'")
-    print(f"input_shape = {written.input_shape}")
-    print(f"num_classes = {written.num_classes}")
+    print(gin_bindings(written), end="")
+
+
+def gin_bindings(written: data.TFRecordFiles) -> str:
+    """The gin lines that train on the written files: paste them into a gin file (after its
+    include) or pass each as --gin_bindings."""
+    return (f"train.input_fn = @tfrecord_files()\n"
+            f"tfrecord_files.train_pattern = '{written.train_pattern}'\n"
+            f"tfrecord_files.eval_pattern = '{written.eval_pattern}'\n"
+            f"tfrecord_files.input_shape = {written.input_shape}\n"
+            f"tfrecord_files.num_classes = {written.num_classes}\n")
 
 
 if __name__ == "__main__":
