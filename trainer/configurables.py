@@ -5,26 +5,33 @@ The library stays plain Python; this module gives its functions and classes gin 
 """
 from __future__ import annotations
 
+import os
 import sys
 
-import gin
-import keras
-import tensorflow as tf
+if __name__ == "__main__":  # the listing: without TensorFlow's load-time notices on stderr
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from trainer import quiet_start
 
-from trainer import data
-from trainer.distribution import devices
-from trainer.distribution import local_cluster as local_cluster_lib
-from trainer.extensions import early_stopping, mlflow_tracking, profiler
-from trainer.hooks.checkpointing import CheckpointHook
-from trainer.hooks.evaluation import EvalHook
-from trainer.hooks.progress import ProgressLogger
-from trainer.loops import options as loop_options
-from trainer.loops import sidecar
-from trainer.run import settings as settings_lib
-from trainer.run import train as train_lib
-from trainer.task import models, optimizers, steps
-from trainer.tools import gin_config, gin_functions
-from trainer.tools.parity import config as parity_config
+    quiet_start.import_tensorflow()
+
+import gin  # noqa: E402
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from trainer import data  # noqa: E402
+from trainer.distribution import devices  # noqa: E402
+from trainer.distribution import local_cluster as local_cluster_lib  # noqa: E402
+from trainer.extensions import early_stopping, mlflow_tracking, profiler  # noqa: E402
+from trainer.hooks.checkpointing import CheckpointHook  # noqa: E402
+from trainer.hooks.evaluation import EvalHook  # noqa: E402
+from trainer.hooks.progress import ProgressLogger  # noqa: E402
+from trainer.loops import options as loop_options  # noqa: E402
+from trainer.loops import sidecar  # noqa: E402
+from trainer.run import settings as settings_lib  # noqa: E402
+from trainer.run import train as train_lib  # noqa: E402
+from trainer.task import models, optimizers, steps  # noqa: E402
+from trainer.tools import gin_config, gin_functions  # noqa: E402
+from trainer.tools.parity import config as parity_config  # noqa: E402
 
 # The train parameters that hold functions the loop calls, and how many arguments it passes
 # them positionally (their gin bindings of those parameters are dropped, as gin drops them).

@@ -75,7 +75,7 @@ class Feature:
 
 
 def float_feature(shape: tuple[int, ...] = ()) -> Feature:
-    """A float list of `shape` (gin: `@data.float_feature()`)."""
+    """A float list of `shape` (gin: `@float_feature()`)."""
     return Feature("float", shape)
 
 
