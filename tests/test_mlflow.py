@@ -81,7 +81,7 @@ def test_two_multiworker_workers_log_one_run_from_the_chief(tmp_path):
 
 
 @pytest.mark.parametrize("binding, needle", [
-    (None, "mlflow_hook needs MLflow, which is not installed: pip install 'trainer[mlflow]'"),
+    (None, "mlflow_hook needs MLflow, which is not installed: pip install -e '.[mlflow]' (or pip install mlflow-skinny)"),
     ("mlflow_hook.experiment_name=''", "mlflow_hook.experiment_name must be a non-empty string"),
 ])
 def test_no_mlflow_or_a_bad_name_is_one_error_line_and_writes_nothing(tmp_path, binding, needle):

@@ -38,7 +38,7 @@ def test_missing_matplotlib_or_run_is_one_line_and_exit_2(tmp_path, profiled_run
                                env=env, timeout=120)
     assert no_matplotlib.returncode == 2
     assert no_matplotlib.stderr.strip().splitlines() == [
-        "error: trainer.plot needs matplotlib: pip install 'trainer[plot]' (or pip install matplotlib)"
+        "error: trainer.plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"
     ]
     missing = run_module("trainer.plot", f"--model_dir={tmp_path / 'nowhere'}", timeout=120)
     assert missing.returncode == 2 and "no metrics.jsonl in" in missing.stderr

@@ -28,7 +28,7 @@ def test_trace_lands_where_the_profile_plugin_reads_it(profiled_run):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("xprof") is None,
-                    reason="the profile plugin (pip install 'trainer[profile]') is not installed")
+                    reason="the profile plugin (pip install -e '.[profile]') is not installed")
 def test_the_profile_plugin_itself_lists_the_trace(profiled_run):
     from xprof import profile_plugin
 

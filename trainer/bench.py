@@ -145,7 +145,7 @@ def define_flags() -> None:
 
 
 def install_orbit() -> None:
-    """pip install --no-deps of the Orbit wheel into this interpreter, reported in one line."""
+    """Installs the Orbit wheel into this interpreter without its dependencies, reported in one line."""
     command = [sys.executable, "-m", "pip", "install", "--no-deps", ORBIT_INSTALL]
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -1,7 +1,7 @@
 """Learning curves from `metrics.jsonl`: `python -m trainer.plot --model_dir=D [--model_dir=E ...] [--out=curves.png]`.
 
 Three panels against the global step: train loss, eval loss, eval accuracy; each run one colour
-in every panel, labelled by its directory name. Needs matplotlib (`pip install 'trainer[plot]'`)
+in every panel, labelled by its directory name. Needs matplotlib (`pip install -e '.[plot]'`)
 and draws without a display (Agg). Exit codes as trainer.main: 2 for a user mistake (a missing
 run, no matplotlib), with one line on stderr.
 """
@@ -95,7 +95,7 @@ def plot(model_dirs: Sequence[str], out: str, title: str | None = None) -> list[
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise UserError("trainer.plot needs matplotlib: pip install 'trainer[plot]' (or pip install matplotlib)") from None
+        raise UserError("trainer.plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)") from None
     runs = dict(zip(run_labels(model_dirs), (read_run(d) for d in model_dirs)))
     figure, labels = build_figure(runs, title)
     directory = os.path.dirname(os.path.abspath(out))

@@ -65,7 +65,8 @@ class MlflowHook(Extension):
         try:
             import mlflow  # noqa: F401
         except ImportError:
-            raise UserError("mlflow_hook needs MLflow, which is not installed: pip install 'trainer[mlflow]'") from None
+            raise UserError("mlflow_hook needs MLflow, which is not installed: pip install -e '.[mlflow]' "
+                            "(or pip install mlflow-skinny)") from None
         self.tracking_uri, self.experiment_name, self.run_name = tracking_uri, experiment_name, run_name
         self._client = None
         self.run_id: str | None = None

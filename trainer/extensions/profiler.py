@@ -3,7 +3,7 @@
 Gin: `train.hooks = [@profiler_hook()]` (or `train.extensions`) and `profiler_hook.steps = (10, 20)`. The loop calls
 end exactly at both steps (this hook's boundaries), so the trace holds steps 11..20 and nothing
 else. The chief writes `<model_dir>/plugins/profile/<time>/<host>.xplane.pb`, where the profile
-plugin (`pip install 'trainer[profile]'`, then `tensorboard --logdir <model_dir>`) finds it.
+plugin (`pip install -e '.[profile]'`, then `tensorboard --logdir <model_dir>`) finds it.
 """
 from __future__ import annotations
 
