@@ -171,7 +171,8 @@ def test_the_page_shows_the_commands_this_test_runs():
     for section, command in PAGE.commands:
         if command in NOT_RUN:
             continue
-        assert words_of(command)[1][2] in ("trainer.main", "trainer.launch", "trainer.configurables"), (section, command)
+        module = words_of(command)[1][2]
+        assert module in ("trainer.main", "trainer.launch", "trainer.configurables"), (section, command)
 
 
 def test_quickstart_and_every_mode_from_the_repository_root(root, tmp_path):
@@ -244,20 +245,22 @@ def test_the_examples_and_listings_from_another_directory(root, tmp_path):
                 install=root).stdout
     assert re.search(r"train\.total_steps = 2000\b", shown) and "make_optimizer.name = 'sgd'" in shown, shown[-2000:]
 
-    # The one-device row on its relative runs/single, here, with export and best checkpoints;
-    # run again, it continues; its sidecar; a warm start from it by a relative path.
+    # The one-device row on its relative runs/single, here, with export and best checkpoints; run
+    # again by its absolute path (as the quickstart prints it), it continues; the sidecar by the
+    # absolute path; a warm start from the relative one. Both forms name one directory to every reader.
     single = PAGE.table["one device"]
     features = (*SHORT, "train.export_saved_model=True", "train.keep_best=1", "train.best_metric='accuracy'",
                 "train.best_mode='max'")
     directory = os.path.join(elsewhere, model_dir_of(single))
+    absolute = single.replace(f"--model_dir={model_dir_of(single)}", f"--model_dir={directory}")
     run(single, elsewhere, *bindings(*features), install=root)
     assert_trained(directory, 40)
-    assert_resumed(run(single, elsewhere, *bindings(*features, LONGER), install=root), directory)
+    assert_resumed(run(absolute, elsewhere, *bindings(*features, LONGER), install=root), directory)
     assert os.path.isdir(os.path.join(directory, "export", "60", "variables"))
     with open(os.path.join(directory, "best", "checkpoint")) as f:
         best = re.search(r'model_checkpoint_path: "([^"]+)"', f.read()).group(1)
     assert os.path.exists(os.path.join(directory, "best", os.path.basename(best) + ".index"))
-    sidecar = f"{single} --mode=eval_continuous"
+    sidecar = f"{absolute} --mode=eval_continuous"
     result = run(sidecar, elsewhere, *bindings(*SHORT, LONGER), install=root)
     assert re.findall(r"^sidecar eval of ckpt-(\d+)", result.stdout, re.M) == ["20", "40", "60"], result.stdout
     warm = run(single.replace(f"--model_dir={model_dir_of(single)}", "--model_dir=runs/warm"), elsewhere,
