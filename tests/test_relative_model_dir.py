@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from trainer.files.checkpoints import CheckpointSaver
 from trainer.loops.sidecar import checkpoints_in
-from trainer.run.settings import Settings
+from trainer.run.settings import Settings, absolute_model_dir
 
 
 @pytest.mark.parametrize("async_checkpoint", [False, True])
@@ -39,3 +39,4 @@ def test_settings_resolve_a_relative_model_dir_once(tmp_path, monkeypatch):
     assert Settings(model_dir="runs/a").model_dir == str(tmp_path / "runs" / "a")
     assert Settings(model_dir=str(tmp_path / "b")).model_dir == str(tmp_path / "b")
     assert Settings().model_dir is None
+    assert absolute_model_dir("gs://bucket/runs/a") == "gs://bucket/runs/a"  # a URL is left as it is

@@ -118,6 +118,7 @@ def run(argv: list[str]) -> None:
     try:
         parse_gin(FLAGS.gin_file, FLAGS.gin_bindings)
         from trainer import configurables
+        from trainer.run.settings import absolute_model_dir
         from trainer.tools import gin_config
 
         if FLAGS.print_config:
@@ -128,10 +129,10 @@ def run(argv: list[str]) -> None:
         if FLAGS.mode == "eval_continuous":
             if not FLAGS.model_dir:
                 raise UserError("--mode=eval_continuous needs --model_dir=DIR, the directory of the run to evaluate")
-            configurables.evaluate_continuously(model_dir=os.path.abspath(FLAGS.model_dir), print_fn=print_fn)
+            configurables.evaluate_continuously(model_dir=absolute_model_dir(FLAGS.model_dir), print_fn=print_fn)
             return
         # Absolute from here on: a relative --model_dir means the same directory to every reader.
-        model_dir = os.path.abspath(FLAGS.model_dir or default_model_dir())
+        model_dir = absolute_model_dir(FLAGS.model_dir or default_model_dir())
         if not FLAGS.model_dir:
             print(f"model_dir: {model_dir}", flush=True)
         bindings = gin.get_bindings("train", resolve_references=False)

@@ -119,10 +119,8 @@ class Settings:
             raise UserError(f"train.parameter_server must be @parameter_server(), got {self.parameter_server!r}")
         if self.model_dir is not None and not isinstance(self.model_dir, str):
             raise UserError(f"model_dir must be a path, got {self.model_dir!r}")
-        if self.model_dir and "://" not in self.model_dir:
-            # Resolved once, here: every reader and writer of the run sees the same absolute path,
-            # whatever working directory it was given relative to.
-            object.__setattr__(self, "model_dir", os.path.abspath(self.model_dir))
+        if self.model_dir:
+            object.__setattr__(self, "model_dir", absolute_model_dir(self.model_dir))
         for name in ("log_every_steps", "checkpoint_every_steps", "eval_every_steps", "keep_checkpoints"):
             check_int(f"train.{name}", getattr(self, name))
         for name in ("check_loss_scaling", "allow_resume_changes", "preemption_checkpointing", "async_checkpoint"):
@@ -189,6 +187,13 @@ class Settings:
         if unknown:
             raise UserError(f"train has no parameter {unknown[0]!r}; see `python -m trainer.configurables`")
         return cls(**bindings)
+
+
+def absolute_model_dir(model_dir: str) -> str:
+    """`model_dir` as an absolute path (a URL such as gs://... as it is), resolved once where a run
+    is configured: every reader and writer of the run then sees the same directory, whatever
+    working directory it was given relative to."""
+    return model_dir if "://" in model_dir else os.path.abspath(model_dir)
 
 
 def _check_items(name: str, value: Any, kind: type, what: str) -> None:
