@@ -162,41 +162,58 @@ def root(tmp_path_factory) -> str:
     return copy
 
 
+def elsewhere(command: str) -> bool:
+    """Run by the tests from another directory below: the step example and the listings."""
+    return "--gin_file=my.gin" in command or "--print_config" in command or "trainer.configurables" in command
+
+
+def root_groups() -> dict[str, list[str]]:
+    """The page's other commands, run from the repository's root: the quickstart's, and the rest by
+    the model_dir they name (a sidecar after the run it evaluates)."""
+    groups: dict[str, list[str]] = {}
+    for section, command in PAGE.commands:
+        if command not in NOT_RUN and not elsewhere(command):
+            key = section if section == "Quickstart" else model_dir_of(command)
+            groups.setdefault(key, []).append(command)
+    return {key: sorted(commands, key=lambda c: "--mode=eval_continuous" in c) for key, commands in groups.items()}
+
+
+ROOT_GROUPS = root_groups()
+
+
 def test_the_page_shows_the_commands_this_test_runs():
     assert set(PAGE.table) >= {"one device", "a sidecar evaluator of a run", "multi-worker, N local processes"}
     assert {"my_steps.py", "my.gin", "my_extensions.py"} <= set(PAGE.files)
     assert PAGE.gin_snippets and PAGE.fragments
-    quickstart = [c for s, c in PAGE.commands if s == "Quickstart"]
-    assert "python -m trainer.main --gin_file=gin/mwms.gin" in quickstart
-    for section, command in PAGE.commands:
-        if command in NOT_RUN:
-            continue
-        module = words_of(command)[1][2]
-        assert module in ("trainer.main", "trainer.launch", "trainer.configurables"), (section, command)
+    assert ROOT_GROUPS["Quickstart"] == ["python -m trainer.main --gin_file=gin/mwms.gin"]
+    assert ROOT_GROUPS["runs/ps"] == [PAGE.table["parameter servers, embedded local cluster"],
+                                      PAGE.table["a sidecar evaluator of a run"]]
+    in_groups = [c for commands in ROOT_GROUPS.values() for c in commands]
+    assert set(PAGE.table.values()) <= set(in_groups)
+    assert sum(1 for _, c in PAGE.commands if elsewhere(c)) == 3
+    for section, command in PAGE.commands:  # each is run once (or said why not in NOT_RUN)
+        assert command in NOT_RUN or elsewhere(command) or in_groups.count(command) == 1, (section, command)
+        if command not in NOT_RUN:
+            assert words_of(command)[1][2] in ("trainer.main", "trainer.launch", "trainer.configurables"), command
 
 
-def test_quickstart_and_every_mode_from_the_repository_root(root, tmp_path):
-    """Every command of the page from the repository's root, in the page's order; the reruns it
-    promises continue; the sidecar evaluates the run it names."""
-    fashion = tmp_path / "fashion"
-    fashion.mkdir()
-    _write_fashion_mnist(str(fashion))
-    ran = set()
-    for section, command in PAGE.commands:
-        if command in NOT_RUN or "--print_config" in command or "trainer.configurables" in command \
-                or "my.gin" in command:
-            continue  # the last three: test_the_examples_and_listings_from_another_directory
-        ran.add(command)
-        if section == "Quickstart":  # a fresh runs/<time>-<pid>, printed; run again with it, it continues
-            first = run(command, root, *bindings(*SHORT), install=root)
-            printed = re.search(r"^model_dir: (\S+)$", first.stdout, re.M).group(1)
-            assert os.path.dirname(printed) == os.path.join(root, "runs"), printed
-            assert_trained(printed, 40)
-            relative = os.path.relpath(printed, root)
-            again = run(f"{command} --model_dir={relative}", root, *bindings(*SHORT, LONGER), install=root)
-            assert_resumed(again, printed)
-            continue
-        model_dir = os.path.join(root, model_dir_of(command))
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("group", list(ROOT_GROUPS))
+def test_from_the_repository_root(root, tmp_path, group):
+    """The page's commands from the repository's root, in the page's order; the reruns it promises
+    continue; the sidecar evaluates the run it names."""
+    if group == "Quickstart":  # a fresh runs/<time>-<pid>, printed; run again with it, it continues
+        (command,) = ROOT_GROUPS[group]
+        first = run(command, root, *bindings(*SHORT), install=root)
+        printed = re.search(r"^model_dir: (\S+)$", first.stdout, re.M).group(1)
+        assert os.path.dirname(printed) == os.path.join(root, "runs"), printed
+        assert_trained(printed, 40)
+        relative = os.path.relpath(printed, root)
+        again = run(f"{command} --model_dir={relative}", root, *bindings(*SHORT, LONGER), install=root)
+        assert_resumed(again, printed)
+        return
+    model_dir = os.path.join(root, group)
+    for command in ROOT_GROUPS[group]:
         if "--mode=eval_continuous" in command:  # the sidecar of the finished run it names
             result = run(command, root, *bindings(*SHORT), install=root)
             evaluated = re.findall(r"^sidecar eval of ckpt-(\d+) at step \d+", result.stdout, re.M)
@@ -204,71 +221,77 @@ def test_quickstart_and_every_mode_from_the_repository_root(root, tmp_path):
             assert "reached train.total_steps 40; done" in result.stdout
             continue
         extra = SHORT
-        if "fashion_mnist" in command:
-            extra += (f"fashion_mnist.data_dir='{fashion}'", "fashion_mnist.validation_size=100")
+        if "fashion_mnist" in command:  # small files in the Fashion-MNIST layout
+            _write_fashion_mnist(str(tmp_path))
+            extra += (f"fashion_mnist.data_dir='{tmp_path}'", "fashion_mnist.validation_size=100")
         result = run(command, root, *bindings(*extra), install=root)
         assert "eval at step 40:" in result.stdout, result.stdout[-2000:]
         assert_trained(model_dir, 40)
-        if command == PAGE.table["one device"]:  # the issue's own case: run it again with more steps
+        if command == PAGE.table["one device"]:  # run it again with more steps: it continues
             assert_resumed(run(command, root, *bindings(*SHORT, LONGER), install=root), model_dir)
-    assert set(PAGE.table.values()) <= ran
-    expected = {os.path.basename(model_dir_of(c)) for c in PAGE.table.values()} | {os.path.basename(printed)}
-    assert sorted(os.listdir(os.path.join(root, "runs"))) == sorted(expected)
+    assert not os.path.exists(os.path.join(model_dir, "runs"))  # no runs/x/runs/x/...
 
 
-def test_the_examples_and_listings_from_another_directory(root, tmp_path):
-    """From a directory that is not the repository: the step and extension examples (their files
-    written from the page), the listings, and the one-device row with every reader of model_dir
-    that takes a path (resume, the sidecar, export, best checkpoints, warm start) on a relative
-    --model_dir."""
-    elsewhere = str(tmp_path)
+@pytest.mark.timeout(600)
+def test_the_step_and_extension_examples_from_another_directory(root, tmp_path):
+    """The step example where its files are written from the page ("anywhere on PYTHONPATH"), with
+    the extension example's gin lines appended: the step's bindings apply, and every 100 steps the
+    extension records the weights' norm."""
+    cwd = str(tmp_path)
     for name, text in PAGE.files.items():
-        with open(os.path.join(elsewhere, name), "w") as f:
+        with open(os.path.join(cwd, name), "w") as f:
             f.write(text)
-    # The step example, with the extension example's gin lines appended: every 100 steps its norm.
     (step_command,) = [c for _, c in PAGE.commands if "--gin_file=my.gin" in c]
     snippet = [line for block in PAGE.gin_snippets for line in block.splitlines() if line.strip()]
-    result = run(step_command, elsewhere, *bindings(*snippet, *SHORT, "train.total_steps=100"), install=root)
-    model_dir = os.path.join(elsewhere, model_dir_of(step_command))
+    run(step_command, cwd, *bindings(*snippet, *SHORT, "train.total_steps=100"), install=root)
+    model_dir = os.path.join(cwd, model_dir_of(step_command))
     assert_trained(model_dir, 100)
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
     assert [r["step"] for r in records if r["split"] == "weights" and r["norm"] > 0] == [100], records
     with open(os.path.join(model_dir, "operative_config.gin")) as f:
         assert "my_step.label_smoothing = 0.2" in f.read()
+    assert os.listdir(os.path.join(cwd, "runs")) == [os.path.basename(model_dir)]
 
-    # The listings: every gin name, and a config with the page's override example.
+
+def test_the_listings_from_another_directory(root, tmp_path):
+    """Every gin name, and a config shown with the page's override example."""
+    cwd = str(tmp_path)
     (listing,) = [c for _, c in PAGE.commands if "trainer.configurables" in c]
-    assert re.search(r"^cnn\(input_shape, num_classes", run(listing, elsewhere, install=root).stdout, re.M)
+    assert re.search(r"^cnn\(input_shape, num_classes", run(listing, cwd, install=root).stdout, re.M)
     (print_config,) = [c for _, c in PAGE.commands if "--print_config" in c]
     overrides = [w for fragment in PAGE.fragments for w in shlex.split(fragment)]
-    shown = run(print_config.replace("--gin_file=...", "--gin_file=gin/single.gin"), elsewhere, *overrides,
+    shown = run(print_config.replace("--gin_file=...", "--gin_file=gin/single.gin"), cwd, *overrides,
                 install=root).stdout
     assert re.search(r"train\.total_steps = 2000\b", shown) and "make_optimizer.name = 'sgd'" in shown, shown[-2000:]
+    assert os.listdir(cwd) == []  # nothing written
 
-    # The one-device row on its relative runs/single, here, with export and best checkpoints; run
-    # again by its absolute path (as the quickstart prints it), it continues; the sidecar by the
-    # absolute path; a warm start from the relative one. Both forms name one directory to every reader.
+
+@pytest.mark.timeout(600)
+def test_a_relative_and_an_absolute_model_dir_are_one_run_to_every_reader(root, tmp_path):
+    """The one-device row from another directory, on its relative runs/single with export and best
+    checkpoints; run again by its absolute path (as the quickstart prints it), it continues; the
+    sidecar by the absolute path; a warm start from the relative one."""
+    cwd = str(tmp_path)
     single = PAGE.table["one device"]
+    relative = model_dir_of(single)
     features = (*SHORT, "train.export_saved_model=True", "train.keep_best=1", "train.best_metric='accuracy'",
                 "train.best_mode='max'")
-    directory = os.path.join(elsewhere, model_dir_of(single))
-    absolute = single.replace(f"--model_dir={model_dir_of(single)}", f"--model_dir={directory}")
-    run(single, elsewhere, *bindings(*features), install=root)
+    directory = os.path.join(cwd, relative)
+    absolute = single.replace(f"--model_dir={relative}", f"--model_dir={directory}")
+    run(single, cwd, *bindings(*features), install=root)
     assert_trained(directory, 40)
-    assert_resumed(run(absolute, elsewhere, *bindings(*features, LONGER), install=root), directory)
+    assert_resumed(run(absolute, cwd, *bindings(*features, LONGER), install=root), directory)
     assert os.path.isdir(os.path.join(directory, "export", "60", "variables"))
     with open(os.path.join(directory, "best", "checkpoint")) as f:
         best = re.search(r'model_checkpoint_path: "([^"]+)"', f.read()).group(1)
     assert os.path.exists(os.path.join(directory, "best", os.path.basename(best) + ".index"))
-    sidecar = f"{absolute} --mode=eval_continuous"
-    result = run(sidecar, elsewhere, *bindings(*SHORT, LONGER), install=root)
+    result = run(f"{absolute} --mode=eval_continuous", cwd, *bindings(*SHORT, LONGER), install=root)
     assert re.findall(r"^sidecar eval of ckpt-(\d+)", result.stdout, re.M) == ["20", "40", "60"], result.stdout
-    warm = run(single.replace(f"--model_dir={model_dir_of(single)}", "--model_dir=runs/warm"), elsewhere,
-               *bindings(*SHORT, f"train.warm_start='{model_dir_of(single)}'", "train.total_steps=20"), install=root)
+    warm = run(single.replace(f"--model_dir={relative}", "--model_dir=runs/warm"), cwd,
+               *bindings(*SHORT, f"train.warm_start='{relative}'", "train.total_steps=20"), install=root)
     source = re.search(r"^warm start from (\S+): restored (\d+) of the model's \2 variables", warm.stdout, re.M)
-    assert source and os.path.samefile(os.path.join(elsewhere, source.group(1) + ".index"),
+    assert source and os.path.samefile(os.path.join(cwd, source.group(1) + ".index"),
                                        os.path.join(directory, "ckpt-60.index")), warm.stdout[-2000:]
-    assert_trained(os.path.join(elsewhere, "runs", "warm"), 20)
-    assert sorted(os.listdir(os.path.join(elsewhere, "runs"))) == sorted(
-        {os.path.basename(model_dir_of(step_command)), os.path.basename(model_dir_of(single)), "warm"})
+    assert_trained(os.path.join(cwd, "runs", "warm"), 20)
+    assert sorted(os.listdir(os.path.join(cwd, "runs"))) == sorted({os.path.basename(relative), "warm"})
     assert not os.path.exists(os.path.join(directory, "runs"))  # no runs/single/runs/single/...
