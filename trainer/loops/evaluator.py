@@ -5,7 +5,6 @@ returns none, the weight of the batch's real examples), and/or updates Keras met
 """
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Mapping
 
 import keras
@@ -14,18 +13,11 @@ import tensorflow as tf
 from trainer.errors import UserError
 from trainer.loops.totals import ReplicaTotals
 from trainer.safety import tracing
+from trainer.task import contract
 from trainer.task.user_code import call_user, placed
 
 StepFn = Callable[..., Mapping[str, tf.Tensor]]
 WEIGHT_KEY = "__weight__"  # the real examples of a batch, counted by the loop itself
-
-
-def declares(fn: Callable, name: str) -> bool:
-    """True if `fn` has a parameter called `name`."""
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def make_metrics(eval_metrics_fn: Callable | None) -> dict[str, keras.metrics.Metric] | None:
@@ -79,7 +71,8 @@ class Evaluator:
         self._dataset = dataset
         self._num_batches = num_batches
         self._metrics = dict(metrics or {})
-        takes_metrics = declares(eval_step_fn, "metrics")
+        eval_step_fn = contract.adapt(eval_step_fn, contract.EVAL_STEP)  # by name, else by position
+        takes_metrics = contract.takes(eval_step_fn, "metrics", contract.EVAL_STEP)
         if self._metrics and not takes_metrics:
             raise UserError(f"train.eval_metrics_fn gives metrics {sorted(self._metrics)} but train.eval_step_fn "
                             f"{getattr(eval_step_fn, '__name__', eval_step_fn)} takes no `metrics` parameter; "
