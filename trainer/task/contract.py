@@ -23,6 +23,10 @@ from typing import Callable
 
 from trainer.errors import UserError
 
+DENOMINATOR = "/denominator"
+"""An eval step's output `x` + DENOMINATOR is the sum the loop divides the sum `x` by, instead of
+`num_examples`: a weighted mean, such as the weighted accuracy sum(w * correct) / sum(w)."""
+
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
