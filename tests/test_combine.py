@@ -60,10 +60,17 @@ def test_diagnostics_read_the_same_on_one_and_two_replicas_and_under_parameter_s
     ps, _ = train_records(tmp_path, "ps", "--gin_file=gin/ps.gin", "--gin_bindings=local_cluster.num_workers = 1",
                           "--gin_bindings=train.steps_per_loop = 3", "--gin_bindings=train.log_every_steps = 3",
                           timeout=250)
-    for name, records in (("single, calls of one step", calls), ("mirrored", mirrored), ("parameter_server", ps)):
+    # two micro-batches per update: the max and min over them (a micro-batch's gradient norm is its own)
+    accumulated, _ = train_records(tmp_path, "accumulated", "--gin_file=gin/single.gin",
+                                   "--gin_bindings=train.grad_accum_steps = 2",
+                                   "--gin_bindings=train.steps_per_loop = 3", "--gin_bindings=train.log_every_steps = 3")
+    for name, records in (("single, calls of one step", calls), ("mirrored", mirrored), ("parameter_server", ps),
+                          ("accumulated", accumulated)):
         assert sorted(records) == [3, 6], (name, sorted(records))
         for step in (3, 6):
-            assert_close(records[step], expected[step], f"{name} at step {step}")
+            wanted = expected[step] if name != "accumulated" else \
+                {k: expected[step][k] for k in ("loss", "max_logit", "min_logit")}
+            assert_close(records[step], wanted, f"{name} at step {step}")
 
 
 @pytest.mark.timeout(200)
@@ -75,6 +82,36 @@ def test_an_undeclared_max_is_refused_by_the_guard_and_a_misnamed_declaration_is
     error = refused_run(tmp_path, "--gin_file=gin/single.gin", *COMMON, "--gin_bindings=train.step_fn = @misnamed_step")
     assert error.startswith("error: train.step_fn declares how output 'max_logits' combines, but returns no such "
                             "output (it returns loss, max_logit, min_logit, hidden_grad_norm, output_grad_norm)"), error
+
+
+def test_the_declaration_survives_gin_bindings_and_the_loop_s_adaptation():
+    """Decorated over gin's wrapper or under it, with bindings or without, the rule reaches the loop."""
+    import gin
+
+    from trainer.task import combine, contract
+    from trainer.tools import gin_functions
+
+    @trainer.combine(max_logit="max")
+    @gin.configurable("test_combine_outer_step")
+    def outer(model, optimizer, loss_weight, batch, global_batch_size):
+        return {}
+
+    @gin.configurable("test_combine_inner_step")
+    @trainer.combine(max_logit="min")
+    def inner(model, optimizer, batch, global_batch_size, scale=1.0):
+        return {}
+
+    gin.clear_config()
+    try:
+        gin.external_configurable(lambda **kw: kw, "test_combine_probe")
+        gin.parse_config("test_combine_outer_step.loss_weight = 0.5\ntest_combine_probe.a = @test_combine_outer_step\n"
+                         "test_combine_probe.b = @test_combine_inner_step")
+        refs = gin.get_bindings("test_combine_probe", resolve_references=False)
+        for ref, kind in ((refs["a"], "max"), (refs["b"], "min")):
+            plain = gin_functions.plain_function(ref, supplied=contract.STEP.names)
+            assert combine.rule_of(contract.adapt(plain, contract.STEP)) == {"max_logit": kind}
+    finally:
+        gin.clear_config()
 
 
 def test_an_unknown_kind_is_one_error_line():

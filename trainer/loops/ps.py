@@ -47,7 +47,7 @@ import tensorflow as tf
 from trainer import data
 from trainer.errors import RunFailure, UserError
 from trainer.loops.evaluator import Evaluator
-from trainer.loops.totals import over_steps, per_interval, reduce_outputs, repeated
+from trainer.loops.totals import reduce_outputs, repeated
 from trainer.safety import tracing
 from trainer.task import combine
 from trainer.task.structure import trainable_variables
@@ -144,7 +144,7 @@ class PSTrainLoop:
         def train_steps(iterator, num_steps):
             def one_step(totals):
                 outputs = reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)), rule=rule)
-                return over_steps(rule, totals, outputs)
+                return combine.over_steps(rule, totals, outputs)
 
             return repeated(one_step, num_steps)  # sums (or max/min) over the closure's steps
 
@@ -188,12 +188,12 @@ class PSTrainLoop:
                             raise
                         pending.append(n)
                         continue
-                    totals = over_steps(self.rule, totals, {k: float(v) for k, v in outputs.items()})
+                    totals = combine.over_steps(self.rule, totals, {k: float(v) for k, v in outputs.items()})
             self._global_step.assign_add(num_steps)
             self._step += num_steps
         except _LOST_TASK_ERRORS as error:
             raise lost_task_failure(error, f"in steps {step + 1}-{step + num_steps}") from error
-        return per_interval(self.rule, totals or {}, num_steps)
+        return combine.per_interval(self.rule, totals or {}, num_steps)
 
     def trace(self, step_name: str) -> tuple[str, ...]:
         """Traces the step alone on the coordinator, on a worker's batch spec, before anything is

@@ -62,30 +62,6 @@ def _across_replicas(strategy: tf.distribute.Strategy, value, kind: str) -> tf.T
     return extreme(tf.stack(strategy.experimental_local_results(value)), axis=0)  # all local (ps: this worker's)
 
 
-def over_steps(rule: Mapping[str, str], totals, outputs):
-    """`outputs` of one more step (or closure) added to `totals` (None at first): summed, or the
-    max/min kept for outputs so declared. Tensors or Python floats alike."""
-    if totals is None:
-        return dict(outputs)
-    merged = {}
-    for k, total in totals.items():
-        kind = rule.get(k, combine.SHARE)
-        if kind == combine.MAX:
-            merged[k] = tf.maximum(total, outputs[k]) if tf.is_tensor(total) else max(total, outputs[k])
-        elif kind == combine.MIN:
-            merged[k] = tf.minimum(total, outputs[k]) if tf.is_tensor(total) else min(total, outputs[k])
-        else:
-            merged[k] = total + outputs[k]
-    return merged
-
-
-def per_interval(rule: Mapping[str, str], totals: Mapping, num_steps) -> dict:
-    """The values a loop call reports from `over_steps` totals of `num_steps` steps: shares and
-    means averaged over the steps, max and min as they are."""
-    return {k: v if rule.get(k, combine.SHARE) in (combine.MAX, combine.MIN) else v / num_steps
-            for k, v in totals.items()}
-
-
 def repeated(step: Callable, num_steps: tf.Tensor):
     """The state after `num_steps` (>= 1) calls of `step` on it, `step(None)` the first.
 
@@ -187,7 +163,7 @@ class ReplicaTotals:
 
     def per_interval(self, state, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
         """What a train call reports: `sums` averaged over its `num_steps` steps, max and min as they are."""
-        return per_interval(self.rule, self.sums(state), tf.cast(num_steps, tf.float32))
+        return combine.per_interval(self.rule, self.sums(state), tf.cast(num_steps, tf.float32))
 
     def first_nonfinite(self, state, num_steps: tf.Tensor) -> tf.Tensor:
         """The 0-based index of the call's first step with a non-finite output on any replica (-1 if none)."""

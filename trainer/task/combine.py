@@ -83,3 +83,29 @@ def kinds(rule: Mapping[str, str], names: Iterable[str]) -> list[str]:
 def shares(rule: Mapping[str, str], outputs: Mapping) -> dict:
     """The outputs that are shares of a global-batch mean (what the guard compares)."""
     return {k: v for k, v in outputs.items() if rule.get(k, SHARE) == SHARE}
+
+
+def over_steps(rule: Mapping[str, str], totals, outputs):
+    """`outputs` of one more step (or closure) added to `totals` (None at first): summed, or the
+    max/min kept for outputs so declared. Tensors or Python floats alike."""
+    import tensorflow as tf  # here: `import trainer` (which offers `trainer.combine`) stays free of TensorFlow
+
+    if totals is None:
+        return dict(outputs)
+    merged = {}
+    for k, total in totals.items():
+        kind = rule.get(k, SHARE)
+        if kind == MAX:
+            merged[k] = tf.maximum(total, outputs[k]) if tf.is_tensor(total) else max(total, outputs[k])
+        elif kind == MIN:
+            merged[k] = tf.minimum(total, outputs[k]) if tf.is_tensor(total) else min(total, outputs[k])
+        else:
+            merged[k] = total + outputs[k]
+    return merged
+
+
+def per_interval(rule: Mapping[str, str], totals: Mapping, num_steps) -> dict:
+    """The values a loop call reports from `over_steps` totals of `num_steps` steps: shares and
+    means averaged over the steps, max and min as they are."""
+    return {k: v if rule.get(k, SHARE) in (MAX, MIN) else v / num_steps
+            for k, v in totals.items()}

@@ -50,9 +50,18 @@ def plain_function(reference: Any, *, supplied: Collection[str] = (), what: str 
                 and p.name not in denied and (not configurable.allowlist or p.name in configurable.allowlist)}
     with gin.config._OPERATIVE_CONFIG_LOCK:  # noqa: SLF001  (what gin's wrapper records when called)
         gin.config._OPERATIVE_CONFIG.setdefault((scope, configurable.selector), {}).update(defaults | raw)  # noqa: SLF001
-    if not kwargs:
+    attributes = _attributes(configurable.wrapper)  # e.g. a combine rule decorated over gin's wrapper
+    if not kwargs and all(getattr(fn, k, None) is v for k, v in attributes.items()):
         return fn
-    return with_bindings(fn, kwargs, signature)
+    bound = with_bindings(fn, kwargs, signature)
+    for key, value in attributes.items():
+        setattr(bound, key, value)
+    return bound
+
+
+def _attributes(fn: Callable) -> dict[str, Any]:
+    """The attributes a user set on a function (a `combine` rule), without Python's own."""
+    return {k: v for k, v in getattr(fn, "__dict__", {}).items() if not k.startswith("__")}
 
 
 def with_bindings(fn: Callable, bindings: dict[str, Any], signature: inspect.Signature | None = None) -> Callable:
@@ -77,4 +86,5 @@ def with_bindings(fn: Callable, bindings: dict[str, Any], signature: inspect.Sig
     bound.__name__, bound.__qualname__, bound.__module__ = fn.__name__, fn.__qualname__, fn.__module__
     bound.__doc__ = fn.__doc__
     bound.__signature__ = signature.replace(parameters=params)
+    bound.__dict__.update(_attributes(fn))
     return bound
