@@ -1,6 +1,7 @@
 """A step declares how each output combines across replicas and steps (trainer.combine): a max
 logit and the norms of the all-reduced gradient read the same on one device, on two mirrored
-replicas and under parameter_server, inside one compiled call of several steps and across calls,
+replicas, on two multi-worker processes and under parameter_server, inside one compiled call of
+several steps, across calls and over the micro-batches of gradient accumulation,
 and the loss-scaling guard checks only the shares. Undeclared, the same max is refused by the
 guard; a declaration of an output the step does not return is one error line."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import trainer
-from tests.support import read_jsonl, refused_run, run_main
+from tests.support import read_jsonl, refused_run, run_main, run_module, subprocess_env
 from trainer.errors import UserError
 
 pytestmark = pytest.mark.xdist_group("combine")
@@ -43,34 +44,59 @@ def assert_close(record: dict, expected: dict, what: str) -> None:
         assert abs(record[k] - v) <= 1e-5 * max(1.0, abs(v)), (what, k, record[k], v)
 
 
-@pytest.mark.timeout(400)
-def test_diagnostics_read_the_same_on_one_and_two_replicas_and_under_parameter_server(tmp_path):
-    per_step, _ = train_records(tmp_path, "single_per_step", "--gin_file=gin/single.gin",
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory) -> dict[int, dict[str, float]]:
+    """One device, one step per call and record: what the records of steps 1-3 and 4-6 must say."""
+    per_step, _ = train_records(tmp_path_factory.mktemp("combine"), "single_per_step", "--gin_file=gin/single.gin",
                                 "--gin_bindings=train.steps_per_loop = 1", "--gin_bindings=train.log_every_steps = 1")
     expected = {3: interval(per_step, range(1, 4)), 6: interval(per_step, range(4, 7))}
     assert expected[3]["max_logit"] != np.mean([per_step[s]["max_logit"] for s in (1, 2, 3)])  # the max differs
+    return expected
+
+
+def assert_records(records: dict[int, dict], expected: dict[int, dict], name: str, keys=KEYS) -> None:
+    assert sorted(records) == [3, 6], (name, sorted(records))
+    for step in (3, 6):
+        assert_close(records[step], {k: expected[step][k] for k in keys}, f"{name} at step {step}")
+
+
+PER_3 = ["--gin_bindings=train.steps_per_loop = 3", "--gin_bindings=train.log_every_steps = 3"]
+
+
+@pytest.mark.timeout(400)
+def test_diagnostics_read_the_same_on_one_and_two_replicas_and_over_calls_and_micro_batches(expected, tmp_path):
     # one device, one step per call: the progress hook combines three calls into one record
     calls, _ = train_records(tmp_path, "single_calls", "--gin_file=gin/single.gin",
                              "--gin_bindings=train.steps_per_loop = 1", "--gin_bindings=train.log_every_steps = 3")
+    assert_records(calls, expected, "single, calls of one step")
     # two replicas, three steps per compiled call: combined on device, across replicas and steps
-    mirrored, stdout = train_records(tmp_path, "mirrored", "--gin_file=gin/mirrored.gin",
-                                     "--gin_bindings=train.steps_per_loop = 3", "--gin_bindings=train.log_every_steps = 3")
+    mirrored, stdout = train_records(tmp_path, "mirrored", "--gin_file=gin/mirrored.gin", *PER_3)
     assert "loss-scaling check passed" in stdout, stdout[-2000:]
-    # parameter_server, one worker: closures of 2 and 1 steps combined on the coordinator
-    ps, _ = train_records(tmp_path, "ps", "--gin_file=gin/ps.gin", "--gin_bindings=local_cluster.num_workers = 1",
-                          "--gin_bindings=train.steps_per_loop = 3", "--gin_bindings=train.log_every_steps = 3",
-                          timeout=250)
+    assert_records(mirrored, expected, "mirrored")
     # two micro-batches per update: the max and min over them (a micro-batch's gradient norm is its own)
     accumulated, _ = train_records(tmp_path, "accumulated", "--gin_file=gin/single.gin",
-                                   "--gin_bindings=train.grad_accum_steps = 2",
-                                   "--gin_bindings=train.steps_per_loop = 3", "--gin_bindings=train.log_every_steps = 3")
-    for name, records in (("single, calls of one step", calls), ("mirrored", mirrored), ("parameter_server", ps),
-                          ("accumulated", accumulated)):
-        assert sorted(records) == [3, 6], (name, sorted(records))
-        for step in (3, 6):
-            wanted = expected[step] if name != "accumulated" else \
-                {k: expected[step][k] for k in ("loss", "max_logit", "min_logit")}
-            assert_close(records[step], wanted, f"{name} at step {step}")
+                                   "--gin_bindings=train.grad_accum_steps = 2", *PER_3)
+    assert_records(accumulated, expected, "accumulated", keys=("loss", "max_logit", "min_logit"))
+
+
+@pytest.mark.timeout(300)
+def test_diagnostics_read_the_same_under_parameter_server(expected, tmp_path):
+    # one worker: closures of 2 and 1 steps, combined on the coordinator
+    ps, _ = train_records(tmp_path, "ps", "--gin_file=gin/ps.gin", "--gin_bindings=local_cluster.num_workers = 1",
+                          *PER_3, timeout=250)
+    assert_records(ps, expected, "parameter_server")
+
+
+@pytest.mark.timeout(300)
+def test_diagnostics_read_the_same_on_two_multi_worker_processes(expected, tmp_path):
+    # max and min of the other process's replica: gathered across processes
+    model_dir = str(tmp_path / "mwms")
+    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", *COMMON, *PER_3,
+                      f"--model_dir={model_dir}", timeout=250, env=subprocess_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on 2 replica(s) (2 worker(s))" in proc.stdout
+    records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
+    assert_records({r["step"]: r for r in records if r["split"] == "train"}, expected, "multi_worker_mirrored")
 
 
 @pytest.mark.timeout(200)
