@@ -68,6 +68,14 @@ def middle_step(model, optimizer, loss_weight, batch, global_batch_size):
     return {"optimizer": optimizer, "loss_weight": loss_weight, "batch": batch, "global_batch_size": global_batch_size}
 
 
+def sharded_source(path, split, input_context=None):
+    return path, split, input_context
+
+
+def positional_step(*args):
+    return args
+
+
 def renamed_eval_step(m, b, training=False):
     return {"m": m, "b": b, "training": training}
 
@@ -99,6 +107,13 @@ def test_a_bound_parameter_reaches_the_function_whatever_its_position(config):
     optimizer = gin_functions.plain_function(refs["optimizer_fn"])
     assert task_lib.call_with_declared(optimizer, {"global_batch_size": 64, "total_steps": 100}, what="x") == \
         {"global_batch_size": 64, "total_steps": 7, "name": "sgd"}
+    # an input function whose bound first parameter a positional `split` would fill
+    source = contract.adapt(gin_functions.with_bindings(sharded_source, {"path": "/data"}), contract.INPUT)
+    assert contract.takes(source, "input_context", contract.INPUT)
+    assert source("train") == ("/data", "train", None)
+    assert source("train", input_context="context") == ("/data", "train", "context")
+    # a step that takes the values as *args is called positionally, as it asks
+    assert contract.adapt(positional_step, contract.STEP) is positional_step
     # without gin: a renamed eval step gets model and batch by position, `metrics` only by its name
     renamed = contract.adapt(renamed_eval_step, contract.EVAL_STEP)
     assert renamed is renamed_eval_step and not contract.takes(renamed, "metrics", contract.EVAL_STEP)
@@ -132,7 +147,8 @@ def test_bound_input_step_and_eval_step_parameters_reach_a_run(tmp_path):
                     "--gin_bindings=train.model_fn = @mlp", "--gin_bindings=mlp.num_classes = 10",
                     "--gin_bindings=train.step_fn = @weighted_loss_step",
                     "--gin_bindings=weighted_loss_step.loss_weight = 0.25",
-                    "--gin_bindings=train.eval_step_fn = @mode_eval_step", "--gin_bindings=mode_eval_step.training = True",
+                    "--gin_bindings=train.eval_step_fn = @mode_eval_step",
+                    "--gin_bindings=mode_eval_step.training = True",
                     "--gin_bindings=train.total_steps = 4", "--gin_bindings=train.log_every_steps = 2",
                     "--gin_bindings=train.eval_every_steps = 4", f"--model_dir={tmp_path}", timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]

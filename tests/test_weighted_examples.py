@@ -29,8 +29,8 @@ model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
 keras_loss, keras_accuracy = model.evaluate(x, y, sample_weight=w, batch_size=64, verbose=0)
 gb, count = 64, len(y)
 ours = {}
-for name, strategy in (("one", tf.distribute.get_strategy()),
-                       ("two", tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")]))):
+mirrored = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+for name, strategy in (("one", tf.distribute.get_strategy()), ("two", mirrored)):
     dataset = data.distribute_eval(strategy, inp, gb, split="eval")
     ours[name] = Evaluator(strategy, model, steps.classification_eval_step, dataset, -(-count // gb)).evaluate()
 print(json.dumps({"keras": [keras_loss, keras_accuracy], "ours": ours, "count": count,

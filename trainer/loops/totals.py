@@ -134,8 +134,8 @@ class ReplicaTotals:
         if all(kind in (combine.SHARE, combine.MEAN) for kind in kinds):
             totals = totals + outputs
         else:  # max/min over the call's steps, the others summed
-            totals = tf.where([k == combine.MAX for k in kinds], tf.maximum(totals, outputs),
-                              tf.where([k == combine.MIN for k in kinds], tf.minimum(totals, outputs), totals + outputs))
+            smallest = tf.where([k == combine.MIN for k in kinds], tf.minimum(totals, outputs), totals + outputs)
+            totals = tf.where([k == combine.MAX for k in kinds], tf.maximum(totals, outputs), smallest)
         return totals, finite_steps + self._finite(totals)
 
     def _finite(self, totals: tf.Tensor) -> tf.Tensor:

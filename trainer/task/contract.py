@@ -108,6 +108,10 @@ def adapt(fn: Callable, contract: Contract) -> Callable:
     if found is None:
         return fn
     signature = _signature(fn)
+    params = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()) and \
+            not any(n in params for n in contract.positional):
+        return fn  # `(*args, ...)` naming none of the values: it takes them by position, as it says
     order = [*contract.positional, *(n for n in contract.by_name if n in found)]
     positional = [p.name for p in signature.parameters.values() if p.kind in _POSITIONAL]
     if all(found.get(name) == (positional[i] if i < len(positional) else None) for i, name in enumerate(order)):
@@ -119,9 +123,10 @@ def adapt(fn: Callable, contract: Contract) -> Callable:
         raise UserError(f"{contract.what} {_name(fn)} takes positional-only parameters "
                         f"{only_positional} that the loop cannot fill by name; make them ordinary parameters")
 
-    def adapted(*values):
-        given = dict(zip(order, values))
-        return fn(*(given[n] for n in by_position), **{target: given[n] for n, target in keywords.items()})
+    def adapted(*values, **named):
+        given = dict(zip(order, values)) | named
+        return fn(*(given[n] for n in by_position),
+                  **{target: given[n] for n, target in keywords.items() if n in given})
 
     adapted.__name__ = _name(fn)
     adapted.__qualname__ = getattr(fn, "__qualname__", adapted.__name__)
