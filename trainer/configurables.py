@@ -29,13 +29,16 @@ from trainer.loops import options as loop_options  # noqa: E402
 from trainer.loops import sidecar  # noqa: E402
 from trainer.run import settings as settings_lib  # noqa: E402
 from trainer.run import train as train_lib  # noqa: E402
-from trainer.task import models, optimizers, steps  # noqa: E402
+from trainer.task import contract, models, optimizers, steps  # noqa: E402
 from trainer.tools import gin_config, gin_functions  # noqa: E402
 from trainer.tools.parity import config as parity_config  # noqa: E402
 
-# The train parameters that hold functions the loop calls, and how many arguments it passes
-# them positionally (their gin bindings of those parameters are dropped, as gin drops them).
-FUNCTIONS = {"step_fn": 4, "eval_step_fn": 3, "model_fn": 0, "optimizer_fn": 0, "eval_metrics_fn": 0}
+# The train parameters that hold functions the loop calls, and the values the loop passes them
+# itself (trainer/task/contract.py): a gin binding of one of those is refused, every other
+# binding reaches the function whatever its position. model_fn and optimizer_fn get what they
+# declare of the loop's offers (input_shape, total_steps, ...), and a binding wins over the offer.
+FUNCTIONS = {"step_fn": contract.STEP, "eval_step_fn": contract.EVAL_STEP, "input_fn": contract.INPUT,
+             "data_source": contract.INPUT, "model_fn": None, "optimizer_fn": None, "eval_metrics_fn": None}
 
 
 def resolve_functions(arguments: dict) -> dict:
@@ -43,11 +46,12 @@ def resolve_functions(arguments: dict) -> dict:
     function with its own bindings applied once (trainer/tools/gin_functions.py)."""
     raw = gin.get_bindings("train", resolve_references=False)
     resolved = dict(arguments)
-    for name, positional in FUNCTIONS.items():
+    for name, supplied in FUNCTIONS.items():
         reference = raw.get(name)
         if isinstance(reference, gin.config.ConfigurableReference) and \
                 arguments.get(name) is reference.scoped_configurable_fn:
-            resolved[name] = gin_functions.plain_function(reference, positional=positional) or arguments[name]
+            resolved[name] = gin_functions.plain_function(
+                reference, supplied=supplied.names if supplied else (), what=f"train.{name}") or arguments[name]
     return resolved
 
 

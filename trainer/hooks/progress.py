@@ -15,6 +15,7 @@ import keras
 
 from trainer.hooks.base import Hook, Run
 from trainer.hooks.live_bar import LiveBar, is_terminal
+from trainer.task import combine
 from trainer.validation import check_bool, check_number
 
 
@@ -62,7 +63,8 @@ class ProgressLogger(Hook):
         self.every_steps = every_steps
         self.live, self.refresh_secs, self.all_workers = live, refresh_secs, all_workers
         self._stream = stream
-        self._sums: dict[str, float] = {}
+        self._sums: dict[str, float] = {}  # step-weighted sums; declared max/min outputs: their max/min
+        self._extremes: set[str] = set()
         self._count = 0
         self._last_step = 0
         self._last_train_seconds = 0.0
@@ -101,12 +103,21 @@ class ProgressLogger(Hook):
     def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
         steps = step - self._last_step - self._count
         self._count += steps
+        extremes = {k: kind for k, kind in getattr(run.loop, "rule", {}).items() if kind in (combine.MAX, combine.MIN)}
         for k, v in metrics.items():
-            self._sums[k] = self._sums.get(k, 0.0) + v * steps
+            if k in extremes:  # declared max/min: over the whole interval (trainer/task/combine.py)
+                pick = max if extremes[k] == combine.MAX else min
+                self._sums[k] = pick(self._sums[k], v) if k in self._sums else v
+            else:
+                self._sums[k] = self._sums.get(k, 0.0) + v * steps
+        self._extremes = set(extremes)
         if self._bar is not None:
             self._update_bar(run, step)
         if self.at_boundary(step) or step >= run.total_steps:
             self._flush(run, step)
+
+    def _means(self) -> dict[str, float]:
+        return {k: v if k in self._extremes else v / self._count for k, v in self._sums.items()}
 
     def _update_bar(self, run: Run, step: int) -> None:
         now = time.monotonic()
@@ -127,7 +138,7 @@ class ProgressLogger(Hook):
             eta = (run.total_steps - step) * (now - paced_time) / (step - paced_step)
         else:
             eta = _eta_secs(run, step)
-        means = {k: v / self._count for k, v in self._sums.items()} if self._count else {}
+        means = self._means() if self._count else {}
         line = self._bar.render(step, run.total_steps, means, steps_per_sec=self._rate,
                                 eta=format_duration(eta))
         self._bar.draw(line)
@@ -136,7 +147,7 @@ class ProgressLogger(Hook):
     def _flush(self, run: Run, step: int) -> None:
         if not self._count:
             return
-        means = {k: v / self._count for k, v in self._sums.items()}
+        means = self._means()
         seconds = max(run.train_seconds - self._last_train_seconds, 1e-9)
         steps_per_sec = self._count / seconds
         record = means | learning_rates(run.optimizer) | {

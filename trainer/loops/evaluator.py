@@ -5,7 +5,6 @@ returns none, the weight of the batch's real examples), and/or updates Keras met
 """
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Mapping
 
 import keras
@@ -14,18 +13,11 @@ import tensorflow as tf
 from trainer.errors import UserError
 from trainer.loops.totals import ReplicaTotals
 from trainer.safety import tracing
+from trainer.task import contract
 from trainer.task.user_code import call_user, placed
 
 StepFn = Callable[..., Mapping[str, tf.Tensor]]
 WEIGHT_KEY = "__weight__"  # the real examples of a batch, counted by the loop itself
-
-
-def declares(fn: Callable, name: str) -> bool:
-    """True if `fn` has a parameter called `name`."""
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def make_metrics(eval_metrics_fn: Callable | None) -> dict[str, keras.metrics.Metric] | None:
@@ -61,7 +53,8 @@ class Evaluator:
     """One pass over an eval split, every example once.
 
     The eval step returns per-replica SUMS (divided here by `num_examples`, its own or, if it
-    returns none, the weight of the batch's real examples), and/or updates the Keras metric
+    returns none, the weight of the batch's real examples; an output `x` by the output
+    `x/denominator` where the step returns one), and/or updates the Keras metric
     objects it gets as `metrics` (if it declares that parameter): they are reset before the
     pass, updated in replica context, and read once after it.
     """
@@ -79,7 +72,8 @@ class Evaluator:
         self._dataset = dataset
         self._num_batches = num_batches
         self._metrics = dict(metrics or {})
-        takes_metrics = declares(eval_step_fn, "metrics")
+        eval_step_fn = contract.adapt(eval_step_fn, contract.EVAL_STEP)  # by name, else by position
+        takes_metrics = contract.takes(eval_step_fn, "metrics", contract.EVAL_STEP)
         if self._metrics and not takes_metrics:
             raise UserError(f"train.eval_metrics_fn gives metrics {sorted(self._metrics)} but train.eval_step_fn "
                             f"{getattr(eval_step_fn, '__name__', eval_step_fn)} takes no `metrics` parameter; "
@@ -110,11 +104,17 @@ class Evaluator:
         concrete = tracing.traced("train.eval_step_fn", self._step_name, lambda: self._eval_batches.get_concrete_function(
             iter(self._dataset), tf.TensorSpec([], tf.int32)))
         self._check_keys(concrete.structured_outputs)
-        sums = [k for k in concrete.structured_outputs if k not in (WEIGHT_KEY, "num_examples")]
+        sums = [k for k in concrete.structured_outputs
+                if k not in (WEIGHT_KEY, "num_examples") and not k.endswith(contract.DENOMINATOR)]
         return (*sums, *metric_results(self._metrics))
 
     def _check_keys(self, outputs: Mapping) -> None:
         keys = set(outputs) - {WEIGHT_KEY}
+        for key in sorted(keys):
+            if key.endswith(contract.DENOMINATOR) and key.removesuffix(contract.DENOMINATOR) not in keys:
+                raise UserError(f"train.eval_step_fn {self._step_name} returns {key!r} but no "
+                                f"{key.removesuffix(contract.DENOMINATOR)!r}; '<name>{contract.DENOMINATOR}' is "
+                                "what the loop divides the sum '<name>' by: return both, or rename it")
         if keys and "num_examples" not in keys:
             raise UserError(f"train.eval_step_fn {self._step_name} returns {sorted(keys)} but no 'num_examples'; "
                             "return per-replica sums and 'num_examples' (the sum of the batch weights), so the loop "
@@ -129,5 +129,7 @@ class Evaluator:
         totals = {k: float(v) for k, v in totals.items()}
         weight = totals.pop(WEIGHT_KEY)
         count = totals.pop("num_examples", weight)
-        means = {k: v / count for k, v in totals.items()} if count else dict(totals)
+        denominators = {k.removesuffix(contract.DENOMINATOR): totals.pop(k) for k in list(totals)
+                        if k.endswith(contract.DENOMINATOR)}
+        means = {k: v / d if (d := denominators.get(k, count)) else v for k, v in totals.items()}
         return means | metric_results(self._metrics) | {"num_examples": count}

@@ -49,6 +49,7 @@ from trainer.errors import RunFailure, UserError
 from trainer.loops.evaluator import Evaluator
 from trainer.loops.totals import reduce_outputs, repeated
 from trainer.safety import tracing
+from trainer.task import combine
 from trainer.task.structure import trainable_variables
 from trainer.task.user_code import call_step
 from trainer.update.recorder import GradientRecorder
@@ -138,12 +139,14 @@ class PSTrainLoop:
             global_batch_size
         self._batch_spec = batch_spec
 
+        self.rule = rule = combine.rule_of(step_fn)  # how each output combines (trainer/task/combine.py)
+
         def train_steps(iterator, num_steps):
             def one_step(totals):
-                outputs = reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)))
-                return outputs if totals is None else {k: totals[k] + outputs[k] for k in totals}
+                outputs = reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)), rule=rule)
+                return combine.over_steps(rule, totals, outputs)
 
-            return repeated(one_step, num_steps)  # sums over the closure's steps
+            return repeated(one_step, num_steps)  # sums (or max/min) over the closure's steps
 
         # Plain TF ops: no AutoGraph but for the user's step (trainer/task/user_code.py).
         self._train_steps = tf.function(train_steps, autograph=False)
@@ -158,7 +161,7 @@ class PSTrainLoop:
         """
         step = self._step
         pending = split_steps(num_steps, self._steps_per_closure)
-        totals: dict[str, float] = {}
+        totals: dict[str, float] | None = None
         rescheduled = 0
         try:
             while pending:
@@ -185,13 +188,12 @@ class PSTrainLoop:
                             raise
                         pending.append(n)
                         continue
-                    for k, v in outputs.items():
-                        totals[k] = totals.get(k, 0.0) + float(v)
+                    totals = combine.over_steps(self.rule, totals, {k: float(v) for k, v in outputs.items()})
             self._global_step.assign_add(num_steps)
             self._step += num_steps
         except _LOST_TASK_ERRORS as error:
             raise lost_task_failure(error, f"in steps {step + 1}-{step + num_steps}") from error
-        return {k: v / num_steps for k, v in totals.items()}
+        return combine.per_interval(self.rule, totals or {}, num_steps)
 
     def trace(self, step_name: str) -> tuple[str, ...]:
         """Traces the step alone on the coordinator, on a worker's batch spec, before anything is
@@ -205,7 +207,7 @@ class PSTrainLoop:
 
         def traced_step(batch):
             outputs = call_step(self._step_fn, self._model, stand_ins, batch, self._global_batch_size)
-            return reduce_outputs(tf.distribute.get_strategy(), outputs)
+            return reduce_outputs(tf.distribute.get_strategy(), outputs, rule=self.rule)
 
         with tracing.cross_replica_calls() as calls:
             concrete = tracing.traced("train.step_fn", step_name, lambda: tf.function(

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from trainer.loops.totals import ReplicaTotals
 from trainer.safety import tracing
+from trainer.task import combine
 from trainer.update import xla
 
 StepFn = Callable[..., Mapping[str, tf.Tensor]]
@@ -42,13 +43,13 @@ class TrainLoop:
         replica_step = xla.replica_step(strategy, step_fn, model, optimizer, global_batch_size,
                                         jit_compile=jit_compile)
 
-        totals = self._totals = ReplicaTotals(strategy, replica_step, "train.step_fn")
+        totals = self._totals = ReplicaTotals(strategy, replica_step, "train.step_fn", rule=combine.rule_of(step_fn))
+        self.rule = totals.rule  # how each output combines over steps (the progress hook combines calls alike)
 
         def train_steps(iterator, num_steps):
             state = totals.accumulate(num_steps, lambda: next(iterator), after_step=after_update)
             global_step.assign_add(tf.cast(num_steps, global_step.dtype))
-            means = {k: v / tf.cast(num_steps, tf.float32) for k, v in totals.sums(state).items()}
-            return means, totals.first_nonfinite(state, num_steps)
+            return totals.per_interval(state, num_steps), totals.first_nonfinite(state, num_steps)
 
         # Plain TF ops throughout: no AutoGraph (see trainer/task/user_code.py; the step is converted).
         self._train_steps = tf.function(train_steps, autograph=False)

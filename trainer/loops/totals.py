@@ -1,5 +1,6 @@
 """A call's worth of steps on every replica: the step outputs checked, summed on each replica,
-and reduced with SUM across replicas once per call (docs/design.md, rule 3).
+and reduced with SUM across replicas once per call (docs/design.md, rule 3); an output the step
+declares a "mean", "max" or "min" (trainer/task/combine.py) is combined that way instead.
 
 Shared by the train loop, the eval pass and the bench's bare loop, so that all of them run
 their steps the same way: a graph while loop whose count is a tensor (a new count never
@@ -11,7 +12,9 @@ from typing import Any, Callable, Mapping
 
 import tensorflow as tf
 
+from trainer.distribution import modes
 from trainer.errors import UserError
+from trainer.task import combine
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -30,13 +33,33 @@ def check_outputs(outputs, what: str = "train.step_fn") -> Mapping[str, tf.Tenso
     return outputs
 
 
-def reduce_outputs(strategy: tf.distribute.Strategy, outputs, what: str = "train.step_fn") -> dict[str, tf.Tensor]:
-    """SUM across replicas of a step's `{name: scalar}` outputs (refused in one line otherwise)."""
+def reduce_outputs(strategy: tf.distribute.Strategy, outputs, what: str = "train.step_fn",
+                   rule: Mapping[str, str] | None = None) -> dict[str, tf.Tensor]:
+    """A step's `{name: scalar}` outputs across replicas: SUM, or as `rule` declares (refused in one
+    line if not a dict of scalars)."""
     if isinstance(outputs, Mapping):
         check_outputs({k: strategy.experimental_local_results(v)[0] for k, v in outputs.items()}, what)
     else:
         check_outputs(outputs, what)
-    return {k: tf.cast(strategy.reduce(SUM, v, axis=None), tf.float32) for k, v in outputs.items()}
+    rule = rule or {}
+    combine.check_names(rule, outputs, what)
+    return {k: _across_replicas(strategy, tf.cast(v, tf.float32), rule.get(k, combine.SHARE))
+            for k, v in outputs.items()}
+
+
+def _across_replicas(strategy: tf.distribute.Strategy, value, kind: str) -> tf.Tensor:
+    """A per-replica value (any shape) combined across replicas as `kind` says, in cross-replica context."""
+    if kind == combine.SHARE:
+        return strategy.reduce(SUM, value, axis=None)
+    if kind == combine.MEAN:
+        return strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+    extreme = tf.reduce_max if kind == combine.MAX else tf.reduce_min
+    mode = modes.of(strategy)
+    if mode.multi_worker and mode.synchronous:  # other processes' replicas: gather them (no MAX reduce op)
+        shape = strategy.experimental_local_results(value)[0].shape
+        rows = strategy.gather(strategy.run(lambda t: tf.reshape(t, [1, -1]), args=(value,)), axis=0)
+        return tf.reshape(extreme(rows, axis=0), shape)
+    return extreme(tf.stack(strategy.experimental_local_results(value)), axis=0)  # all local (ps: this worker's)
 
 
 def repeated(step: Callable, num_steps: tf.Tensor):
@@ -68,16 +91,18 @@ class ReplicaTotals:
     """
 
     def __init__(self, strategy: tf.distribute.Strategy, replica_fn: Callable, what: str, *,
-                 count_finite: bool = True):
+                 count_finite: bool = True, rule: Mapping[str, str] | None = None):
         self._strategy = strategy
         self._replica_fn = replica_fn
         self._what = what
         self._count_finite = count_finite
+        self.rule = dict(rule or {})  # output name -> "mean" | "max" | "min" (trainer/task/combine.py)
         self.names: list[str] = []  # the step's output keys, in its order, known once traced
 
     def _vector(self, batch) -> tf.Tensor:
         outputs = check_outputs(self._replica_fn(batch), self._what)
         self.names = list(outputs)
+        combine.check_names(self.rule, self.names, self._what)
         if not outputs:
             return tf.zeros([0], tf.float32)
         return tf.stack([tf.cast(outputs[k], tf.float32) for k in self.names])
@@ -104,7 +129,13 @@ class ReplicaTotals:
         return totals, self._finite(totals)
 
     def _add(self, totals, finite_steps, batch):
-        totals = totals + self._vector(batch)
+        outputs = self._vector(batch)
+        kinds = combine.kinds(self.rule, self.names)
+        if all(kind in (combine.SHARE, combine.MEAN) for kind in kinds):
+            totals = totals + outputs
+        else:  # max/min over the call's steps, the others summed
+            smallest = tf.where([k == combine.MIN for k in kinds], tf.minimum(totals, outputs), totals + outputs)
+            totals = tf.where([k == combine.MAX for k in kinds], tf.maximum(totals, outputs), smallest)
         return totals, finite_steps + self._finite(totals)
 
     def _finite(self, totals: tf.Tensor) -> tf.Tensor:
@@ -113,9 +144,26 @@ class ReplicaTotals:
         return tf.cast(tf.reduce_all(tf.math.is_finite(totals)), tf.int32)
 
     def sums(self, state) -> dict[str, tf.Tensor]:
-        """Each output's sum over the call's steps and the replicas (one reduce)."""
+        """Each output's sum over the call's steps and the replicas (one reduce; one more per kind
+        of max and min, of those outputs only), or its mean over replicas, max or min, as declared."""
+        kinds = combine.kinds(self.rule, self.names)
         sums = self._strategy.reduce(SUM, state[0], axis=None)
-        return {name: sums[i] for i, name in enumerate(self.names)}
+        combined = {name: sums[i] for i, name in enumerate(self.names)}
+        replicas = self._strategy.num_replicas_in_sync
+        for i, (name, kind) in enumerate(zip(self.names, kinds)):
+            if kind == combine.MEAN:
+                combined[name] = sums[i] / replicas
+        for extreme in (combine.MAX, combine.MIN):
+            where = [i for i, kind in enumerate(kinds) if kind == extreme]
+            if where:
+                values = _across_replicas(self._strategy, self._strategy.run(
+                    lambda totals: tf.gather(totals, where), args=(state[0],)), extreme)
+                combined.update({self.names[i]: values[j] for j, i in enumerate(where)})
+        return combined
+
+    def per_interval(self, state, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
+        """What a train call reports: `sums` averaged over its `num_steps` steps, max and min as they are."""
+        return combine.per_interval(self.rule, self.sums(state), tf.cast(num_steps, tf.float32))
 
     def first_nonfinite(self, state, num_steps: tf.Tensor) -> tf.Tensor:
         """The 0-based index of the call's first step with a non-finite output on any replica (-1 if none)."""

@@ -22,7 +22,7 @@ from trainer.errors import UserError
 from trainer.extensions.protocol import Extension
 from trainer.hooks.base import Hook
 from trainer.loops.options import LoopOptions, ParameterServerConfig
-from trainer.task import models, optimizers, steps
+from trainer.task import contract, models, optimizers, steps
 from trainer.validation import check_bool, check_callable, check_int
 
 ASYNC_REASON = "asynchronous closures on remote workers"
@@ -108,6 +108,8 @@ class Settings:
         for name in ("step_fn", "eval_step_fn", "model_fn", "optimizer_fn", "eval_metrics_fn"):
             check_callable(f"train.{name}", getattr(self, name), what="a function (bind it as @name, without "
                            "parentheses)", optional=name == "eval_metrics_fn")
+        for name, rule in (("step_fn", contract.STEP), ("eval_step_fn", contract.EVAL_STEP)):
+            object.__setattr__(self, name, contract.adapt(getattr(self, name), rule))  # by name, else position
         _check_items("train.hooks", self.hooks, Hook, "hooks (instances of trainer.hooks.Hook, bound as @my_hook())")
         _check_items("train.extensions", self.extensions, Extension,
                      "extensions (instances of trainer.extensions.Extension, bound as @my_extension())")
@@ -163,7 +165,7 @@ class Settings:
         fn = fn if fn is not None else data.Digits()
         if not callable(fn):
             raise UserError(f"train.input_fn must be a function fn(split) -> tf.data.Dataset, got {fn!r}")
-        return fn
+        return contract.adapt(fn, contract.INPUT)
 
     @functools.cached_property
     def eval_split_names(self) -> tuple[str, ...]:

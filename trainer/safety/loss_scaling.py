@@ -24,6 +24,10 @@ The probe is a rescaled copy of that comparison, exact, cheap and free of side e
 - Every local copy of every model and optimizer variable (seed-generator states, moving
   statistics, `optimizer.iterations`) is saved first and written back after each probe.
 
+Only the outputs the step declares shares (the default; trainer/task/combine.py) are compared:
+a diagnostic declared "mean", "max" or "min" is no share of a global-batch mean, and its sum over
+replicas means nothing. The gradients are compared whatever the step declares.
+
 A step that hard-codes the global batch size instead of using its `global_batch_size`
 argument is reported too (as a per-replica mean): it breaks when the batch size changes.
 
@@ -49,6 +53,7 @@ from trainer.distribution import modes
 from trainer.errors import UserError
 from trainer.extensions.protocol import Extension, Outputs, Setup
 from trainer.safety.scaling_findings import EXACT_RTOL, LOW_PRECISION_RTOL, SKIP_HINT, compare, message
+from trainer.task import combine
 from trainer.task.structure import all_variables, flat
 from trainer.task.user_code import call_step
 from trainer.update.recorder import GradientRecorder
@@ -84,10 +89,12 @@ def check_loss_scaling(
               for i in range(replicas)]
     saved = _Snapshot(strategy, [*all_variables(model), *all_variables(optimizer)])
 
+    rule = combine.rule_of(step_fn)  # only the outputs that are shares are compared (trainer/task/combine.py)
+
     def probe(batch, batch_size):
         catchers = ({k: GradientRecorder(o, once=False) for k, o in optimizer.items()}
                     if isinstance(optimizer, Mapping) else GradientRecorder(optimizer, once=False))
-        outputs = call_step(step_fn, model, catchers, batch, batch_size)
+        outputs = combine.shares(rule, call_step(step_fn, model, catchers, batch, batch_size))
         return {k: tf.cast(v, tf.float32) for k, v in outputs.items()}, [g for c in flat(catchers) for g in c.gradients]
 
     full_precision = all(getattr(m, "compute_dtype", "float32") in ("float32", "float64") for m in flat(model))

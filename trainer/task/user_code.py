@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from trainer.task import contract
+
 
 def _call(fn: Callable, *args, **kwargs) -> Any:
     return fn(*args, **kwargs)
@@ -50,5 +52,6 @@ def placed(batch: Any) -> Any:
 
 
 def call_step(step_fn: Callable, model: Any, optimizer: Any, batch: Any, global_batch_size: int) -> Any:
-    """The user's train step on `batch` (`placed`), in replica context, through `call_user`."""
-    return call_user(step_fn, model, optimizer, placed(batch), global_batch_size)
+    """The user's train step on `batch` (`placed`), in replica context, through `call_user`; each
+    value goes to the parameter of its name, else of its position (trainer/task/contract.py)."""
+    return call_user(contract.adapt(step_fn, contract.STEP), model, optimizer, placed(batch), global_batch_size)

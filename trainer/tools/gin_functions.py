@@ -7,23 +7,27 @@ gin's registry and operative config (no public API does), so it lives beside gin
 """
 from __future__ import annotations
 
-import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import gin
 
+from trainer.errors import UserError
 
-def plain_function(reference: Any, *, positional: int) -> Callable | None:
+
+def plain_function(reference: Any, *, supplied: Collection[str] = (), what: str = "") -> Callable | None:
     """The function a gin reference `@name` (or `@scope/name`, not called) stands for, with the
     bindings gin would give it applied once, instead of gin's wrapper looking them up at every
     call (and AutoGraph converting that wrapper and gin's lookup code into every traced step).
 
     Gin's semantics are kept: the bindings of the reference's scope and its parents, references
-    in them evaluated; a parameter the caller passes wins (the first `positional` parameters are
-    passed positionally by the loop, so their bindings are dropped, as gin drops them); the
-    values used are logged in the operative config, as gin's wrapper logs them when called.
-    None when `reference` is not such a reference to a plain function.
+    in them evaluated; the values used are logged in the operative config, as gin's wrapper logs
+    them when called. Every binding reaches the function, whatever the parameter's position: the
+    function returned hides the bound parameters from its signature (so the loop, which passes
+    what a function declares, leaves them alone: trainer/task/contract.py) and its bindings win
+    over anything a caller passes under their names. A binding of one of `supplied`, the values
+    the loop itself passes (a step's `global_batch_size`), is ambiguous and refused in one line
+    naming `what`. None when `reference` is not such a reference to a plain function.
     """
     if not isinstance(reference, gin.config.ConfigurableReference) or reference.evaluate:
         return None
@@ -33,17 +37,54 @@ def plain_function(reference: Any, *, positional: int) -> Callable | None:
         return None
     scope = "/".join(reference.scopes)
     scoped_selector = "/".join([*reference.scopes, configurable.selector])
-    params = list(inspect.signature(fn).parameters.values())
-    passed = {p.name for p in params[:positional] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    kwargs = {k: v for k, v in gin.get_bindings(scoped_selector).items() if k not in passed}
-    raw = {k: v for k, v in gin.get_bindings(scoped_selector, resolve_references=False).items() if k not in passed}
-    denied = set(configurable.denylist or ()) | passed
-    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty and p.name not in denied
-                and (not configurable.allowlist or p.name in configurable.allowlist)}
+    signature = inspect.signature(fn)
+    kwargs = gin.get_bindings(scoped_selector)
+    raw = gin.get_bindings(scoped_selector, resolve_references=False)
+    clash = [k for k in kwargs if k in supplied and k in signature.parameters]
+    if clash:
+        shown = "/".join([*reference.scopes, configurable.name])
+        raise UserError(f"gin binds {shown}.{clash[0]}, but {what} {fn.__name__} gets '{clash[0]}' from the "
+                        f"loop (it passes {', '.join(supplied)}); remove the binding")
+    denied = set(configurable.denylist or ()) | set(supplied)
+    defaults = {p.name: p.default for p in signature.parameters.values() if p.default is not inspect.Parameter.empty
+                and p.name not in denied and (not configurable.allowlist or p.name in configurable.allowlist)}
     with gin.config._OPERATIVE_CONFIG_LOCK:  # noqa: SLF001  (what gin's wrapper records when called)
         gin.config._OPERATIVE_CONFIG.setdefault((scope, configurable.selector), {}).update(defaults | raw)  # noqa: SLF001
-    if not kwargs:
+    attributes = _attributes(configurable.wrapper)  # e.g. a combine rule decorated over gin's wrapper
+    if not kwargs and all(getattr(fn, k, None) is v for k, v in attributes.items()):
         return fn
-    resolved = functools.partial(fn, **kwargs)
-    resolved.__name__, resolved.__qualname__, resolved.__module__ = fn.__name__, fn.__qualname__, fn.__module__
-    return resolved
+    bound = with_bindings(fn, kwargs, signature)
+    for key, value in attributes.items():
+        setattr(bound, key, value)
+    return bound
+
+
+def _attributes(fn: Callable) -> dict[str, Any]:
+    """The attributes a user set on a function (a `combine` rule), without Python's own."""
+    return {k: v for k, v in getattr(fn, "__dict__", {}).items() if not k.startswith("__")}
+
+
+def with_bindings(fn: Callable, bindings: dict[str, Any], signature: inspect.Signature | None = None) -> Callable:
+    """`fn` with `bindings` applied to every call, winning over what the caller passes under their
+    names; its signature is `fn`'s without them, and parameters after the first bound positional
+    one become keyword-only (as `functools.partial` shows them), so a positional call fills what
+    it fills in `fn` itself."""
+    signature = signature or inspect.signature(fn)
+    params, keyword_only = [], False
+    for p in signature.parameters.values():
+        if p.name in bindings:
+            keyword_only = keyword_only or p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            continue
+        if keyword_only and p.kind is p.POSITIONAL_OR_KEYWORD:
+            p = p.replace(kind=p.KEYWORD_ONLY)
+        params.append(p)
+    bindings = dict(bindings)
+
+    def bound(*args, **kwargs):
+        return fn(*args, **{**kwargs, **bindings})
+
+    bound.__name__, bound.__qualname__, bound.__module__ = fn.__name__, fn.__qualname__, fn.__module__
+    bound.__doc__ = fn.__doc__
+    bound.__signature__ = signature.replace(parameters=params)
+    bound.__dict__.update(_attributes(fn))
+    return bound

@@ -18,7 +18,8 @@ optimizer of a dict, each clipped on its own).
 What else changes with K > 1:
 - Step outputs are the sums of the micro-steps' outputs (each is a share of the update's mean,
   so a loss or accuracy comes out as over the whole batch; an output that is not a share,
-  such as a learning rate, comes out K times).
+  such as a learning rate, comes out K times unless the step declares it "mean", "max" or
+  "min" with `trainer.combine`: then the mean, max or min over the micro-steps).
 - Layers see micro-batches: BatchNormalization normalises each micro-batch by its own
   statistics and updates its moving statistics once per micro-batch (K times per update);
   dropout draws a fresh mask per micro-batch (the seed state advances K times per update).
@@ -37,6 +38,7 @@ from typing import Any, Callable, Mapping
 
 import tensorflow as tf
 
+from trainer.task import combine
 from trainer.update import clipping
 from trainer.update.recorder import GradientRecorder
 from trainer.errors import UserError
@@ -89,6 +91,7 @@ def update_step(step_fn: Callable, options: UpdateOptions) -> Callable:
     if not options.takes_over:
         return step_fn
     k, clip_norm = options.grad_accum_steps, options.clip_global_norm
+    rule = combine.rule_of(step_fn)  # declared mean/max/min outputs: over the micro-steps as declared
 
     @functools.wraps(step_fn)
     def step(model, optimizer, batch, global_batch_size):
@@ -109,8 +112,9 @@ def update_step(step_fn: Callable, options: UpdateOptions) -> Callable:
                 totals, gradients = dict(outputs), recorded
                 variables = {key: r.variables for key, r in recorders.items() if r.calls}
             else:
-                totals = {name: totals[name] + tf.cast(outputs[name], totals[name].dtype) for name in totals}
+                totals = combine.over_steps(rule, totals, {n: tf.cast(outputs[n], totals[n].dtype) for n in totals})
                 gradients = {key: [_add(a, b) for a, b in zip(gradients[key], recorded[key])] for key in gradients}
+        totals = {n: v / k if rule.get(n) == combine.MEAN else v for n, v in totals.items()}
         for key, grads in gradients.items():
             if clip_norm is not None:
                 grads, norm = clipping.sum_and_clip(grads, clip_norm)
