@@ -16,7 +16,6 @@ from trainer.loops.ps import CoordinatorEvaluator, PSTrainLoop, check_partitione
     per_worker_train_data
 from trainer.loops.ps_schedules import count_steps_atomically
 from trainer.loops.sync import StepFn, TrainLoop
-from trainer.task.structure import flat
 from trainer.task.task import Task
 
 
@@ -73,9 +72,8 @@ def build_ps_loops(
 ) -> tuple[PSTrainLoop, dict[str, CoordinatorEvaluator]]:
     """The ParameterServer loop and, per eval split, an evaluator on the coordinator."""
     config = config or ParameterServerConfig()
-    for model in flat(task.models):
-        check_partitioner(model, config.variable_partitioner)
     if config.variable_partitioner is not None:
+        check_partitioner(task.models)
         print_fn(f"variable placement: {describe_placement(task.models)}")
     dist = runtime.strategy
     workers = data.num_workers(dist)
