@@ -47,6 +47,7 @@ import tensorflow as tf
 from trainer import data
 from trainer.errors import RunFailure, UserError
 from trainer.loops.evaluator import Evaluator
+from trainer.loops.step_summaries import refuse_under_parameter_server, tracing_for_summaries, writes_summaries
 from trainer.loops.totals import reduce_outputs, repeated
 from trainer.safety import tracing
 from trainer.task.structure import flat, named, trainable_variables
@@ -230,9 +231,11 @@ class PSTrainLoop:
             outputs = call_step(self._step_fn, self._model, stand_ins, batch, self._global_batch_size)
             return reduce_outputs(tf.distribute.get_strategy(), outputs)
 
-        with tracing.cross_replica_calls() as calls:
+        with tracing.cross_replica_calls() as calls, tracing_for_summaries():
             concrete = tracing.traced("train.step_fn", step_name, lambda: tf.function(
                 traced_step, autograph=False).get_concrete_function(self._batch_spec))
+        if writes_summaries(concrete):
+            raise refuse_under_parameter_server(step_name)
         if calls:
             raise UserError(f"train.step_fn {step_name} calls get_replica_context().{calls[0]}, a cross-replica call, "
                             "which parameter_server does not support: its workers run their steps on their own, "
