@@ -57,5 +57,6 @@ def keras_layers_held(module: Any) -> list[str]:
             for index, item in enumerate(value):
                 walk(item, f"{path}[{index}]")
 
-    walk(module, "")
+    if isinstance(module, tf.Module):  # a Keras model is no tf.Module: it tracks its own layers
+        walk(module, "")
     return found
