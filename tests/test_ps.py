@@ -265,10 +265,10 @@ def test_sharded_module_tables_train_beside_a_keras_tower_and_a_sharded_keras_la
 
     (tmp_path / "wide").mkdir()
     line = refused_run(tmp_path / "wide", f"--gin_file={gin_file}", "--gin_bindings=wide_and_deep.hidden=128")
-    assert line == ("error: parameter_server.variable_partitioner sharded tower/dense/kernel (16, 128) of the Keras "
-                    "model 'tower' (Sequential) into 2 parts, and Keras 3 layers cannot compute with sharded variables; "
-                    "keep Keras layers' variables whole (a larger min_size_partitioner.min_shard_bytes or a partitioner "
-                    "that shards only your tf.Module's tables) or hold that variable in a tf.Module")
+    assert line == ("error: parameter_server.variable_partitioner sharded tower/dense/kernel (16, 128) of the "
+                    "Keras model 'tower' (Sequential) into 2 parts, and Keras 3 layers cannot compute with sharded "
+                    "variables; keep Keras layers' variables whole (a larger min_size_partitioner.min_shard_bytes or "
+                    "a partitioner that shards only your tf.Module's tables) or hold that variable in a tf.Module")
 
 
 @pytest.mark.timeout(150)

@@ -91,19 +91,19 @@ def check_partitioner(models) -> None:
     import keras
 
     for key, model in named(models, default="").items():
-        layers = [model] if isinstance(model, keras.Layer) else []
-        for layer in layers:
-            for variable in layer.variables:
-                parts = _tf_variables(variable)
-                if len(parts) > 1:
-                    which = f"model {key!r} ({type(model).__name__})" if key else type(model).__name__
-                    raise UserError(
-                        f"parameter_server.variable_partitioner sharded {variable.path} {tuple(variable.shape)} of "
-                        f"the Keras {which} into {len(parts)} parts, and Keras 3 layers cannot compute with sharded "
-                        "variables; keep Keras layers' variables whole (a larger min_size_partitioner.min_shard_bytes "
-                        "or a partitioner that shards only your tf.Module's tables) or hold that variable in a "
-                        "tf.Module"
-                    )
+        if not isinstance(model, keras.Layer):
+            continue
+        for variable in model.variables:
+            parts = _tf_variables(variable)
+            if len(parts) > 1:
+                which = f"model {key!r} ({type(model).__name__})" if key else type(model).__name__
+                raise UserError(
+                    f"parameter_server.variable_partitioner sharded {variable.path} {tuple(variable.shape)} of "
+                    f"the Keras {which} into {len(parts)} parts, and Keras 3 layers cannot compute with sharded "
+                    "variables; keep Keras layers' variables whole (a larger min_size_partitioner.min_shard_bytes "
+                    "or a partitioner that shards only your tf.Module's tables) or hold that variable in a "
+                    "tf.Module"
+                )
 
 
 def describe_placement(models) -> str:
@@ -220,7 +220,10 @@ class PSTrainLoop:
         written (the closures themselves are traced where they are first scheduled), and returns
         the names of its outputs. Tracing builds a graph and runs nothing; the step gets stand-ins
         of its optimizers (they record the gradients), so that a cross-replica call it makes is
-        its own: refused, since no replica context spans asynchronous workers."""
+        its own: refused, since no replica context spans asynchronous workers. Refused too: summaries
+        (traced under a writer that is never created: the event files are the chief's, the step runs on
+        a worker) and an update traced in another graph than the step's (a loop or branch body, where
+        the worker's merge_call fails)."""
         optimizers = self._optimizer
         stand_ins = ({k: _GraphNotingRecorder(o) for k, o in optimizers.items()}
                      if isinstance(optimizers, Mapping) else _GraphNotingRecorder(optimizers))

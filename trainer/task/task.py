@@ -103,9 +103,9 @@ def build_by_calling(models: Any, model_fn: Callable, inp: data.Input) -> None:
             if held := keras_layers_held(model):
                 raise UserError(f"{which} is a tf.Module holding Keras layers ({', '.join(held)}), whose weights "
                                 "tf.Module does not collect: its trainable_variables finds only tf.Variables and "
-                                "nested tf.Modules, and a Keras 3 layer is neither (keras.Variable wraps a tf.Variable); "
-                                "subclass keras.Layer or keras.Model instead of tf.Module (Keras tracks its sublayers' "
-                                "weights), or hold tf.Variables (tf.nn.embedding_lookup on one, which a "
+                                "nested tf.Modules, and a Keras 3 layer is neither (keras.Variable wraps a "
+                                "tf.Variable); subclass keras.Layer or keras.Model instead of tf.Module (Keras tracks "
+                                "its sublayers' weights), or hold tf.Variables (tf.nn.embedding_lookup on one, which a "
                                 "variable_partitioner can shard)")
             raise UserError(f"{which} has no trainable variables even after a call on a batch of the train features "
                             f"{shapes}; a model needs weights to train: create them in model_fn")
