@@ -101,10 +101,10 @@ def _assert_step_summaries(model_dir) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["single", "mirrored"])
+@pytest.mark.parametrize("mode", ["single", "mirrored", "central_storage"])
 def test_summaries_inside_the_step_are_written_at_the_log_interval(tmp_path, mode):
     """Must-show 7: scalar, histogram and image summaries the step writes land in the chief's train
-    event file at steps 10, 20, 30, 40 (log_every_steps 10), from replica 0 only under mirrored."""
+    event file at steps 10, 20, 30, 40 (log_every_steps 10), from replica 0 only on 2 replicas."""
     from tests.support import run_main
 
     model_dir = tmp_path / "run"
