@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import REPO, Main, read_jsonl, run_main, run_module, subprocess_env
+from tests.support import REPO, Main, read_jsonl, refused_run, run_main, run_module, subprocess_env
 from trainer.distribution import early_isolation, local_cluster
 
 PS = "--gin_file=gin/ps.gin"
@@ -227,18 +227,60 @@ def test_tf_module_variables_shard_across_ps_tasks_and_sigterm_ends_the_cluster(
     assert_all_gone(server_pids(run.stderr))
 
 
-def test_a_partitioner_with_a_keras_model_is_a_user_error():
-    """Keras 3 layers fail on ShardedVariable (docs/design.md, rule 8): refused before the first step.
-    (End to end the same config exits 2 with this line; checked here in-process, to keep
-    one more cluster start out of the suite.)"""
-    from trainer.task import models
-    from trainer.loops import ps as ps_loop
-    from trainer.errors import UserError
+WIDE_AND_DEEP = """
+    import tests.wide_deep_model
+    include '{repo}/gin/ps.gin'
+    train.model_fn = @wide_and_deep
+    train.step_fn = @wide_and_deep_step
+    train.eval_step_fn = @wide_and_deep_eval_step
+    train.total_steps = 150
+    train.log_every_steps = 50
+    train.eval_every_steps = 150
+    train.checkpoint_every_steps = 150
+    parameter_server.variable_partitioner = @min_size_partitioner()
+    min_size_partitioner.min_shard_bytes = 4096
+    min_size_partitioner.max_shards = 2
+    local_cluster.num_ps = 2
+    local_cluster.num_workers = 1
+"""
 
-    model = models.cnn((8, 8, 1), 10, filters=(4,), dense_units=8)
-    with pytest.raises(UserError, match="does not work with Keras 3 models .*use a tf.Module model"):
-        ps_loop.check_partitioner(model, tf.distribute.experimental.partitioners.MinSizePartitioner())
-    ps_loop.check_partitioner(model, None)
+
+@pytest.mark.timeout(300)
+def test_sharded_module_tables_train_beside_a_keras_tower_and_a_sharded_keras_layer_is_refused(tmp_path):
+    """Must-show 9: wide and deep under a partitioner, in a dict of models: the tf.Module's table
+    (64 pixels x 17 levels x 16 floats, 68 KiB) is split across both ps tasks, the Keras tower's
+    variables (at most 1.3 KiB) stay whole, and it trains. A tower wide enough for the partitioner to
+    split its kernel (16 x 128 floats, 8 KiB) is refused in one line naming that variable."""
+    gin_file = tmp_path / "wide_deep.gin"
+    gin_file.write_text(textwrap.dedent(WIDE_AND_DEEP.format(repo=REPO)))
+    model_dir = tmp_path / "run"
+    proc = run_main(f"--gin_file={gin_file}", f"--model_dir={model_dir}", timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "variable placement: 5 variables on /job:ps/task:0, /job:ps/task:1; sharded: table in 2\n" in proc.stdout
+    losses = [r["loss"] for r in read_jsonl(model_dir / "metrics.jsonl") if r["split"] == "train"]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, losses
+    chief, _ = evals(model_dir)
+    assert chief[-1]["step"] == 150 and chief[-1]["accuracy"] > 0.5, chief
+    assert_all_gone(server_pids(proc.stderr))
+
+    (tmp_path / "wide").mkdir()
+    line = refused_run(tmp_path / "wide", f"--gin_file={gin_file}", "--gin_bindings=wide_and_deep.hidden=128")
+    assert line == ("error: parameter_server.variable_partitioner sharded tower/dense/kernel (16, 128) of the "
+                    "Keras model 'tower' (Sequential) into 2 parts, and Keras 3 layers cannot compute with sharded "
+                    "variables; keep Keras layers' variables whole (a larger min_size_partitioner.min_shard_bytes or "
+                    "a partitioner that shards only your tf.Module's tables) or hold that variable in a tf.Module")
+
+
+@pytest.mark.timeout(150)
+def test_keras_layers_held_by_a_tf_module_are_named_as_the_cause(tmp_path):
+    """tf.Module collects only tf.Variables and nested tf.Modules; a Keras 3 layer is neither, so a
+    tf.Module of Keras Embedding layers has no trainable variables: the line says so and how to fix it."""
+    line = refused_run(tmp_path, "--gin_file=gin/single.gin", "--gin_bindings=import tests.wide_deep_model",
+                       "--gin_bindings=train.model_fn=@wide_and_deep", "--gin_bindings=wide_and_deep.keras_tables=True",
+                       "--gin_bindings=train.step_fn=@wide_and_deep_step",
+                       "--gin_bindings=train.eval_step_fn=@wide_and_deep_eval_step")
+    assert "model 'tables' of train.model_fn wide_and_deep is a tf.Module holding Keras layers (embeddings[0])" in line
+    assert "subclass keras.Layer or keras.Model instead of tf.Module" in line
 
 
 @pytest.mark.timeout(120)

@@ -66,3 +66,84 @@ def test_hparams_summary_holds_the_bindings_beside_the_eval_metrics(profiled_run
     evals = _accumulator(os.path.join(model_dir, "eval"))
     assert set(evals.Tags()["tensors"]) == {"loss", "accuracy"}
     assert max(_series(evals, "accuracy")) == 40
+
+
+SUMMARY_STEP = ("--gin_bindings=import tests.summary_steps", "--gin_bindings=train.step_fn=@summary_step")
+SHORT_RUN = ("--gin_bindings=train.total_steps=40", "--gin_bindings=train.steps_per_loop=25",
+             "--gin_bindings=train.log_every_steps=10", "--gin_bindings=train.eval_every_steps=40",
+             "--gin_bindings=train.checkpoint_every_steps=40")
+
+
+def _assert_step_summaries(model_dir) -> None:
+    """The step's scalar, histogram and image, once each at every log step, in the one train event
+    file beside the train records; the scalar (the optimizer's count) is the step it is written at,
+    and the histogram at step 40 covers exactly the first variable of ckpt-40."""
+    import numpy as np
+    import tensorflow as tf
+    from tensorboard.util import tensor_util
+
+    assert len(os.listdir(os.path.join(model_dir, "train"))) == 1  # one writer: TensorBoard reads the newest file
+    train = _accumulator(os.path.join(model_dir, "train"))
+    assert {"optimizer_iterations", "first_weights", "first_image", "loss"} <= set(train.Tags()["tensors"])
+    for tag, plugin in (("optimizer_iterations", "scalars"), ("first_weights", "histograms"),
+                        ("first_image", "images")):
+        assert [e.step for e in train.Tensors(tag)] == [10, 20, 30, 40], tag  # one replica records, once per step
+        assert train.SummaryMetadata(tag).plugin_data.plugin_name == plugin
+    assert _series(train, "optimizer_iterations") == {10: 10.0, 20: 20.0, 30: 30.0, 40: 40.0}
+    histogram = tensor_util.make_ndarray(train.Tensors("first_weights")[-1].tensor_proto)  # [left, right, count]
+    reader = tf.train.load_checkpoint(os.path.join(model_dir, "ckpt-40"))
+    weights = reader.get_tensor("optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE")
+    assert histogram[:, 2].sum() == weights.size
+    assert histogram[0, 0] == pytest.approx(weights.min()) and histogram[-1, 1] == pytest.approx(weights.max())
+    width, height, _ = tensor_util.make_ndarray(train.Tensors("first_image")[-1].tensor_proto)
+    assert (int(width), int(height)) == (8, 8)
+    assert np.isfinite(list(_series(train, "loss").values())).all()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["single", "mirrored", "central_storage"])
+def test_summaries_inside_the_step_are_written_at_the_log_interval(tmp_path, mode):
+    """Must-show 7: scalar, histogram and image summaries the step writes land in the chief's train
+    event file at steps 10, 20, 30, 40 (log_every_steps 10), from replica 0 only on 2 replicas."""
+    from tests.support import run_main
+
+    model_dir = tmp_path / "run"
+    proc = run_main(f"--gin_file=gin/{mode}.gin", *SUMMARY_STEP, *SHORT_RUN, f"--model_dir={model_dir}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_step_summaries(model_dir)
+
+
+@pytest.mark.timeout(300)
+def test_summaries_inside_the_step_are_the_chiefs_alone_under_multi_worker(tmp_path):
+    """Two MultiWorkerMirrored processes: the chief writes the step's summaries (replica 0 is its
+    own), the other worker traces none (a no-op writer) and writes no event file."""
+    from tests.support import run_module
+
+    model_dir = tmp_path / "run"
+    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", *SUMMARY_STEP, *SHORT_RUN,
+                      f"--model_dir={model_dir}", timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _assert_step_summaries(model_dir)
+
+
+@pytest.mark.timeout(200)
+def test_summaries_inside_the_step_are_one_line_under_parameter_servers_and_xla(tmp_path):
+    """Where they cannot be written they are refused in one line, never dropped: under
+    parameter_server (the step runs on the workers) and under train.jit_compile (XLA compiles no
+    summary op). A run refused after the loop was traced (a broken eval step) leaves model_dir
+    empty although the traced loop holds the train event writer: its file is made at the first call."""
+    from tests.support import refused_run
+
+    for name in ("ps", "xla", "eval"):
+        (tmp_path / name).mkdir()
+    line = refused_run(tmp_path / "ps", "--gin_file=gin/ps.gin", *SUMMARY_STEP,
+                       "--gin_bindings=local_cluster.num_workers=1")
+    assert "summary_step writes tf.summary inside the step, which parameter_server cannot record" in line
+    assert "return the value from the step" in line
+    line = refused_run(tmp_path / "xla", "--gin_file=gin/single.gin", *SUMMARY_STEP,
+                       "--gin_bindings=train.jit_compile=True")
+    assert "which XLA cannot compile (train.jit_compile)" in line
+    line = refused_run(tmp_path / "eval", "--gin_file=gin/single.gin", *SUMMARY_STEP,
+                       "--gin_bindings=import tests.broken_functions",
+                       "--gin_bindings=train.eval_step_fn=@no_count_eval_step")
+    assert "no_count_eval_step" in line

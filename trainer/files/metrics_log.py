@@ -3,7 +3,9 @@
 `metrics.jsonl` (the contract in docs/design.md) holds one JSON object per line, appended across restarts:
 {"step": int, "split": "train"|"eval"|<eval split>, <metric>: float, ...}. TensorBoard gets the
 same scalars under `model_dir/train`, `model_dir/eval` and, for another eval split,
-`model_dir/eval/<split>` (a run of its own, `eval/<split>`, beside `eval`).
+`model_dir/eval/<split>` (a run of its own, `eval/<split>`, beside `eval`). The train event file is
+also where the step's own `tf.summary` calls land (trainer/loops/step_summaries.py): one writer per
+directory (trainer/files/event_writers.py).
 """
 from __future__ import annotations
 
@@ -14,11 +16,9 @@ from typing import Callable, Mapping
 import tensorflow as tf
 
 from trainer.errors import RunFailure
+from trainer.files.event_writers import EventWriter, event_writer
 
 METRICS_FILE = "metrics.jsonl"
-# Event files reach disk at most this long after a write (and at close). A flush syncs the file:
-# flushing every train record cost ~25 ms each, 2% of the CNN bench's steps/s on 2 cores.
-FLUSH_MILLIS = 5_000
 
 
 class MetricsLog:
@@ -28,17 +28,18 @@ class MetricsLog:
         self.enabled = enabled
         self._path = os.path.join(model_dir, METRICS_FILE)
         self._model_dir = model_dir
-        self._writers: dict[str, tf.summary.SummaryWriter] = {}
+        self._writers: dict[str, EventWriter] = {}
         self._listeners: list[Callable[[int, str, dict[str, float]], None]] = []
         if enabled:
             self._writer("train")
             self._writer("eval")
 
-    def _writer(self, split: str) -> tf.summary.SummaryWriter:
+    def _writer(self, split: str) -> EventWriter:
         if split not in self._writers:
             where = split if split in ("train", "eval") else os.path.join("eval", split)
-            self._writers[split] = tf.summary.create_file_writer(os.path.join(self._model_dir, where),
-                                                                 flush_millis=FLUSH_MILLIS)
+            writer = event_writer(os.path.join(self._model_dir, where))
+            writer.init()
+            self._writers[split] = writer
         return self._writers[split]
 
     def record(self, step: int, split: str, metrics: dict[str, float]) -> None:

@@ -2,6 +2,7 @@
 remote (parameter_server), else the compiled synchronous loop; and, per eval split, an evaluator."""
 from __future__ import annotations
 
+import os
 from typing import Callable, Mapping, Sequence
 
 import tensorflow as tf
@@ -9,14 +10,15 @@ import tensorflow as tf
 from trainer import data
 from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError
+from trainer.files.event_writers import event_writer
 from trainer.loops.controller import EvaluatorLike, TrainLoopLike
 from trainer.loops.evaluator import Evaluator, make_metrics
 from trainer.loops.options import LoopOptions, ParameterServerConfig
 from trainer.loops.ps import CoordinatorEvaluator, PSTrainLoop, check_partitioner, describe_placement, \
     per_worker_train_data
 from trainer.loops.ps_schedules import count_steps_atomically
+from trainer.loops.step_summaries import StepSummaries
 from trainer.loops.sync import StepFn, TrainLoop
-from trainer.task.structure import flat
 from trainer.task.task import Task
 
 
@@ -54,7 +56,8 @@ def build_sync_loops(
         shard_policy=options.shard_policy, skip_steps=start_step, drop_batches=drop_batches,
     )
     loop = TrainLoop(dist, task.models, task.optimizers, step_fn, options.global_batch_size, train_data,
-                     task.global_step, jit_compile=options.jit_compile, after_update=after_update)
+                     task.global_step, jit_compile=options.jit_compile, after_update=after_update,
+                     summaries=step_summaries(runtime, options))
     with dist.scope():  # metric variables aggregate across replicas (and workers)
         metrics = make_metrics(eval_metrics_fn)
     evaluators = {}
@@ -73,9 +76,8 @@ def build_ps_loops(
 ) -> tuple[PSTrainLoop, dict[str, CoordinatorEvaluator]]:
     """The ParameterServer loop and, per eval split, an evaluator on the coordinator."""
     config = config or ParameterServerConfig()
-    for model in flat(task.models):
-        check_partitioner(model, config.variable_partitioner)
     if config.variable_partitioner is not None:
+        check_partitioner(task.models)
         print_fn(f"variable placement: {describe_placement(task.models)}")
     dist = runtime.strategy
     workers = data.num_workers(dist)
@@ -100,6 +102,16 @@ def build_ps_loops(
         evaluators[split] = CoordinatorEvaluator(Evaluator(local, task.models, task.eval_step_fn, eval_data,
                                                            _num_batches(task, split, options), metrics=metrics))
     return loop, evaluators
+
+
+def step_summaries(runtime: Runtime, options: LoopOptions) -> StepSummaries:
+    """Where the step's tf.summary calls go: the chief's train event file (other workers record
+    nothing, as they write no train records); nowhere without a model_dir."""
+    if options.model_dir is None:
+        return StepSummaries(None, options.log_every_steps)
+    if not runtime.is_chief:
+        return StepSummaries(tf.summary.create_noop_writer(), options.log_every_steps)
+    return StepSummaries(event_writer(os.path.join(options.model_dir, "train")), options.log_every_steps)
 
 
 def _num_batches(task: Task, split: str, options: LoopOptions) -> int:

@@ -23,6 +23,8 @@ class LoopOptions:
     distribute_method: str = "dataset"
     shard_policy: str = "AUTO"
     jit_compile: bool = False
+    log_every_steps: int = 100  # the step's tf.summary calls are recorded at these steps
+    model_dir: str | None = None  # None: the step's tf.summary calls are not recorded
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "global_batch_size", "steps_per_loop"):
@@ -43,8 +45,9 @@ class ParameterServerConfig:
       steps_per_closure: steps in one scheduled function; None: about
         steps_per_loop / (2 x workers).
       variable_partitioner: shards variables across the ps tasks, e.g.
-        `@min_size_partitioner()`; for tf.Module models only (Keras 3 layers cannot
-        use sharded variables).
+        `@min_size_partitioner()`: a tf.Module's tf.Variables (embedding tables); a Keras
+        layer's own variables must stay whole (Keras 3 layers cannot compute with sharded
+        variables), else the run is refused.
     """
 
     steps_per_closure: int | None = None

@@ -47,10 +47,11 @@ import tensorflow as tf
 from trainer import data
 from trainer.errors import RunFailure, UserError
 from trainer.loops.evaluator import Evaluator
+from trainer.loops.step_summaries import refuse_under_parameter_server, tracing_for_summaries, writes_summaries
 from trainer.loops.totals import reduce_outputs, repeated
 from trainer.safety import tracing
 from trainer.task import combine
-from trainer.task.structure import trainable_variables
+from trainer.task.structure import flat, named, trainable_variables
 from trainer.task.user_code import call_step
 from trainer.update.recorder import GradientRecorder
 
@@ -75,29 +76,50 @@ def rejected_by_worker(error: Exception) -> bool:
     return isinstance(error, tf.errors.InternalError) and "Unable to parse request" in text and "/job:worker" in text
 
 
-def check_partitioner(model, variable_partitioner) -> None:
-    """Refuses a variable partitioner with a Keras model (Keras 3 layers fail on ShardedVariable)."""
+def _tf_variables(variable) -> list:
+    """The TensorFlow variables behind one model variable: a Keras 3 Variable wraps its own in
+    `.value`; a ShardedVariable (what a partitioner makes of a large one) is its components."""
     import keras
 
-    if variable_partitioner is not None and isinstance(model, keras.Layer):
-        raise UserError(
-            f"parameter_server.variable_partitioner does not work with Keras 3 models "
-            f"({type(model).__name__}: its layers cannot use sharded variables); remove the "
-            "partitioner or use a tf.Module model"
-        )
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    return list(value.variables) if isinstance(value, tf.__internal__.distribute.ShardedVariable) else [value]
+
+
+def check_partitioner(models) -> None:
+    """Refuses a Keras layer whose own variables the partitioner sharded: Keras 3 layers compute
+    with their variables as whole tensors, and a ShardedVariable is not one. Tables of a `tf.Module`
+    beside a Keras tower (wide and deep) are fine, as long as the tower's variables stay whole."""
+    import keras
+
+    for key, model in named(models, default="").items():
+        if not isinstance(model, keras.Layer):
+            continue
+        for variable in model.variables:
+            parts = _tf_variables(variable)
+            if len(parts) > 1:
+                which = f"model {key!r} ({type(model).__name__})" if key else type(model).__name__
+                raise UserError(
+                    f"parameter_server.variable_partitioner sharded {variable.path} {tuple(variable.shape)} of "
+                    f"the Keras {which} into {len(parts)} parts, and Keras 3 layers cannot compute with sharded "
+                    "variables; keep Keras layers' variables whole (a larger min_size_partitioner.min_shard_bytes "
+                    "or a partitioner that shards only your tf.Module's tables) or hold that variable in a "
+                    "tf.Module"
+                )
 
 
 def describe_placement(models) -> str:
-    """Where the models' variables live, and which are sharded (components named `<v>/part_<i>`)."""
-    variables = trainable_variables(models)
-    tasks = sorted({v.device.split("/device:")[0].replace("/replica:0", "") for v in variables})
-    parts: dict[str, int] = {}
-    for v in variables:
-        base, sep, _ = v.name.partition("/part_")
-        if sep:
-            parts[base] = parts.get(base, 0) + 1
-    sharded = ", ".join(f"{name} in {count}" for name, count in sorted(parts.items())) or "none"
-    return f"{len(variables)} variables on {', '.join(tasks)}; sharded: {sharded}"
+    """Where the models' variables live, and which are sharded in how many parts (a Keras variable by
+    its path; a tf.Module lists a sharded variable's parts itself, named `<v>/part_<i>`)."""
+    import keras
+
+    parts: dict[str, list] = {}
+    for variable in trainable_variables(models):
+        name = variable.path if isinstance(variable, keras.Variable) else variable.name.split(":")[0]
+        parts.setdefault(name.partition("/part_")[0], []).extend(_tf_variables(variable))
+    tasks = sorted({part.device.split("/device:")[0].replace("/replica:0", "") for found in parts.values()
+                    for part in found})
+    sharded = ", ".join(f"{name} in {len(found)}" for name, found in sorted(parts.items()) if len(found) > 1)
+    return f"{len(parts)} variables on {', '.join(tasks)}; sharded: {sharded or 'none'}"
 
 
 def split_steps(num_steps: int, steps_per_closure: int) -> list[int]:
@@ -200,28 +222,51 @@ class PSTrainLoop:
         written (the closures themselves are traced where they are first scheduled), and returns
         the names of its outputs. Tracing builds a graph and runs nothing; the step gets stand-ins
         of its optimizers (they record the gradients), so that a cross-replica call it makes is
-        its own: refused, since no replica context spans asynchronous workers."""
+        its own: refused, since no replica context spans asynchronous workers. Refused too: summaries
+        (traced under a writer that is never created: the event files are the chief's, the step runs on
+        a worker) and an update traced in another graph than the step's (a loop or branch body, where
+        the worker's merge_call fails)."""
         optimizers = self._optimizer
-        stand_ins = ({k: GradientRecorder(o, once=False) for k, o in optimizers.items()}
-                     if isinstance(optimizers, Mapping) else GradientRecorder(optimizers, once=False))
+        stand_ins = ({k: _GraphNotingRecorder(o) for k, o in optimizers.items()}
+                     if isinstance(optimizers, Mapping) else _GraphNotingRecorder(optimizers))
+        step_graphs = []
 
         def traced_step(batch):
+            step_graphs.append(tf.compat.v1.get_default_graph())
             outputs = call_step(self._step_fn, self._model, stand_ins, batch, self._global_batch_size)
             return reduce_outputs(tf.distribute.get_strategy(), outputs, rule=self.rule)
 
-        with tracing.cross_replica_calls() as calls:
+        with tracing.cross_replica_calls() as calls, tracing_for_summaries():
             concrete = tracing.traced("train.step_fn", step_name, lambda: tf.function(
                 traced_step, autograph=False).get_concrete_function(self._batch_spec))
+        if writes_summaries(concrete):
+            raise refuse_under_parameter_server(step_name)
         if calls:
             raise UserError(f"train.step_fn {step_name} calls get_replica_context().{calls[0]}, a cross-replica call, "
                             "which parameter_server does not support: its workers run their steps on their own, "
                             "asynchronously, and no replica context spans them; use a synchronous strategy "
                             "(gin/mwms.gin) for this step")
+        if any(graph is not step_graphs[0] for recorder in flat(stand_ins) for graph in recorder.graphs):
+            # On a worker the update is a merge_call, which TensorFlow refuses inside graph control flow.
+            raise tracing.update_in_graph_control_flow("train.step_fn", step_name)
         return tuple(concrete.structured_outputs)
 
     @property
     def trace_count(self) -> int:
         return self._train_steps.experimental_get_tracing_count()
+
+
+class _GraphNotingRecorder(GradientRecorder):
+    """A stand-in optimizer that also notes the graph each update call is traced in: one other than
+    the step's own is a loop or branch body (or a nested tf.function)."""
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer, once=False)
+        self.graphs: list = []
+
+    def _record(self, gradients: list, variables: list):
+        self.graphs.append(tf.compat.v1.get_default_graph())
+        return super()._record(gradients, variables)
 
 
 class CoordinatorEvaluator:

@@ -3,7 +3,8 @@
 Each call runs `num_steps` steps on device in a graph while loop (the count a tensor, so a new
 count never retraces), calls the step in replica context with `strategy.run`, sums its outputs
 on each replica and reduces those sums with SUM in cross-replica context once per call
-(`ReplicaTotals`). Hooks run between calls.
+(`ReplicaTotals`). Hooks run between calls. The step's own `tf.summary` calls are recorded
+every `log_every_steps` steps (trainer/loops/step_summaries.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Callable, Mapping
 
 import tensorflow as tf
 
+from trainer.errors import UserError
+from trainer.loops.step_summaries import StepSummaries, writes_summaries
 from trainer.loops.totals import ReplicaTotals
 from trainer.safety import tracing
 from trainer.task import combine
@@ -34,8 +37,11 @@ class TrainLoop:
         *,
         jit_compile: bool = False,
         after_update: Callable[[], None] | None = None,
+        summaries: StepSummaries | None = None,
     ):
         self._strategy = strategy
+        self._jit_compile = jit_compile
+        self._summaries = summaries = summaries or StepSummaries(None, 1)
         self._global_step = global_step
         self._iterator = iter(dataset)
 
@@ -43,11 +49,23 @@ class TrainLoop:
         replica_step = xla.replica_step(strategy, step_fn, model, optimizer, global_batch_size,
                                         jit_compile=jit_compile)
 
-        totals = self._totals = ReplicaTotals(strategy, replica_step, "train.step_fn", rule=combine.rule_of(step_fn))
+        def step_at_top_scope(batch):
+            # Summary tags take the name scope they are written in: the step's own summaries are
+            # tagged as in a step called by itself (`first_weights`, not `while/first_weights`).
+            with tf.name_scope(""):
+                return replica_step(batch)
+
+        totals = self._totals = ReplicaTotals(strategy, step_at_top_scope, "train.step_fn",
+                                              rule=combine.rule_of(step_fn))
         self.rule = totals.rule  # how each output combines over steps (the progress hook combines calls alike)
 
         def train_steps(iterator, num_steps):
-            state = totals.accumulate(num_steps, lambda: next(iterator), after_step=after_update)
+            with summaries.recording(global_step) as advance:
+                def next_batch():
+                    advance()  # the summaries' step: the global step of the step about to run
+                    return next(iterator)
+
+                state = totals.accumulate(num_steps, next_batch, after_step=after_update)
             global_step.assign_add(tf.cast(num_steps, global_step.dtype))
             return totals.per_interval(state, num_steps), totals.first_nonfinite(state, num_steps)
 
@@ -61,6 +79,7 @@ class TrainLoop:
         Afterwards `last_nonfinite_offset` is the 0-based index within this call of the
         first step with a non-finite output (None if every step was finite).
         """
+        self._summaries.start()
         means, first_nonfinite = self._train_steps(self._iterator, tf.constant(num_steps, tf.int32))
         offset = int(first_nonfinite)
         self.last_nonfinite_offset = offset if offset >= 0 else None
@@ -70,8 +89,12 @@ class TrainLoop:
         """Traces the compiled loop on the real batch spec now (the trace the first call reuses), so
         that a step or model that cannot take the batch is one UserError line before anything is
         written; returns the names of the step's outputs."""
-        tracing.traced("train.step_fn", step_name, lambda: self._train_steps.get_concrete_function(
+        concrete = tracing.traced("train.step_fn", step_name, lambda: self._train_steps.get_concrete_function(
             self._iterator, tf.TensorSpec([], tf.int32)))
+        if self._jit_compile and writes_summaries(concrete):
+            raise UserError(f"train.step_fn {step_name} writes tf.summary inside the step, which XLA cannot compile "
+                            "(train.jit_compile); return the value from the step instead (each output is logged), "
+                            "or set train.jit_compile = False")
         return tuple(self._totals.names)
 
     def set_dataset(self, dataset) -> None:

@@ -17,6 +17,10 @@ from trainer.errors import UserError
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ERROR_LINE = re.compile(r"^\s*(\w+(?:Error|Exception)): (.*)$")
+MAX_LINE = 300
+MERGE_CALL_IN_GRAPH = "`merge_call` called while defining a new graph"
+"""The start of TensorFlow's RuntimeError for a cross-replica synchronisation point (the gradient sum
+and the update of `optimizer.apply_gradients`) inside graph control flow or a nested tf.function."""
 
 
 def first_line(error: BaseException) -> str:
@@ -28,11 +32,42 @@ def first_line(error: BaseException) -> str:
         if match := _ERROR_LINE.match(line):  # the innermost error AutoGraph quotes, then its detail
             detail = " ".join(lines[index + 1:index + 2]) if match.group(2).startswith("Exception encountered") \
                 else match.group(2)
-            return f"{match.group(1)}: {detail}".rstrip(".:")[:300]
+            return _shortened(f"{match.group(1)}: {detail}")
     for line in lines:
         if not line.startswith(("Traceback", "File ", "in user code", "Graph execution error", "Detected at node")):
-            return line.rstrip(".:")[:300]
+            return _shortened(line)
     return type(error).__name__
+
+
+def _shortened(line: str) -> str:
+    """`line` without its final stop; a line longer than `MAX_LINE` ends after its last whole
+    sentence that fits (else its last whole word, then "..."), never inside a word."""
+    line = line.rstrip(".: ")
+    if len(line) <= MAX_LINE:
+        return line
+    head = line[:MAX_LINE]
+    end = head.rfind(". ")
+    if end > 0:
+        return head[:end]
+    return head[:head.rfind(" ")].rstrip(",;:") + "..." if " " in head else head + "..."
+
+
+def merge_call_in_graph(error: BaseException) -> bool:
+    """Whether `error` is TensorFlow refusing a cross-replica synchronisation point (the gradient
+    sum and update of `optimizer.apply_gradients`) inside graph control flow or a nested
+    tf.function, which it cannot run under a multi-replica or parameter-server strategy (a
+    `for _ in tf.range(n)` around `apply_gradients` in a step is a `tf.while_loop`)."""
+    return MERGE_CALL_IN_GRAPH in str(error)
+
+
+def update_in_graph_control_flow(what: str, name: str) -> UserError:
+    """The one line for an update inside graph control flow (see `merge_call_in_graph`)."""
+    return UserError(
+        f"{what} {name} calls optimizer.apply_gradients inside graph control flow (a `for` over tf.range, a `while` "
+        "or `if` on a tensor) or a nested tf.function, which TensorFlow runs on one device only: under this strategy "
+        "the update is a cross-replica synchronisation point; unroll the loop with a Python range "
+        "(`for _ in range(n_critic)`, n a Python int) or move the update out of the control flow"
+    )
 
 
 def traced(what: str, name: str, trace: Callable[[], Any]) -> Any:
@@ -42,6 +77,8 @@ def traced(what: str, name: str, trace: Callable[[], Any]) -> Any:
     except UserError:
         raise
     except Exception as error:  # noqa: BLE001  (any failure of user code while tracing is theirs to fix)
+        if merge_call_in_graph(error):
+            raise update_in_graph_control_flow(what, name) from error
         raise UserError(
             f"{what} {name} cannot run on the batches of train.input_fn ({first_line(error)}); fix the "
             "function or the model it calls (check the batch structure: "

@@ -25,3 +25,38 @@ def trainable_variables(models: Any) -> list:
 
 def all_variables(structure: Any) -> list:
     return [v for m in flat(structure) for v in getattr(m, "variables", [])]
+
+
+def keras_layers_held(module: Any) -> list[str]:
+    """The attribute paths (`embeddings[0]`) of the Keras layers a `tf.Module` holds, in its
+    attributes, their lists and dicts, and its nested tf.Modules.
+
+    `tf.Module.trainable_variables` collects only `tf.Variable` objects from those places, and a
+    Keras 3 layer is neither a tf.Module nor holds tf.Variables (its `keras.Variable` wraps one in
+    `.value`), so the weights of such layers are invisible to it."""
+    import keras
+    import tensorflow as tf
+
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def walk(value: Any, path: str) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, keras.Layer):
+            found.append(path)
+        elif isinstance(value, tf.Module):
+            for name, item in sorted(vars(value).items()):
+                if not name.startswith("_"):
+                    walk(item, f"{path}.{name}" if path else name)
+        elif isinstance(value, Mapping):
+            for key in value:
+                walk(value[key], f"{path}[{key!r}]")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, f"{path}[{index}]")
+
+    if isinstance(module, tf.Module):  # a Keras model is no tf.Module: it tracks its own layers
+        walk(module, "")
+    return found

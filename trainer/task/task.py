@@ -26,7 +26,7 @@ from trainer.errors import UserError
 from trainer.safety.tracing import first_line
 from trainer.task import layer_state, precision
 from trainer.task.steps import call_model
-from trainer.task.structure import flat, named, trainable_variables
+from trainer.task.structure import flat, keras_layers_held, named, trainable_variables
 
 MODEL_ARGUMENTS = ("input_shape", "num_classes", "element_spec")
 OPTIMIZER_ARGUMENTS = ("global_batch_size", "total_steps")
@@ -100,6 +100,13 @@ def build_by_calling(models: Any, model_fn: Callable, inp: data.Input) -> None:
                             f"build it failed ({first_line(error)}); build it in model_fn (a keras.Input, or a "
                             "call on a batch of its real inputs)") from error
         if not getattr(model, "trainable_variables", None):
+            if held := keras_layers_held(model):
+                raise UserError(f"{which} is a tf.Module holding Keras layers ({', '.join(held)}), whose weights "
+                                "tf.Module does not collect: its trainable_variables finds only tf.Variables and "
+                                "nested tf.Modules, and a Keras 3 layer is neither (keras.Variable wraps a "
+                                "tf.Variable); subclass keras.Layer or keras.Model instead of tf.Module (Keras tracks "
+                                "its sublayers' weights), or hold tf.Variables (tf.nn.embedding_lookup on one, which a "
+                                "variable_partitioner can shard)")
             raise UserError(f"{which} has no trainable variables even after a call on a batch of the train features "
                             f"{shapes}; a model needs weights to train: create them in model_fn")
 
