@@ -143,7 +143,7 @@ class PerThreadLosses(collections.abc.MutableSequence):
         return f"PerThreadLosses({self._mine()!r})"
 
 
-def keras_layers(models: Any) -> list:
+def _keras_layers(models: Any) -> list:
     """Every Keras layer of a model, a tf.Module or a dict of them (nested ones included), once each."""
     tops = []
     for model in flat(models):
@@ -169,7 +169,7 @@ def separate_replica_losses(strategy: tf.distribute.Strategy, models: Any) -> No
     """
     if strategy.num_replicas_in_sync <= 1:
         return
-    for layer in keras_layers(models):
+    for layer in _keras_layers(models):
         losses = layer.__dict__.get("_losses")
         if losses is not None and not isinstance(losses, PerThreadLosses):
             object.__setattr__(layer, "_losses", PerThreadLosses(losses))
