@@ -16,10 +16,11 @@ from trainer.task.steps import call_model
 
 
 @gin.configurable
-def bn_activity_model(input_shape, num_classes: int) -> keras.Model:
-    """Conv -> BatchNorm -> ReLU -> Dense with an L2 activity penalty -> logits."""
+def bn_activity_model(input_shape, num_classes: int, synchronized: bool = False) -> keras.Model:
+    """Conv -> BatchNorm -> ReLU -> Dense with an L2 activity penalty -> logits. `synchronized`: batch
+    statistics over the global batch (an all-reduce inside the call), so 1 and 2 replicas compute alike."""
     return keras.Sequential([
-        keras.Input(input_shape), keras.layers.Conv2D(8, 3), keras.layers.BatchNormalization(),
+        keras.Input(input_shape), keras.layers.Conv2D(8, 3), keras.layers.BatchNormalization(synchronized=synchronized),
         keras.layers.ReLU(), keras.layers.Flatten(),
         keras.layers.Dense(64, activity_regularizer=keras.regularizers.L2(1e-3)), keras.layers.Dense(num_classes),
     ])
