@@ -62,8 +62,9 @@ def test_two_multiworker_mirrored_workers_match_one_device():
     try:
         for index in range(2):
             env = subprocess_env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
-            workers.append(subprocess.Popen([sys.executable, "-m", "tests.replica_loss_run", "multi_worker_mirrored"],
-                                            cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            command = [sys.executable, "-m", "tests.replica_loss_run", "multi_worker_mirrored"]
+            workers.append(subprocess.Popen(command, cwd=REPO, env=env, text=True,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         outputs = [w.communicate(timeout=180) for w in workers]
     finally:
         for w in workers:

@@ -23,9 +23,10 @@ scaling), so a step written this way runs in every precision:
 
 A step that skips `scale_loss` would apply gradients 32768 times too small (the initial
 scale), silently: measured on the digits MLP (300 steps), SGD stayed at chance (eval accuracy
-0.089) and Adam, nearly blind to the gradients' scale, reached 0.900 instead of 0.9415. The wrapping optimizer (`ScaleCheckedLossScaleOptimizer`)
-therefore refuses an update whose thread never called its `scale_loss`: the loops trace the
-step before step 1, so such a step stops there with one error line.
+0.089) and Adam, nearly blind to the gradients' scale, reached 0.900 instead of 0.9415. The
+wrapping optimizer (`ScaleCheckedLossScaleOptimizer`) therefore refuses an update whose thread
+never called its `scale_loss`: the loops trace the step before step 1, so such a step stops
+there with one error line.
 """
 from __future__ import annotations
 
@@ -75,9 +76,10 @@ def keeps_global_policy(fn):
 UNSCALED_MESSAGE = (
     "train.mixed_precision = 'mixed_float16': the step applies gradients of a loss it never passed through "
     "optimizer.scale_loss, so the loss-scale optimizer divides them by its scale (32768 at first): SGD trains "
-    "nothing, and small float16 gradients underflow to zero; take the gradients of the scaled loss: scaled = optimizer.scale_loss(loss) inside the tape, "
-    "grads = tape.gradient(scaled, variables), optimizer.apply_gradients(zip(grads, variables)), and return "
-    "the unscaled loss (scale_loss is the loss itself in float32 and mixed_bfloat16)")
+    "nothing, and small float16 gradients underflow to zero; take the gradients of the scaled loss: "
+    "scaled = optimizer.scale_loss(loss) inside the tape, grads = tape.gradient(scaled, variables), "
+    "optimizer.apply_gradients(zip(grads, variables)), and return the unscaled loss (scale_loss is the loss "
+    "itself in float32 and mixed_bfloat16)")
 
 _scaled_by_thread = threading.local()  # the optimizers whose scale_loss this thread called
 
@@ -91,7 +93,7 @@ def _scaled_here() -> weakref.WeakSet:
 @keras.saving.register_keras_serializable(package="trainer")
 class ScaleCheckedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """Keras' dynamic LossScaleOptimizer that refuses (UserError) an update in a thread that never
-    called its `scale_loss`: the gradients of an unscaled loss, divided by the scale, train nothing.
+    called its `scale_loss`: the gradients of an unscaled loss, divided by the scale, are 32768 times too small.
 
     Per thread, since each replica of a multi-device strategy runs the step in a thread of its own;
     once a thread has scaled a loss it may apply any number of updates (one scaled loss, several
