@@ -135,3 +135,21 @@ def test_scope_is_a_no_op_without_aggregating_variables():
         v = tf.Variable([1, 0], name="seed_generator_state", trainable=False)
     assert v.aggregation == tf.VariableAggregation.NONE
 
+
+
+def test_every_keras_layer_of_models_modules_and_dicts_is_found_once():
+    import keras
+    import tensorflow as tf
+
+    from trainer.task import layer_state
+
+    inner = keras.layers.Dense(2)
+    model = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dropout(0.1)])
+    module = tf.Module()
+    module.head = [keras.layers.Dense(4)]
+    module.body = tf.Module()
+    module.body.model = model  # a Keras model inside a tf.Module's submodule
+    found = layer_state._keras_layers({"a": model, "b": module, "c": model})
+    expected = [model, *model._flatten_layers(include_self=False), module.head[0]]  # the InputLayer too
+    assert inner in expected and len(found) == len(expected) == 5
+    assert {id(l) for l in found} == {id(l) for l in expected}

@@ -48,3 +48,20 @@ def test_unknown_names_are_user_errors():
         optimizers.make_optimizer(global_batch_size=32, total_steps=10, name="adamm")
     with pytest.raises(UserError, match="unknown decay"):
         optimizers.make_optimizer(global_batch_size=32, total_steps=10, decay="linear")
+
+
+@pytest.mark.parametrize("name", optimizers.OPTIMIZERS)
+@pytest.mark.parametrize("weight_decay", [0.0, None, 0.1])
+def test_weight_decay_is_applied_as_keras_applies_it_and_zero_means_none(name, weight_decay):
+    """With zero gradients every optimizer's own update is 0, so one step leaves w = 1 - lr * decay."""
+    optimizer = optimizers.make_optimizer(global_batch_size=32, total_steps=10, name=name, learning_rate=0.5,
+                                          weight_decay=weight_decay)
+    variable = keras.Variable(np.ones(3, np.float32))
+    optimizer.apply_gradients([(np.zeros(3, np.float32), variable)])
+    expected = {0.0: 0.0, 0.1: 0.1, None: 0.004 if name == "adamw" else 0.0}[weight_decay]
+    np.testing.assert_allclose(variable.numpy(), 1 - 0.5 * expected, rtol=0, atol=1e-7)
+
+
+def test_a_negative_weight_decay_is_one_user_error():
+    with pytest.raises(UserError, match="make_optimizer.weight_decay must be a number >= 0"):
+        optimizers.make_optimizer(global_batch_size=32, total_steps=10, name="sgd", weight_decay=-0.1)

@@ -108,3 +108,62 @@ def test_a_run_warm_starts_fresh_only_and_a_mismatch_exits_2(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "has shape" in errors[0], errors
     assert tree_digest(wrong) == before
+
+
+def gan():
+    from experiments.gan.gan import gan_models
+
+    return gan_models((8, 8, 1), hidden=16)
+
+
+def test_one_model_of_a_dict_by_its_key(tmp_path):
+    """A GAN's generator from another GAN run (its generator), from a run of the generator alone, and from a
+    weights file; the discriminator keeps its initial weights every time."""
+    keras.utils.set_random_seed(1)
+    source = gan()
+    gan_prefix = tf.train.Checkpoint(model=source, optimizer=keras.optimizers.Adam()).write(str(tmp_path / "gan"))
+    alone_prefix = tf.train.Checkpoint(model=source["generator"]).write(str(tmp_path / "alone"))
+    weights = str(tmp_path / "generator.weights.h5")
+    source["generator"].save_weights(weights)
+    for path in (gan_prefix, alone_prefix, weights):
+        target, lines = gan(), []
+        initial = [w.numpy() for w in target["discriminator"].weights]
+        assert not same_weights(source["generator"], target["generator"])
+        warm_start.warm_start(target, {"generator": path}, lines.append)
+        assert same_weights(source["generator"], target["generator"]), path
+        assert all(np.array_equal(a, b.numpy()) for a, b in zip(initial, target["discriminator"].weights))
+        assert f"warm start of model 'generator' from {path}: restored 4 of model 'generator''s 4 variables" \
+            in lines[0], lines
+        assert lines[1].endswith("(0): -")
+        if path == gan_prefix:  # the source's discriminator is neither restored nor listed as unused
+            assert lines[2].endswith("(0): -"), lines
+    # A whole GAN run as one path still fills both; the dict form names only models the run has.
+    target, lines = gan(), []
+    warm_start.warm_start(target, gan_prefix, lines.append)
+    assert same_weights(source["generator"], target["generator"]) and "restored 8 of the model's 8" in lines[0]
+    with pytest.raises(UserError, match=r"none of its 4 variables .* name that model: train.warm_start = \{'<key>'"):
+        warm_start.warm_start(gan(), alone_prefix)
+    with pytest.raises(UserError, match=r"names model\(s\) 'student'.* returns 'discriminator', 'generator'"):
+        warm_start.warm_start(gan(), {"student": gan_prefix})
+    with pytest.raises(UserError, match="names models by key, but this run's model_fn returns one model"):
+        warm_start.warm_start(cnn(), {"generator": gan_prefix})
+    with pytest.raises(UserError, match=r"a dict of models: name the one it is for, train.warm_start = \{'<key>'"):
+        warm_start.warm_start(gan(), weights)
+    for bad in ({}, {"generator": ""}, {"": gan_prefix}, {"generator": str(tmp_path / "nothing")}):
+        with pytest.raises(UserError, match="train.warm_start"):
+            warm_start.WarmStart(bad)
+
+
+@pytest.mark.timeout(200)
+def test_a_gan_run_warm_starts_its_generator_only(tmp_path):
+    gan_gin = ["--gin_file=gin/single.gin", "--gin_file=experiments/gan/gan.gin", "--gin_bindings=gan_models.hidden=16",
+               "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.eval_every_steps=10",
+               "--gin_bindings=train.checkpoint_every_steps=10", "--gin_bindings=train.total_steps=10"]
+    source, target = str(tmp_path / "source"), str(tmp_path / "target")
+    proc = run_main(*gan_gin, f"--model_dir={source}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_main(*gan_gin, f"--model_dir={target}", f"--gin_bindings=train.warm_start={{'generator': '{source}'}}",
+                    "--gin_bindings=train.total_steps=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"warm start of model 'generator' from {source}/ckpt-10: restored 4 of model 'generator''s 4 variables"
+            in proc.stdout), proc.stdout[-3000:]

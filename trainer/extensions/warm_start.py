@@ -5,6 +5,12 @@ The path is another run's `model_dir` (its newest checkpoint), a checkpoint pref
 the optimizer, the step or the EMA, and only when the run starts fresh: a run that has a
 checkpoint of its own resumes from it and ignores `train.warm_start`.
 
+Where `model_fn` returns a dict of models (a GAN, a teacher and a student), a dict
+`{key: path}` warm-starts only the models it names, each from its own source; the others keep
+their initial weights. A source checkpoint whose models are a dict with that key gives that
+model (a GAN run's generator); any other gives its whole model (a run that trained the
+generator alone), and a weights file is that one model's.
+
 The restore is partial and says so: variables are matched by their place in the model (the
 checkpoint's object path, e.g. `model/_functional/_operations/5/_kernel`, or the weights
 file's `layers/dense/vars/0`), which does not depend on the layers' auto-generated names. It
@@ -49,22 +55,39 @@ def resolve(path: str) -> str:
                     f"(its .index file) nor a {WEIGHTS_SUFFIX} file")
 
 
-def _checkpoint_shapes(prefix: str) -> dict[str, list[int]]:
-    """`{path below the checkpoint's "model": shape}` of every variable of the model(s).
-
-    Walks the checkpoint's object graph from its `model` node, breadth first (each variable
-    under its shortest path there): the checkpoint's own keys cannot be compared, since a
-    variable is keyed by its shortest path from the root, which may pass through the optimizer.
-    """
+def _object_graph(prefix: str):
     from tensorflow.core.protobuf import trackable_object_graph_pb2
 
     reader = tf.compat.v1.train.NewCheckpointReader(prefix)
-    shapes = reader.get_variable_to_shape_map()
     graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
-    roots = [c.node_id for c in graph.nodes[0].children if c.local_name == "model"]
+    return reader, graph
+
+
+def _node(graph, path: tuple[str, ...]) -> int | None:
+    """The id of the object at `path` from the checkpoint's root, None if there is none."""
+    node_id = 0
+    for name in path:
+        node_id = next((c.node_id for c in graph.nodes[node_id].children if c.local_name == name), None)
+        if node_id is None:
+            return None
+    return node_id
+
+
+def _checkpoint_shapes(prefix: str, root: tuple[str, ...] = ("model",), label: str = "model") -> dict[str, list[int]]:
+    """`{path below the checkpoint's object at root, led by label: shape}` of every variable there.
+
+    Walks the checkpoint's object graph from that object (`model`, or `model/<key>` for one model
+    of a dict), breadth first (each variable under its shortest path there): the checkpoint's own
+    keys cannot be compared, since a variable is keyed by its shortest path from the root, which
+    may pass through the optimizer.
+    """
+    reader, graph = _object_graph(prefix)
+    shapes = reader.get_variable_to_shape_map()
+    start = _node(graph, root)
+    roots = [] if start is None else [start]
     found: dict[str, list[int]] = {}
     seen = set(roots)
-    queue = [(node_id, "model") for node_id in roots]
+    queue = [(node_id, label) for node_id in roots]
     while queue:
         node_id, path = queue.pop(0)
         for attribute in graph.nodes[node_id].attributes:
@@ -87,7 +110,7 @@ def _h5_shapes(path: str) -> dict[str, list[int]]:
     return shapes
 
 
-def compare(source: Mapping[str, list[int]], own: Mapping[str, list[int]], path: str) -> list[str]:
+def compare(source: Mapping[str, list[int]], own: Mapping[str, list[int]], path: str, hint: str = "") -> list[str]:
     """The keys to restore; a shape mismatch or no match at all is a UserError."""
     for key in sorted(set(source) & set(own)):
         if source[key] != own[key]:
@@ -96,36 +119,51 @@ def compare(source: Mapping[str, list[int]], own: Mapping[str, list[int]], path:
     matched = sorted(set(source) & set(own))
     if not matched:
         raise UserError(f"train.warm_start {path}: none of its {len(source)} variables matches the model's "
-                        f"{len(own)}; is it a run of this model?")
+                        f"{len(own)}; is it a run of this model?{hint}")
     return matched
 
 
-def report(path: str, matched: list[str], source: Mapping, own: Mapping, print_fn: Callable[[str], None]) -> None:
-    print_fn(f"warm start from {path}: restored {len(matched)} of the model's {len(own)} variables: "
-             f"{', '.join(matched)}")
+def report(path: str, matched: list[str], source: Mapping, own: Mapping, print_fn: Callable[[str], None],
+           key: str | None = None) -> None:
+    whose = "the model's" if key is None else f"model {key!r}'s"
+    print_fn(f"warm start {'' if key is None else f'of model {key!r} '}from {path}: restored {len(matched)} of "
+             f"{whose} {len(own)} variables: {', '.join(matched)}")
     missing = sorted(set(own) - set(source))
     unused = sorted(set(source) - set(own))
     print_fn(f"warm start: not in the source, left as initialised ({len(missing)}): {', '.join(missing) or '-'}")
     print_fn(f"warm start: in the source, not in the model, ignored ({len(unused)}): {', '.join(unused) or '-'}")
 
 
-def _from_checkpoint(models: Any, prefix: str, print_fn: Callable[[str], None]) -> None:
-    checkpoint = tf.train.Checkpoint(model=models)
-    probe = checkpoint.write(f"ram://trainer-warm-start-{uuid.uuid4().hex}/ckpt")
-    source, own = _checkpoint_shapes(prefix), _checkpoint_shapes(probe)
-    matched = compare(source, own, prefix)
+def _from_checkpoint(models: Any, prefix: str, print_fn: Callable[[str], None], key: str | None = None) -> None:
+    """All of `models` from the checkpoint's models or, with `key`, the one model `models` (the run's
+    model `key`) from the checkpoint's model `key` if it has a dict of models with that key, else
+    from its whole model."""
+    own_checkpoint = tf.train.Checkpoint(model=models)
+    probe = own_checkpoint.write(f"ram://trainer-warm-start-{uuid.uuid4().hex}/ckpt")
+    if key is None:
+        root, label, checkpoint = ("model",), "model", own_checkpoint
+    else:
+        keyed = _node(_object_graph(prefix)[1], ("model", key)) is not None
+        root, label = (("model", key) if keyed else ("model",)), f"model/{key}"
+        checkpoint = tf.train.Checkpoint(model={key: models} if keyed else models)
+    source, own = _checkpoint_shapes(prefix, root, label), _checkpoint_shapes(probe, ("model",), label)
+    hint = (f" To start one model of this run's dict from it, name that model: train.warm_start = "
+            f"{{'<key>': '{prefix}'}}" if key is None and isinstance(models, Mapping) else "")
+    matched = compare(source, own, prefix, hint)
     checkpoint.read(prefix).expect_partial()
-    report(prefix, matched, source, own, print_fn)
+    report(prefix, matched, source, own, print_fn, key)
 
 
-def _from_weights_file(models: Any, path: str, print_fn: Callable[[str], None]) -> None:
+def _from_weights_file(models: Any, path: str, print_fn: Callable[[str], None], key: str | None = None) -> None:
     """Merges the file's matching weights into a copy of the model's own file, then loads that."""
     import h5py
 
     if isinstance(models, Mapping) or not hasattr(models, "load_weights"):
         raise UserError(f"train.warm_start {path}: a {WEIGHTS_SUFFIX} file warm-starts one Keras model; "
-                        "this run's model_fn returned " + ("a dict of models" if isinstance(models, Mapping)
-                                                            else type(models).__name__) + "; use a checkpoint")
+                        + ("this run's model_fn returned a dict of models: name the one it is for, "
+                           f"train.warm_start = {{'<key>': '{path}'}}" if isinstance(models, Mapping) else
+                           f"{'model ' + repr(key) if key else 'the model'} is a {type(models).__name__}; "
+                           "use a checkpoint"))
     temp_dir = tempfile.mkdtemp(prefix="trainer-warm-start-")
     try:
         merged = os.path.join(temp_dir, "merged" + WEIGHTS_SUFFIX)
@@ -133,21 +171,42 @@ def _from_weights_file(models: Any, path: str, print_fn: Callable[[str], None]) 
         source, own = _h5_shapes(path), _h5_shapes(merged)
         matched = compare(source, own, path)
         with h5py.File(path, "r") as src, h5py.File(merged, "r+") as dst:
-            for key in matched:
-                dst[key][...] = src[key][...]
+            for name in matched:
+                dst[name][...] = src[name][...]
         models.load_weights(merged)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
-    report(path, matched, source, own, print_fn)
+    report(path, matched, source, own, print_fn, key)
 
 
-def warm_start(models: Any, path: str, print_fn: Callable[[str], None] = print) -> None:
-    """Initialises `models` from `path` (see the module docstring); prints what matched."""
-    resolved = resolve(path)
-    if resolved.endswith(WEIGHTS_SUFFIX):
-        _from_weights_file(models, resolved, print_fn)
+def warm_start(models: Any, source: str | Mapping[str, str], print_fn: Callable[[str], None] = print) -> None:
+    """Initialises `models` from `source`, a path or `{model key: path}` (see the module docstring);
+    prints what matched."""
+    if isinstance(source, Mapping):
+        targets = _targets(models, source)
+        for key, path in source.items():
+            _warm_start_one(targets[key], resolve(path), print_fn, key)
     else:
-        _from_checkpoint(models, resolved, print_fn)
+        _warm_start_one(models, resolve(source), print_fn)
+
+
+def _warm_start_one(models: Any, resolved: str, print_fn: Callable[[str], None], key: str | None = None) -> None:
+    if resolved.endswith(WEIGHTS_SUFFIX):
+        _from_weights_file(models, resolved, print_fn, key)
+    else:
+        _from_checkpoint(models, resolved, print_fn, key)
+
+
+def _targets(models: Any, source: Mapping[str, str]) -> Mapping[str, Any]:
+    """The run's models that `source` names by key; a key the run does not have is a UserError."""
+    if not isinstance(models, Mapping):
+        raise UserError(f"train.warm_start {dict(source)!r} names models by key, but this run's model_fn returns one "
+                        "model; give a path: train.warm_start = '<path>'")
+    unknown = sorted(str(k) for k in source if k not in models)
+    if unknown:
+        raise UserError(f"train.warm_start names model(s) {', '.join(map(repr, unknown))}, but this run's model_fn "
+                        f"returns {', '.join(map(repr, sorted(models)))}; key each path like the model it is for")
+    return models
 
 
 class WarmStart(Extension):
@@ -160,11 +219,15 @@ class WarmStart(Extension):
     unsupported_fix = "warm-start a synchronous run, or copy the source checkpoint into the model_dir to resume from it"
 
     def __init__(self, path: Any):
-        if not isinstance(path, str) or not path:
+        paths = list(path.values()) if isinstance(path, Mapping) and path else [path]
+        if isinstance(path, Mapping) and not all(isinstance(k, str) and k for k in path):
+            paths = [None]
+        if not all(isinstance(p, str) and p for p in paths):
             raise UserError(f"train.warm_start must be a path (a model_dir, a checkpoint prefix or a {WEIGHTS_SUFFIX} "
-                            f"file) or None, got {path!r}")
-        resolve(path)  # a missing source is refused now, before anything is built
-        self.path = path
+                            "file), a dict {model key: path} for some models of a dict, or None, got " + repr(path))
+        for p in paths:
+            resolve(p)  # a missing source is refused now, before anything is built
+        self.path = dict(path) if isinstance(path, Mapping) else path
 
     def restored(self, setup: Setup, path: str | None) -> None:
         if path is None:  # a fresh run only; a shape mismatch stops here, nothing written

@@ -92,7 +92,7 @@ class Settings:
     clip_global_norm: float | None = None
     ema_decay: float | None = None
     export_saved_model: bool = False
-    warm_start: str | None = None
+    warm_start: str | Mapping[str, str] | None = None  # a path, or {model key: path} for models of a dict
     keep_best: int = 0
     best_metric: str = "loss"
     best_mode: str = "min"

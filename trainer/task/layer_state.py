@@ -34,15 +34,32 @@ with an aggregation that says what the update means:
   mirrored copy does; under mirrored it stays NONE (its copies already advance alike, and every
   replica draws the same seed each step).
 With one replica it changes nothing.
+
+Losses made inside a model call (`add_loss`, activity regularisers) need the same care.
+Keras 3 keeps them in each layer's `_losses` list, cleared when the outermost call starts
+and read by `model.losses`; that list is one Python object, while the replicas of a
+MirroredStrategy or CentralStorageStrategy call the model in threads of their own. The
+threads take turns wherever a replica synchronises with the others (`merge_call`): the MEAN
+update of BatchNorm statistics above inside the model call, any assign to a CentralStorage
+variable, a cross-replica sum in a layer, `apply_gradients`. So replica 0 could clear the list,
+be paused inside the call, and later read replica 1's activity penalty with its own (measured:
+the penalty summed over 2 replicas 1.5 times one device's, and the loss-scaling guard
+stopping a correct step). `separate_replica_losses(strategy, models)` gives every layer of
+the models one such list per thread, so each replica reads exactly the losses its own call
+made, as on one device.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
-from typing import Iterator, Mapping
+import threading
+from typing import Any, Iterable, Iterator, Mapping
 
+import keras
 import tensorflow as tf
 
 from trainer.distribution import modes
+from trainer.task.structure import flat
 
 SEED_STATE_NAME = "seed_generator_state"  # keras.random.SeedGenerator's variable name
 
@@ -86,6 +103,76 @@ def model_creation_scope(strategy: tf.distribute.Strategy) -> Iterator[None]:
         stack.enter_context(tf.variable_creator_scope(
             _state_creator(aggregating=modes.of(strategy).aggregates_variables)))
         yield
+
+
+class PerThreadLosses(collections.abc.MutableSequence):
+    """A list with one content per thread: what a Keras layer's `_losses` must be when
+    several replica threads call the same model (see the module docstring). It supports what
+    Keras does with `_losses` (`extend`, `append`, `clear`, `[:]`, iteration, `len`); the
+    thread that installs it keeps the losses the list held."""
+
+    def __init__(self, initial: Iterable = ()):
+        self._local = threading.local()
+        self._mine().extend(initial)
+
+    def _mine(self) -> list:
+        items = getattr(self._local, "items", None)
+        if items is None:
+            items = self._local.items = []
+        return items
+
+    def __getitem__(self, index):
+        return self._mine()[index]
+
+    def __setitem__(self, index, value) -> None:
+        self._mine()[index] = value
+
+    def __delitem__(self, index) -> None:
+        del self._mine()[index]
+
+    def __len__(self) -> int:
+        return len(self._mine())
+
+    def insert(self, index: int, value) -> None:
+        self._mine().insert(index, value)
+
+    def clear(self) -> None:
+        self._mine().clear()
+
+    def __repr__(self) -> str:
+        return f"PerThreadLosses({self._mine()!r})"
+
+
+def _keras_layers(models: Any) -> list:
+    """Every Keras layer of a model, a tf.Module or a dict of them (nested ones included), once each."""
+    tops = []
+    for model in flat(models):
+        if isinstance(model, keras.Layer):
+            tops.append(model)
+        elif isinstance(model, tf.Module):
+            tops.extend(model._flatten(predicate=lambda x: isinstance(x, keras.Layer)))  # noqa: SLF001
+    layers, seen = [], set()
+    for top in tops:
+        for layer in top._flatten_layers(include_self=True, recursive=True):  # noqa: SLF001
+            if id(layer) not in seen:
+                seen.add(id(layer))
+                layers.append(layer)
+    return layers
+
+
+def separate_replica_losses(strategy: tf.distribute.Strategy, models: Any) -> None:
+    """With more than one replica, gives every Keras layer of `models` a `PerThreadLosses` in place
+    of its `_losses` list, so that a replica's `model.losses` holds the losses of its own call only.
+
+    Call it once the models are built. Set past Keras' attribute tracking (`object.__setattr__`):
+    the list is per-call scratch, never state to track or save.
+    """
+    if strategy.num_replicas_in_sync <= 1:
+        return
+    for layer in _keras_layers(models):
+        losses = layer.__dict__.get("_losses")
+        if losses is not None and not isinstance(losses, PerThreadLosses):
+            object.__setattr__(layer, "_losses", PerThreadLosses(losses))
 
 
 def random_states(models) -> list:

@@ -15,6 +15,7 @@ from trainer.validation import check_int, check_number
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 DECAYS = ("constant", "cosine")
+ADAMW_DEFAULT_DECAY = 0.004  # keras.optimizers.AdamW's own default
 
 
 @keras.saving.register_keras_serializable(package="trainer")
@@ -86,6 +87,12 @@ def make_optimizer(
     Args:
       global_batch_size, total_steps: filled in by the loop.
       name: one of OPTIMIZERS.
+      learning_rate: the rate (at `reference_batch_size`, if given).
+      momentum: for sgd and rmsprop (adam and adamw have their own moments).
+      weight_decay: decoupled weight decay, applied as Keras 3 applies it for every optimizer:
+        before each update every trained variable is multiplied by (1 - learning_rate *
+        weight_decay). 0 means none, for every optimizer; None means Keras' default, which is
+        0.004 for adamw and none for the others.
       reference_batch_size: the batch size `learning_rate` was tuned for; the rate is
         scaled linearly to the global batch size (None: no scaling).
       warmup_steps: steps of linear warm-up from 0 to the (scaled) rate.
@@ -104,12 +111,13 @@ def make_optimizer(
         decay=decay,
         total_steps=total_steps,
     )
+    if name == "adamw":  # Keras' AdamW needs a number; 0.0 decays nothing
+        return keras.optimizers.AdamW(lr, weight_decay=ADAMW_DEFAULT_DECAY if weight_decay is None else weight_decay)
+    decay_option = {"weight_decay": weight_decay or None}  # None: Keras adds no decay ops at all
     if name == "sgd":
-        return keras.optimizers.SGD(lr, momentum=momentum)
+        return keras.optimizers.SGD(lr, momentum=momentum, **decay_option)
     if name == "adam":
-        return keras.optimizers.Adam(lr)
-    if name == "adamw":
-        return keras.optimizers.AdamW(lr, weight_decay=weight_decay or 0.004)
+        return keras.optimizers.Adam(lr, **decay_option)
     if name == "rmsprop":
-        return keras.optimizers.RMSprop(lr, momentum=momentum)
+        return keras.optimizers.RMSprop(lr, momentum=momentum, **decay_option)
     raise UserError(f"unknown optimizer {name!r}; set make_optimizer.name to one of: {', '.join(OPTIMIZERS)}")

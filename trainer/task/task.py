@@ -177,6 +177,7 @@ def build_task(
     with runtime.strategy.scope(), layer_state.model_creation_scope(runtime.strategy):
         models = make_models(model_fn, inp)
         build_by_calling(models, model_fn, inp)  # before the optimizers are built and the checkpoint made
+        layer_state.separate_replica_losses(runtime.strategy, models)
     with runtime.strategy.scope():
         optimizers = make_optimizers(optimizer_fn, global_batch_size=global_batch_size, total_steps=total_steps,
                                      policy=runtime.policy)
