@@ -2,7 +2,7 @@
 and how its process ends (without the interpreter's teardown once the outcome is out).
 
 Exit codes (docs/design.md): 2 a user mistake (bad flag, gin, TF_CONFIG, data path), 1 a run
-that could not go on; absl alone would print usage and exit 1 for a bad flag.
+that could not go on, 130 Ctrl-C; absl alone would print usage and exit 1 for a bad flag.
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import traceback
 from typing import Callable, Iterator, NoReturn
 
 from absl import flags, logging
+
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130, what a shell reports for Ctrl-C
 
 
 def fail(message: str, exit_code: int = 2) -> NoReturn:

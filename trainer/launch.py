@@ -35,6 +35,7 @@ from trainer.distribution import netns
 from trainer.errors import UserError
 
 USER_ERROR_EXIT = 2
+INTERRUPTED_EXIT = 128 + signal.SIGINT
 _POLL_SECS = 0.05
 _OUTPUT_LOCK = threading.Lock()
 
@@ -93,8 +94,9 @@ def launch(
         while True:
             cluster = build_cluster(num_workers, num_ps, _free_ports)
             code = _run_group(cluster, args, options, signals)
-            # A user mistake (exit 2) would fail the same way again, so it ends the run.
-            if code in (0, USER_ERROR_EXIT) or signals.received or attempt == max_restarts:
+            # A user mistake (exit 2) would fail the same way again, and a task stopped by Ctrl-C
+            # (130) was asked to stop, so either ends the run.
+            if code in (0, USER_ERROR_EXIT, INTERRUPTED_EXIT) or signals.received or attempt == max_restarts:
                 return code
             attempt += 1
             _log(f"restarting group ({attempt}/{max_restarts})")
@@ -123,10 +125,12 @@ def _free_ports(count: int) -> list[int]:
 
 
 class _SignalCatcher:
-    """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-way."""
+    """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-way: the first
+    one (`received`) and how many came (`count`)."""
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.count = 0
         self._previous: dict = {}
 
     def __enter__(self) -> "_SignalCatcher":
@@ -139,7 +143,8 @@ class _SignalCatcher:
             signal.signal(signum, handler)
 
     def _record(self, signum: int, frame: object) -> None:
-        self.received = signum
+        self.received = self.received or signum
+        self.count += 1
 
 
 class _Task:
@@ -199,8 +204,11 @@ def _supervise(
     """Waits until the watched tasks all succeed, any task fails, or a signal arrives."""
     while True:
         if signals.received:
-            _log(f"got {signal.Signals(signals.received).name}; stopping all tasks")
-            _stop(tasks, signals.received, grace_secs)
+            # Ctrl-C: the tasks save and the chief says so in one line (trainer.main); a second
+            # Ctrl-C ends them at once.
+            if signals.received != signal.SIGINT:
+                _log(f"got {signal.Signals(signals.received).name}; stopping all tasks")
+            _stop(tasks, signals.received, grace_secs, signals)
             return 128 + signals.received
         failed = next((task for task in tasks if task.poll() not in (None, 0)), None)
         if failed:
@@ -216,13 +224,22 @@ def _supervise(
         time.sleep(_POLL_SECS)
 
 
-def _stop(tasks: list[_Task], signum: int, grace_secs: float) -> None:
-    """Sends `signum` to every running task, waits up to grace_secs, then kills the rest."""
+def _stop(tasks: list[_Task], signum: int, grace_secs: float, signals: _SignalCatcher | None = None) -> None:
+    """Sends `signum` to every running task, waits up to grace_secs (or until another signal
+    reaches the launcher), then kills the rest."""
     for task in tasks:
         if task.poll() is None:
             task.signal_group(signum)
+    seen = signals.count if signals else 0
     deadline = time.monotonic() + grace_secs
-    while any(task.poll() is None for task in tasks) and time.monotonic() < deadline:
+    while any(task.poll() is None for task in tasks):
+        if signals and signals.count > seen:
+            _log(f"got {signal.Signals(signum).name} again; killing all tasks without waiting")
+            break
+        if time.monotonic() >= deadline:
+            if signals:
+                _log(f"tasks still running {grace_secs:g} s after {signal.Signals(signum).name}; killing them")
+            break
         time.sleep(_POLL_SECS)
     _kill(tasks)
 

@@ -84,6 +84,12 @@ class Console:
     def hide_live(self) -> None:
         self._live = None
 
+    def close_live(self) -> None:
+        """Blanks the live line for good: a run that ends early (Ctrl-C) ends on its last line."""
+        if self._live is not None:
+            self._live.clear()
+            self._live = None
+
 
 @dataclasses.dataclass
 class Clock:
