@@ -83,6 +83,7 @@ def drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: 
 
 
 def _drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: int) -> int:
+    run.metrics_log.resumed(run.start_step)  # what an earlier run logged past start_step is trained again
     for hook in hooks:
         hook.begin(run)
     step = run.start_step
