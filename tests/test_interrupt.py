@@ -99,3 +99,18 @@ def test_ctrl_c_in_front_of_the_launcher_saves_on_both_workers_in_one_line(tmp_p
     assert step >= 20 and os.path.exists(os.path.join(model_dir, f"ckpt-{step}.index"))
     assert took < 10, took
     wait_for(lambda: not trainer_pids_for(model_dir), 15, "the workers to end")
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_before_training_is_one_line_and_exit_130(tmp_path):
+    """While TensorFlow loads (the first seconds), nothing to save: the line, exit 130, model_dir untouched."""
+    model_dir = tmp_path / "run"
+    main = Main("--gin_file=gin/single.gin", f"--model_dir={model_dir}")
+    try:
+        time.sleep(1.5)
+        main.proc.send_signal(signal.SIGINT)
+        code = main.finish(timeout=30)
+    finally:
+        main.kill()
+    assert code == 130 and main.err == ["interrupted; rerun the same command to continue"], main.tail()
+    assert not model_dir.exists()

@@ -31,6 +31,12 @@ def fail(message: str, exit_code: int = 2) -> NoReturn:
     sys.exit(exit_code)
 
 
+def say_interrupted() -> None:
+    """The line of a Ctrl-C while no training loop runs (setup, the final eval); during training
+    the run saves first and says at which step (trainer/extensions/preemption.py)."""
+    print("interrupted; rerun the same command to continue", file=sys.stderr, flush=True)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's parser for `app.run(..., flags_parser=parse_flags)`: a bad flag exits 2 in one line."""
     try:

@@ -58,7 +58,8 @@ _EXIT_TIMEOUT_MS = 10_000
 class StopSignals:
     """Watches `signums` from a thread: the first one calls `on_first(signum)`, a later SIGINT
     calls `on_again()`. Python's default handlers (KeyboardInterrupt for SIGINT) are replaced
-    while installed; `uninstall` puts them back."""
+    while installed, an ignored signal (a job started with `nohup` or `&`) is left ignored;
+    `uninstall` puts them back."""
 
     def __init__(self, signums: tuple[int, ...], on_first: Callable[[int], None], on_again: Callable[[], None]):
         self._signums = signums
@@ -75,7 +76,8 @@ class StopSignals:
         self._writer.setblocking(False)
         self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
         for signum in self._signums:
-            self._previous[signum] = signal.signal(signum, _seen_by_the_thread)
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored when the process started: stays so
+                self._previous[signum] = signal.signal(signum, _seen_by_the_thread)
         self._thread = threading.Thread(target=self._watch, name="trainer-stop-signals", daemon=True)
         self._thread.start()
 
