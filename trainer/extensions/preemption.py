@@ -85,7 +85,7 @@ class StopSignals:
         if self._thread is None:
             return
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: one set outside Python
         signal.set_wakeup_fd(self._previous_fd)
         self._writer.close()  # the thread's read returns: it ends
         self._thread.join(timeout=5)
@@ -93,7 +93,13 @@ class StopSignals:
         self._thread = None
 
     def _watch(self) -> None:
-        while data := self._reader.recv(64):
+        while True:
+            try:
+                data = self._reader.recv(64)
+            except OSError:  # closed by `uninstall`
+                return
+            if not data:
+                return
             for signum in data:
                 if signum not in self._signums:
                     continue
@@ -136,7 +142,8 @@ class Preemption(Extension):
             self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
                 run.strategy.cluster_resolver, reader, termination_config=config
             )
-            signal.signal(signal.SIGTERM, previous_sigterm)  # the handler set its own; ours decides below
+            # The handler set its own SIGTERM handler; ours (below) decides.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
         signums = (signal.SIGINT, signal.SIGTERM) if self.on_sigterm else (signal.SIGINT,)
         self._signals = StopSignals(signums, on_first=self._claim, on_again=self._leave_at_once)
         self._signals.install()
@@ -150,10 +157,14 @@ class Preemption(Extension):
             self._save()
             self._exit()
 
+    def close(self, run: Run) -> None:
+        if self._signals is not None:
+            self._signals.uninstall()
+
     def end(self, run: Run, step: int) -> None:
         """Puts the signal handlers back; stops the handler's threads, then waits for every
         worker to have stopped theirs."""
-        self._signals.uninstall()
+        self.close(run)
         handler = self._handler
         if handler is None:
             return
@@ -171,10 +182,14 @@ class Preemption(Extension):
         if self._handler is None:
             return  # after_loop sees `received`
         try:
-            context.context().set_config_key_value(_STOP_SIGNAL_KEY, str(signum))
-        except tf.errors.AlreadyExistsError:
-            pass  # a peer claimed first, with its signal
-        self._handler._maybe_set_received_own_sigterm()  # what the handler's own SIGTERM handler does
+            try:
+                context.context().set_config_key_value(_STOP_SIGNAL_KEY, str(signum))
+            except tf.errors.AlreadyExistsError:
+                pass  # a peer claimed first, with its signal
+            self._handler._maybe_set_received_own_sigterm()  # what the handler's own SIGTERM handler does
+        except tf.errors.OpError as e:  # the coordination service gone: training will fail on its own
+            self._console.print(f"could not ask the other workers to stop ({type(e).__name__}); "
+                                "Ctrl-C again exits at once")
 
     def _stop_signal(self) -> int:
         """The signal every worker exits by: the claiming worker's. All workers read it, then meet

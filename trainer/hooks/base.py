@@ -48,6 +48,10 @@ class Hook:
     def rewind(self, run: "Run", step: int) -> None:
         """Training went back to `step` (a roll-back after a non-finite loss)."""
 
+    def close(self, run: "Run") -> None:
+        """After the run however it ended (an error, an exit, after `end`): give back what `begin`
+        took from the process (signal handlers), so a caller of `train` gets it back."""
+
     def steps_to_boundary(self, step: int) -> int | None:
         if self.every_steps <= 0:
             return None

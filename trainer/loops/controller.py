@@ -68,9 +68,9 @@ def drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: 
     """The outer loop: compiled calls that end on the nearest hook boundary, hooks in between.
 
     Returns the step the run ended at (before `total_steps` if a hook asked to stop). Whatever
-    happens, the pending checkpoint write is finished (or its failure said in one line) and the
-    metrics log closed: a run that stops (a non-finite loss, preemption, a lost peer) keeps its
-    event records too.
+    happens, the pending checkpoint write is finished (or its failure said in one line), the
+    metrics log closed and every hook's `close` called: a run that stops (a non-finite loss,
+    preemption, Ctrl-C, a lost peer) keeps its event records too.
     """
     try:
         return _drive(loop, run, hooks, steps_per_loop)
@@ -80,6 +80,8 @@ def drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: 
                 run.saver.wait()
         finally:
             run.metrics_log.close()
+            for hook in hooks:
+                hook.close(run)
 
 
 def _drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: int) -> int:
