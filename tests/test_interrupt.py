@@ -114,3 +114,23 @@ def test_ctrl_c_before_training_is_one_line_and_exit_130(tmp_path):
         main.kill()
     assert code == 130 and main.err == ["interrupted; rerun the same command to continue"], main.tail()
     assert not model_dir.exists()
+
+
+@pytest.mark.timeout(200)
+def test_ctrl_c_to_an_embedded_parameter_server_run_saves_then_ends_the_servers(tmp_path):
+    """As from a terminal, to the whole process group: the servers (a group of their own) keep the
+    variables until the coordinator has saved them, then the coordinator ends them."""
+    model_dir = tmp_path / "run"
+    main = Main("--gin_file=gin/ps.gin", f"--model_dir={model_dir}", *SHORT_CALLS)
+    try:
+        main.wait_for(r"^step 20/", timeout=150)
+        os.killpg(main.proc.pid, signal.SIGINT)
+        code = main.finish(timeout=60)
+    finally:
+        main.kill()
+    assert code == 130, main.tail()
+    match = INTERRUPTED.match(main.out[-1])
+    assert match and (model_dir / f"ckpt-{match.group(2)}.index").exists(), main.tail()
+    stopped = [line for line in main.err if line.endswith(" stopped")]
+    assert len(stopped) == 3 and not [line for line in main.err if "Traceback" in line], main.stderr[-3000:]
+    wait_for(lambda: not trainer_pids_for(str(model_dir)), 10, "the coordinator to end")

@@ -6,7 +6,8 @@
 Multi-worker runs are tested and debugged locally before they go to a cluster,
 and a half-dead local cluster (a worker gone, its peers hanging in a collective)
 is the usual way that goes wrong. So the launcher treats the tasks as one group:
-one task failing ends them all, a signal to the launcher reaches every task,
+one task failing ends them all, a signal to the launcher reaches every task
+(Ctrl-C the training tasks first, which save and say so, then the servers),
 each task runs in its own process group that is killed at the end, and the
 group can be restarted whole on fresh ports (as after a preemption, exit 42).
 The whole group runs in a private network namespace with only loopback
@@ -203,11 +204,15 @@ def _supervise(
 ) -> int:
     """Waits until the watched tasks all succeed, any task fails, or a signal arrives."""
     while True:
+        if signals.received == signal.SIGINT:
+            # Ctrl-C reaches the tasks that train (not the servers their variables live on), which
+            # save, however long that takes, and the chief says so in one line (trainer.main), so
+            # the launcher adds none; a second Ctrl-C ends them at once.
+            _stop(watched, signal.SIGINT, None, signals)
+            _stop(tasks, signal.SIGTERM, grace_secs)
+            return 128 + signal.SIGINT
         if signals.received:
-            # Ctrl-C: the tasks save and the chief says so in one line (trainer.main); a second
-            # Ctrl-C ends them at once.
-            if signals.received != signal.SIGINT:
-                _log(f"got {signal.Signals(signals.received).name}; stopping all tasks")
+            _log(f"got {signal.Signals(signals.received).name}; stopping all tasks")
             _stop(tasks, signals.received, grace_secs, signals)
             return 128 + signals.received
         failed = next((task for task in tasks if task.poll() not in (None, 0)), None)
@@ -224,21 +229,20 @@ def _supervise(
         time.sleep(_POLL_SECS)
 
 
-def _stop(tasks: list[_Task], signum: int, grace_secs: float, signals: _SignalCatcher | None = None) -> None:
-    """Sends `signum` to every running task, waits up to grace_secs (or until another signal
-    reaches the launcher), then kills the rest."""
+def _stop(tasks: list[_Task], signum: int, grace_secs: float | None,
+          signals: _SignalCatcher | None = None) -> None:
+    """Sends `signum` to every running task, waits up to grace_secs (None: as long as they take)
+    or until another signal reaches the launcher, then kills the rest."""
     for task in tasks:
         if task.poll() is None:
             task.signal_group(signum)
     seen = signals.count if signals else 0
-    deadline = time.monotonic() + grace_secs
+    deadline = None if grace_secs is None else time.monotonic() + grace_secs
     while any(task.poll() is None for task in tasks):
         if signals and signals.count > seen:
-            _log(f"got {signal.Signals(signum).name} again; killing all tasks without waiting")
+            _log(f"got {signal.Signals(signals.received).name} again; killing all tasks without waiting")
             break
-        if time.monotonic() >= deadline:
-            if signals:
-                _log(f"tasks still running {grace_secs:g} s after {signal.Signals(signum).name}; killing them")
+        if deadline is not None and time.monotonic() >= deadline:
             break
         time.sleep(_POLL_SECS)
     _kill(tasks)
@@ -293,7 +297,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("max_restarts", 0, "Times the group is restarted after a task fails.")
     flags.DEFINE_string("module", "trainer.main", "Module run with the flags after `--`.")
     flags.DEFINE_string("server_module", "trainer.server", "Module of ps and workers in ps mode.")
-    flags.DEFINE_float("grace_secs", 10.0, "Seconds tasks get after SIGTERM before SIGKILL.")
+    flags.DEFINE_float("grace_secs", 10.0, "Seconds tasks get after SIGTERM before SIGKILL (after Ctrl-C the "
+                       "training tasks get as long as their save takes; a second Ctrl-C kills them).")
 
 
 def main(passthrough: list[str]) -> int:
