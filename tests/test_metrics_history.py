@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.support import REPO, read_jsonl, run_main, subprocess_env
+from tests.test_nonfinite import BAD_STEP, poisoned  # noqa: F401  (poisoned: a fixture)
 from tests.test_resume import kill_group, wait_for_step
 from trainer.files.metrics_log import read_history
 
@@ -103,3 +104,19 @@ def test_a_run_resumed_from_an_older_checkpoint_draws_each_step_once(tmp_path):
         for line in ax.lines:
             steps = list(line.get_xdata())
             assert steps == sorted(set(steps)), (ax.get_title(), steps)
+
+
+@pytest.mark.timeout(200)
+def test_a_roll_back_marks_the_steps_it_trains_again(poisoned, tmp_path):  # noqa: F811
+    """A NaN at step 7, checkpoints every 5 steps, a line every step: the roll-back to step 5 marks
+    step 6's first line superseded; the history has each step once."""
+    model_dir = str(tmp_path / "run")
+    proc = run_main(*poisoned, f"--model_dir={model_dir}", "--gin_bindings=train.nonfinite='rollback'",
+                    "--gin_bindings=train.log_every_steps=1")
+    assert proc.returncode == 0 and f"(step 5) and skipping batch {BAD_STEP - 1}" in proc.stdout, proc.stderr[-3000:]
+    records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
+    mark = records.index({"step": 5, "split": "resumed"})
+    assert [r["step"] for r in records[:mark] if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+    history = read_history(model_dir)
+    assert [r["step"] for r in history if r["split"] == "train"] == list(range(1, 31))
+    assert next(r for r in history if r["step"] == 6) == next(r for r in records[mark:] if r["step"] == 6)

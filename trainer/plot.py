@@ -1,11 +1,12 @@
 """Learning curves from `metrics.jsonl`: `python -m trainer.plot --model_dir=D [--model_dir=E ...] [--out=curves.png]`.
 
 Three panels against the global step: train loss, eval loss, eval accuracy; each run one colour
-in every panel, labelled by its directory name. Each run is read as one history
-(`metrics_log.read_history`): a step trained again after a resume is drawn once, at its last
-value. Needs matplotlib (`pip install 'trainer[plot]'`) and draws without a display (Agg).
-Exit codes as trainer.main: 2 for a user mistake (a missing run, no matplotlib), with one line
-on stderr.
+in every panel, labelled by its directory name. Needs matplotlib (`pip install 'trainer[plot]'`)
+and draws without a display (Agg). Exit codes as trainer.main: 2 for a user mistake (a missing
+run, no matplotlib), with one line on stderr.
+
+Each run is read as one history (`metrics_log.read_history`): a step trained again after a
+resume is drawn once, at its last value.
 """
 from __future__ import annotations
 

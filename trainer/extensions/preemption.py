@@ -213,9 +213,10 @@ class Preemption(Extension):
     def _exit(self) -> None:
         signum = self._stop_signal()
         self._signals.uninstall()
-        # A peer that exits first makes the launcher (srun --kill-on-bad-exit, trainer.launch) SIGTERM
-        # this process too; it is leaving already, and must leave with the code it chose.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self._handler is not None:
+            # A peer that exits first makes the launcher (srun --kill-on-bad-exit, trainer.launch) SIGTERM
+            # this process too; it is leaving already, and must leave with the code it chose.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if signum == signal.SIGINT:
             if self._is_chief:
                 self._console.close_live()

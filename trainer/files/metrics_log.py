@@ -4,7 +4,8 @@ and `read_history`, the one reader of `metrics.jsonl` as one history.
 `metrics.jsonl` (the contract in docs/design.md) holds one JSON object per line, appended across restarts:
 {"step": int, "split": "train"|"eval"|<eval split>, <metric>: float, ...}. A run that continues a
 history (a resume, from whichever checkpoint) first appends `{"step": S, "split": "resumed"}`, S
-its start step: the lines before it with a step > S are of steps it trains again, superseded.
+its start step, and so does a roll-back to the checkpoint of step S (`train.nonfinite =
+'rollback'`): the lines before it with a step > S are of steps trained again, superseded.
 TensorBoard gets the same scalars under `model_dir/train`, `model_dir/eval` and, for another eval
 split, `model_dir/eval/<split>` (a run of its own, `eval/<split>`, beside `eval`).
 

@@ -101,6 +101,7 @@ def _drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop:
         back = next((s for h in hooks if (s := h.rollback_to(run, step, num_steps, metrics)) is not None), None)
         if back is not None:
             step = back
+            run.metrics_log.resumed(step)  # what was logged past the checkpoint rolled back to is trained again
             for hook in hooks:
                 hook.rewind(run, step)
             continue
