@@ -14,7 +14,8 @@ import pytest
 from tests.support import REPO, Main, subprocess_env
 from tests.test_multiworker import trainer_pids_for, wait_for
 
-INTERRUPTED = re.compile(r"^(\[worker 0\] )?interrupted at step (\d+), saved ckpt-(\d+); rerun the same command to continue$")
+INTERRUPTED = re.compile(
+    r"^(\[worker 0\] )?interrupted at step (\d+), saved ckpt-(\d+); rerun the same command to continue$")
 # Short loop calls, a line every 10 steps, no eval or periodic checkpoint to wait for.
 SHORT_CALLS = ["--gin_bindings=train.total_steps=100000", "--gin_bindings=train.log_every_steps=10",
                "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.eval_every_steps=100000",
