@@ -71,7 +71,7 @@ def test_rollback_mode_skips_the_batch_and_finishes(poisoned, tmp_path):
     assert f"rolled back to {model_dir}/ckpt-5 (step 5) and skipping batch {BAD_STEP - 1}" in proc.stdout
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
     assert records[-1]["split"] == "eval" and records[-1]["step"] == 30
-    assert all(np.isfinite(r["loss"]) for r in records)
+    assert all(np.isfinite(r["loss"]) for r in records if r["split"] != "resumed")
 
 
 def test_rollback_mode_gives_up_after_max_rollbacks(poisoned, tmp_path):

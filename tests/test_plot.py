@@ -10,10 +10,11 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def test_two_runs_overlaid_in_one_png_with_both_labels(profiled_run, trained_single_dir, tmp_path):
     from trainer import plot
+    from trainer.files.metrics_log import read_history
 
     run_a, run_b = profiled_run[0], trained_single_dir
     labels = [os.path.basename(run_a), os.path.basename(run_b)]
-    runs = {label: plot.read_run(d) for label, d in zip(labels, (run_a, run_b))}
+    runs = {label: read_history(d) for label, d in zip(labels, (run_a, run_b))}
     figure, legend = plot.build_figure(runs)
     assert legend == labels
     assert [t.get_text() for t in figure.legends[0].get_texts()] == labels

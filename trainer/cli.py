@@ -2,7 +2,7 @@
 and how its process ends (without the interpreter's teardown once the outcome is out).
 
 Exit codes (docs/design.md): 2 a user mistake (bad flag, gin, TF_CONFIG, data path), 1 a run
-that could not go on; absl alone would print usage and exit 1 for a bad flag.
+that could not go on, 130 Ctrl-C; absl alone would print usage and exit 1 for a bad flag.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from typing import Callable, Iterator, NoReturn
 
 from absl import flags, logging
 
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130, what a shell reports for Ctrl-C
+
 
 def fail(message: str, exit_code: int = 2) -> NoReturn:
     """Prints `error: <first line of message>` to stderr and exits."""
@@ -27,6 +29,12 @@ def fail(message: str, exit_code: int = 2) -> NoReturn:
         sys.modules["tensorflow"].get_logger().setLevel("ERROR")
     print(f"error: {first_line}", file=sys.stderr, flush=True)
     sys.exit(exit_code)
+
+
+def say_interrupted() -> None:
+    """The line of a Ctrl-C while no training loop runs (setup, the final eval); during training
+    the run saves first and says at which step (trainer/extensions/preemption.py)."""
+    print("interrupted; rerun the same command to continue", file=sys.stderr, flush=True)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

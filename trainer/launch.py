@@ -6,7 +6,8 @@
 Multi-worker runs are tested and debugged locally before they go to a cluster,
 and a half-dead local cluster (a worker gone, its peers hanging in a collective)
 is the usual way that goes wrong. So the launcher treats the tasks as one group:
-one task failing ends them all, a signal to the launcher reaches every task,
+one task failing ends them all, a signal to the launcher reaches every task
+(Ctrl-C the training tasks first, which save and say so, then the servers),
 each task runs in its own process group that is killed at the end, and the
 group can be restarted whole on fresh ports (as after a preemption, exit 42).
 The whole group runs in a private network namespace with only loopback
@@ -36,6 +37,7 @@ from trainer.distribution import netns
 from trainer.errors import UserError
 
 USER_ERROR_EXIT = 2
+INTERRUPTED_EXIT = 128 + signal.SIGINT
 _POLL_SECS = 0.05
 _OUTPUT_LOCK = threading.Lock()
 
@@ -94,8 +96,9 @@ def launch(
         while True:
             cluster = build_cluster(num_workers, num_ps, _free_ports)
             code = _run_group(cluster, args, options, signals)
-            # A user mistake (exit 2) would fail the same way again, so it ends the run.
-            if code in (0, USER_ERROR_EXIT) or signals.received or attempt == max_restarts:
+            # A user mistake (exit 2) would fail the same way again, and a task stopped by Ctrl-C
+            # (130) was asked to stop, so either ends the run.
+            if code in (0, USER_ERROR_EXIT, INTERRUPTED_EXIT) or signals.received or attempt == max_restarts:
                 return code
             attempt += 1
             _log(f"restarting group ({attempt}/{max_restarts})")
@@ -124,10 +127,12 @@ def _free_ports(count: int) -> list[int]:
 
 
 class _SignalCatcher:
-    """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-way."""
+    """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-way: the first
+    one (`received`) and how many came (`count`)."""
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.count = 0
         self._previous: dict = {}
 
     def __enter__(self) -> "_SignalCatcher":
@@ -140,7 +145,8 @@ class _SignalCatcher:
             signal.signal(signum, handler)
 
     def _record(self, signum: int, frame: object) -> None:
-        self.received = signum
+        self.received = self.received or signum
+        self.count += 1
 
 
 class _Task:
@@ -199,9 +205,16 @@ def _supervise(
 ) -> int:
     """Waits until the watched tasks all succeed, any task fails, or a signal arrives."""
     while True:
+        if signals.received == signal.SIGINT:
+            # Ctrl-C reaches the tasks that train (not the servers their variables live on), which
+            # save, however long that takes, and the chief says so in one line (trainer.main), so
+            # the launcher adds none; a second Ctrl-C ends them at once.
+            _stop(watched, signal.SIGINT, None, signals)
+            _stop(tasks, signal.SIGTERM, grace_secs)
+            return 128 + signal.SIGINT
         if signals.received:
             _log(f"got {signal.Signals(signals.received).name}; stopping all tasks")
-            _stop(tasks, signals.received, grace_secs)
+            _stop(tasks, signals.received, grace_secs, signals)
             return 128 + signals.received
         failed = next((task for task in tasks if task.poll() not in (None, 0)), None)
         if failed:
@@ -217,13 +230,21 @@ def _supervise(
         time.sleep(_POLL_SECS)
 
 
-def _stop(tasks: list[_Task], signum: int, grace_secs: float) -> None:
-    """Sends `signum` to every running task, waits up to grace_secs, then kills the rest."""
+def _stop(tasks: list[_Task], signum: int, grace_secs: float | None,
+          signals: _SignalCatcher | None = None) -> None:
+    """Sends `signum` to every running task, waits up to grace_secs (None: as long as they take)
+    or until another signal reaches the launcher, then kills the rest."""
     for task in tasks:
         if task.poll() is None:
             task.signal_group(signum)
-    deadline = time.monotonic() + grace_secs
-    while any(task.poll() is None for task in tasks) and time.monotonic() < deadline:
+    seen = signals.count if signals else 0
+    deadline = None if grace_secs is None else time.monotonic() + grace_secs
+    while any(task.poll() is None for task in tasks):
+        if signals and signals.count > seen:
+            _log(f"got {signal.Signals(signals.received).name} again; killing all tasks without waiting")
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            break
         time.sleep(_POLL_SECS)
     _kill(tasks)
 
@@ -273,7 +294,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("max_restarts", 0, "Times the group is restarted after a task fails.")
     flags.DEFINE_string("module", "trainer.main", "Module run with the flags after `--`.")
     flags.DEFINE_string("server_module", "trainer.server", "Module of ps and workers in ps mode.")
-    flags.DEFINE_float("grace_secs", 10.0, "Seconds tasks get after SIGTERM before SIGKILL.")
+    flags.DEFINE_float("grace_secs", 10.0, "Seconds tasks get after SIGTERM before SIGKILL (after Ctrl-C the "
+                       "training tasks get as long as their save takes; a second Ctrl-C kills them).")
 
 
 def main(passthrough: list[str]) -> int:

@@ -1,6 +1,6 @@
 """Entry point: `python -m trainer.main --gin_file=gin/mwms.gin [--gin_bindings=...] [--model_dir=DIR]`.
 
-Exit codes (docs/design.md): 0 done; 2 a user mistake, with one line on stderr; 1 anything else.
+Exit codes (docs/design.md): 0 done; 2 a user mistake, with one line on stderr; 130 Ctrl-C; 1 anything else.
 """
 from __future__ import annotations
 
@@ -18,13 +18,19 @@ from trainer.distribution import early_isolation  # noqa: E402  (no TensorFlow: 
 early_isolation.isolate_early(sys.argv[1:])  # an embedded cluster's private network (docs/design.md, rule 12)
 
 from trainer import quiet_start  # noqa: E402
+from trainer.cli import (  # noqa: E402  (absl only)
+    INTERRUPTED_EXIT_CODE, exit_without_teardown, fail, flush_and_exit, parse_flags, say_interrupted,
+)
 
-quiet_start.import_tensorflow()  # so its load-time C++ notices do not come before our first line
+try:
+    quiet_start.import_tensorflow()  # so its load-time C++ notices do not come before our first line
+except KeyboardInterrupt:  # Ctrl-C in the seconds it takes
+    say_interrupted()
+    flush_and_exit(INTERRUPTED_EXIT_CODE)
 
 from absl import app, flags, logging  # noqa: E402
 
 from trainer.distribution import local_cluster  # noqa: E402
-from trainer.cli import exit_without_teardown, fail, parse_flags  # noqa: E402
 from trainer.errors import RunFailure, UserError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -156,6 +162,9 @@ def run(argv: list[str]) -> None:
              f"({name}.<parameter> = ...), or write @{name} without parentheses where the loop calls it itself")
     except RunFailure as e:
         fail(str(e), exit_code=1)
+    except KeyboardInterrupt:  # Ctrl-C while no loop runs; in training it saves (trainer/extensions/preemption.py)
+        say_interrupted()
+        sys.exit(INTERRUPTED_EXIT_CODE)
 
 
 def main() -> None:

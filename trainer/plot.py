@@ -4,10 +4,12 @@ Three panels against the global step: train loss, eval loss, eval accuracy; each
 in every panel, labelled by its directory name. Needs matplotlib (`pip install -e '.[plot]'`)
 and draws without a display (Agg). Exit codes as trainer.main: 2 for a user mistake (a missing
 run, no matplotlib), with one line on stderr.
+
+Each run is read as one history (`metrics_log.read_history`): a step trained again after a
+resume is drawn once, at its last value.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Sequence
 
@@ -15,8 +17,8 @@ from absl import app, flags
 
 from trainer.cli import fail, parse_flags
 from trainer.errors import UserError
+from trainer.files.metrics_log import read_history  # no TensorFlow
 
-METRICS_FILE = "metrics.jsonl"  # the model_dir contract (docs/design.md); read without TensorFlow
 PANELS = (("train", "loss", "train loss"), ("eval", "loss", "eval loss"), ("eval", "accuracy", "eval accuracy"))
 
 FLAGS = flags.FLAGS
@@ -28,24 +30,6 @@ def define_flags() -> None:
     flags.DEFINE_multi_string("model_dir", [], "A run's model_dir (repeat to overlay several runs).")
     flags.DEFINE_string("out", "curves.png", "Where to write the PNG.")
     flags.DEFINE_string("title", None, "Figure title (default: none).")
-
-
-def read_run(model_dir: str) -> list[dict]:
-    """The records of `model_dir/metrics.jsonl`; UserError if there is none."""
-    path = os.path.join(model_dir, METRICS_FILE)
-    if not os.path.isfile(path):
-        raise UserError(f"no {METRICS_FILE} in {model_dir}; pass the --model_dir of a trainer.main run")
-    records = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    if number > 1 and not line.endswith("\n"):
-                        break  # a line a running job is still writing
-                    raise UserError(f"{path}:{number} is not a JSON line") from None
-    return records
 
 
 def run_labels(model_dirs: Sequence[str]) -> list[str]:
@@ -60,7 +44,7 @@ def run_labels(model_dirs: Sequence[str]) -> list[str]:
 
 
 def build_figure(runs: dict[str, list[dict]], title: str | None = None):
-    """A matplotlib Figure of the runs' curves (label -> records) and its legend labels."""
+    """A matplotlib Figure of the runs' curves (label -> `read_history` records) and its legend labels."""
     from matplotlib.figure import Figure  # no pyplot: no display, no global state
 
     figure = Figure(figsize=(15, 4.5), layout="constrained")
@@ -96,7 +80,7 @@ def plot(model_dirs: Sequence[str], out: str, title: str | None = None) -> list[
         import matplotlib  # noqa: F401
     except ImportError:
         raise UserError("trainer.plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)") from None
-    runs = dict(zip(run_labels(model_dirs), (read_run(d) for d in model_dirs)))
+    runs = dict(zip(run_labels(model_dirs), (read_history(d) for d in model_dirs)))
     figure, labels = build_figure(runs, title)
     directory = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(directory):

@@ -80,9 +80,11 @@ class _Server:
         self.last_lines: list[str] = []
         tf_config = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_id}})
         env = {**os.environ, "TF_CONFIG": tf_config, "PYTHONUNBUFFERED": "1"}
+        # A process group of its own: a terminal's Ctrl-C reaches the coordinator only, which
+        # saves (the variables live on these servers) and then ends them.
         self.process = subprocess.Popen(
             [sys.executable, "-m", module], env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0,
         )
         self._copier = threading.Thread(target=self._copy_output, daemon=True)
         self._copier.start()

@@ -60,8 +60,7 @@ def built_in(settings) -> list[Extension]:
         found.append(KerasCallbacks(settings.keras_callbacks, settings.eval_every_steps))
     if settings.check_loss_scaling:
         found.append(LossScalingCheck())
-    if settings.preemption_checkpointing:
-        found.append(Preemption())
+    found.append(Preemption(on_sigterm=settings.preemption_checkpointing))  # Ctrl-C saves in every run
     check_bool("train.export_saved_model", settings.export_saved_model)
     if settings.export_saved_model:
         found.append(Export())

@@ -1,10 +1,27 @@
-"""Preemption: SIGTERM to any worker makes every worker save the same step and exit 42.
+"""Stopping on a signal: Ctrl-C (SIGINT) and, with `train.preemption_checkpointing`, SIGTERM make
+every worker save the same step and exit.
 
-Wraps `tf.distribute.experimental.PreemptionCheckpointHandler`, which agrees on the step
-to save at through the coordination service. Saving goes through our CheckpointSaver, so
-the chief writes into model_dir and the other workers into temp dirs they delete; exit
-code 42 tells a launcher (`trainer.launch --max_restarts`) to restart the group, which
-then continues from the saved step.
+    interrupted at step 35, saved ckpt-35; rerun the same command to continue        (exit 130)
+    preempted: saved ckpt-35; exiting 42 so the group can be restarted ...            (exit 42)
+
+One mechanism for both: the signal is a request to stop at the next loop boundary. On one
+process (one device, mirrored, a parameter-server coordinator, a single MultiWorkerMirrored
+worker) that boundary is the end of the loop call in flight. Workers of one synchronous group
+must stop at the same step, or one would wait in a collective for a peer that left; they
+agree on it through `tf.distribute.experimental.PreemptionCheckpointHandler`, which claims the
+stop in the coordination service and makes every worker save after the next loop call.
+Saving goes through our CheckpointSaver, so the chief writes into model_dir and the other
+workers into temp dirs they delete. A worker that got no signal itself learns which one it
+was from the coordination service (`_STOP_SIGNAL_KEY`), so all workers exit alike: 130 (the
+shell's code for Ctrl-C) or 42, which tells a launcher (`trainer.launch --max_restarts`) to
+restart the group. Only the chief prints the interrupted line, so in front of
+`trainer.launch` Ctrl-C is one line too.
+
+Signals are seen by a thread reading the interpreter's wakeup fd (`signal.set_wakeup_fd`),
+not by a Python handler, which only runs once the main thread is back from the compiled
+loop call: the stop is claimed at once, and a second Ctrl-C exits at once, without saving,
+whatever the main thread is doing. A second SIGTERM is ignored: a launcher ending the group
+after a peer left sends one, and this worker is leaving already.
 
 The handler's watcher thread (`PeerTerminationWatcher-<id>`) blocks in a read from the
 chief's coordination service until some worker is preempted. After a run that was not
@@ -17,48 +34,140 @@ every worker has, so no chief leaves while a peer's watcher still reads from it.
 from __future__ import annotations
 
 import signal
+import socket
 import sys
+import threading
+from typing import Callable
 
 import tensorflow as tf
 from tensorflow.python.eager import context
+from tensorflow.python.util import deprecation
 
+from trainer.cli import INTERRUPTED_EXIT_CODE, flush_and_exit
 from trainer.extensions.protocol import Extension
 from trainer.hooks.base import Run
 
 PREEMPTED_EXIT_CODE = 42
 _END_BARRIER = "trainer_preemption_watchers_stopped"
 _END_BARRIER_TIMEOUT_MS = 60_000
+_STOP_SIGNAL_KEY = "trainer_stop_signal"
+_EXIT_BARRIER = "trainer_stop_signal_read"
+_EXIT_TIMEOUT_MS = 10_000
+
+
+class StopSignals:
+    """Watches `signums` from a thread: the first one calls `on_first(signum)`, a later SIGINT
+    calls `on_again()`. Python's default handlers (KeyboardInterrupt for SIGINT) are replaced
+    while installed, an ignored signal (a job started with `nohup` or `&`) is left ignored;
+    `uninstall` puts them back."""
+
+    def __init__(self, signums: tuple[int, ...], on_first: Callable[[int], None], on_again: Callable[[], None]):
+        self._signums = signums
+        self._on_first, self._on_again = on_first, on_again
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+        self._thread: threading.Thread | None = None
+
+    def install(self) -> None:
+        """Only in the main thread (where Python allows handlers); elsewhere signals keep their handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)
+        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        for signum in self._signums:
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored when the process started: stays so
+                self._previous[signum] = signal.signal(signum, _seen_by_the_thread)
+        self._thread = threading.Thread(target=self._watch, name="trainer-stop-signals", daemon=True)
+        self._thread.start()
+
+    def uninstall(self) -> None:
+        if self._thread is None:
+            return
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: one set outside Python
+        signal.set_wakeup_fd(self._previous_fd)
+        self._writer.close()  # the thread's read returns: it ends
+        self._thread.join(timeout=5)
+        self._reader.close()
+        self._thread = None
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                data = self._reader.recv(64)
+            except OSError:  # closed by `uninstall`
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum not in self._signums:
+                    continue
+                if self.received is None:
+                    self.received = signum
+                    self._on_first(signum)
+                elif signum == signal.SIGINT:
+                    self._on_again()
+
+
+def _seen_by_the_thread(signum: int, frame: object) -> None:
+    """Python-level handler: without one the interpreter would not write the wakeup fd."""
 
 
 class Preemption(Extension):
-    """After every loop call (and after its checkpoint), saves and exits if any worker has been told to stop."""
+    """After every loop call (and after its checkpoint), saves and exits if a stop signal came."""
 
     name = "preemption"
     setting = "train.preemption_checkpointing"
     after = ("checkpoint",)  # a periodic checkpoint of this step comes first: no second save
 
-    def __init__(self) -> None:
+    def __init__(self, on_sigterm: bool = True) -> None:
+        """`on_sigterm`: SIGTERM saves and exits 42 (preemption); Ctrl-C always saves and exits 130."""
+        self.on_sigterm = on_sigterm
         self._step = 0
+        self._handler = None
+        self._signals: StopSignals | None = None
 
     def begin(self, run: Run) -> None:
         self._saver = run.saver
-        self._print_fn = run.print_fn
+        self._console = run.console
+        self._is_chief = run.is_chief
         self._step = run.start_step
-        # The handler only reads through this manager (it restores the newest checkpoint,
-        # as we already did); every write goes through save_fn.
-        reader = tf.train.CheckpointManager(run.saver.checkpoint, run.saver.model_dir, max_to_keep=None)
-        config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, save_fn=self._save)
-        self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
-            getattr(run.strategy, "cluster_resolver", None), reader, termination_config=config
-        )
+        previous_sigterm = signal.getsignal(signal.SIGTERM)
+        if run.spans_processes and run.mode.synchronous:
+            # The handler only reads through this manager (it restores the newest checkpoint,
+            # as we already did); every write goes through save_fn.
+            reader = tf.train.CheckpointManager(run.saver.checkpoint, run.saver.model_dir, max_to_keep=None)
+            config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, save_fn=self._save)
+            self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
+                run.strategy.cluster_resolver, reader, termination_config=config
+            )
+            # The handler set its own SIGTERM handler; ours (below) decides.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
+        signums = (signal.SIGINT, signal.SIGTERM) if self.on_sigterm else (signal.SIGINT,)
+        self._signals = StopSignals(signums, on_first=self._claim, on_again=self._leave_at_once)
+        self._signals.install()
 
     def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
         self._step = step
-        self._handler.save_checkpoint_if_preempted()
+        if self._handler is not None:
+            with deprecation.silence():  # its API is deprecated in favour of `run`, which takes one step a call
+                self._handler.save_checkpoint_if_preempted()  # saves and exits once every worker is there
+        elif self._signals.received is not None:
+            self._save()
+            self._exit()
+
+    def close(self, run: Run) -> None:
+        if self._signals is not None:
+            self._signals.uninstall()
 
     def end(self, run: Run, step: int) -> None:
-        """Stops the handler's threads, then waits for every worker to have stopped theirs."""
+        """Puts the signal handlers back; stops the handler's threads, then waits for every
+        worker to have stopped theirs."""
+        self.close(run)
         handler = self._handler
+        if handler is None:
+            return
         watched_peers = getattr(handler, "_cluster_wise_termination_watcher_thread", None) is not None
         handler._stop_cluster_wise_termination_watcher_thread()
         handler._stop_poll_termination_signal_thread()
@@ -68,16 +177,61 @@ class Preemption(Extension):
             except tf.errors.OpError:
                 pass  # a peer already gone: this run is done and saved either way
 
+    def _claim(self, signum: int) -> None:
+        """(The signal thread.) Asks every worker to stop; the first worker's signal is the one all exit by."""
+        if self._handler is None:
+            return  # after_loop sees `received`
+        try:
+            try:
+                context.context().set_config_key_value(_STOP_SIGNAL_KEY, str(signum))
+            except tf.errors.AlreadyExistsError:
+                pass  # a peer claimed first, with its signal
+            self._handler._maybe_set_received_own_sigterm()  # what the handler's own SIGTERM handler does
+        except tf.errors.OpError as e:  # the coordination service gone: training will fail on its own
+            self._console.print(f"could not ask the other workers to stop ({type(e).__name__}); "
+                                "Ctrl-C again exits at once")
+
+    def _stop_signal(self) -> int:
+        """The signal every worker exits by: the claiming worker's. All workers read it, then meet
+        at a barrier, so the chief (which holds the coordination service) is there for each read."""
+        if self._handler is None:
+            return self._signals.received
+        try:
+            signum = int(context.context().get_config_key_value(_STOP_SIGNAL_KEY, _EXIT_TIMEOUT_MS))
+        except tf.errors.OpError:  # the chief gone already: this worker's own signal, else preemption
+            return self._signals.received or signal.SIGTERM
+        try:
+            context.context().wait_at_barrier(_EXIT_BARRIER, _EXIT_TIMEOUT_MS)
+        except tf.errors.OpError:
+            pass  # a peer gone: it read the signal already, or never will
+        return signum
+
     def _save(self) -> None:
         if self._saver.last_saved_step != self._step:
             self._saver.save(self._step)
 
     def _exit(self) -> None:
-        self._print_fn(
+        signum = self._stop_signal()
+        self._signals.uninstall()
+        if self._handler is not None:
+            # A peer that exits first makes the launcher (srun --kill-on-bad-exit, trainer.launch) SIGTERM
+            # this process too; it is leaving already, and must leave with the code it chose.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if signum == signal.SIGINT:
+            if self._is_chief:
+                self._console.close_live()
+                self._console.print(f"interrupted at step {self._step}, saved ckpt-{self._step}; "
+                                    "rerun the same command to continue")
+            sys.exit(INTERRUPTED_EXIT_CODE)
+        self._console.print(
             f"preempted: saved ckpt-{self._step}; exiting {PREEMPTED_EXIT_CODE} so the group can "
             "be restarted (it continues from this step)"
         )
-        # A peer that exits first makes the launcher (srun --kill-on-bad-exit, trainer.launch) SIGTERM
-        # this process too; it is leaving already, and must leave with the code that asks for a restart.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sys.exit(PREEMPTED_EXIT_CODE)
+
+    def _leave_at_once(self) -> None:
+        """(The signal thread.) A second Ctrl-C: no save, no waiting for peers."""
+        self._console.close_live()
+        self._console.print("interrupted again: exiting at once without saving; a rerun continues "
+                            "from the newest checkpoint")
+        flush_and_exit(INTERRUPTED_EXIT_CODE)

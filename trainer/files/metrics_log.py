@@ -1,24 +1,31 @@
-"""Where metrics land: `metrics.jsonl` and TensorBoard event files, written by the chief only.
+"""Where metrics land: `metrics.jsonl` and TensorBoard event files, written by the chief only;
+and `read_history`, the one reader of `metrics.jsonl` as one history.
 
 `metrics.jsonl` (the contract in docs/design.md) holds one JSON object per line, appended across restarts:
-{"step": int, "split": "train"|"eval"|<eval split>, <metric>: float, ...}. TensorBoard gets the
-same scalars under `model_dir/train`, `model_dir/eval` and, for another eval split,
-`model_dir/eval/<split>` (a run of its own, `eval/<split>`, beside `eval`). The train event file is
-also where the step's own `tf.summary` calls land (trainer/loops/step_summaries.py): one writer per
-directory (trainer/files/event_writers.py).
+{"step": int, "split": "train"|"eval"|<eval split>, <metric>: float, ...}. A run that continues a
+history (a resume, from whichever checkpoint) first appends `{"step": S, "split": "resumed"}`, S
+its start step, and so does a roll-back to the checkpoint of step S (`train.nonfinite =
+'rollback'`): the lines before it with a step > S are of steps trained again, superseded.
+TensorBoard gets the same scalars under `model_dir/train`, `model_dir/eval` and, for another eval
+split, `model_dir/eval/<split>` (a run of its own, `eval/<split>`, beside `eval`). The train event
+file is also where the step's own `tf.summary` calls land (trainer/loops/step_summaries.py): one
+writer per directory (trainer/files/event_writers.py).
+
+Reading needs no TensorFlow (trainer.plot runs without it): TensorFlow is imported by the writer only.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
-import tensorflow as tf
+from trainer.errors import RunFailure, UserError
 
-from trainer.errors import RunFailure
-from trainer.files.event_writers import EventWriter, event_writer
+if TYPE_CHECKING:
+    from trainer.files.event_writers import EventWriter
 
 METRICS_FILE = "metrics.jsonl"
+RESUMED = "resumed"  # the split of the line a resumed run starts with
 
 
 class MetricsLog:
@@ -35,6 +42,8 @@ class MetricsLog:
             self._writer("eval")
 
     def _writer(self, split: str) -> EventWriter:
+        from trainer.files.event_writers import event_writer  # TensorFlow: the writer's only
+
         if split not in self._writers:
             where = split if split in ("train", "eval") else os.path.join("eval", split)
             writer = event_writer(os.path.join(self._model_dir, where))
@@ -42,16 +51,18 @@ class MetricsLog:
             self._writers[split] = writer
         return self._writers[split]
 
+    def resumed(self, step: int) -> None:
+        """A run starts at `step` (0: from scratch): if model_dir holds a history already, marks
+        its lines of later steps superseded (`{"step": step, "split": "resumed"}`)."""
+        if self.enabled and os.path.exists(self._path) and os.path.getsize(self._path) > 0:
+            self._append({"step": int(step), "split": RESUMED})
+
     def record(self, step: int, split: str, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        line = {"step": int(step), "split": split} | {k: float(v) for k, v in metrics.items()}
-        try:
-            with open(self._path, "a") as f:
-                f.write(json.dumps(line) + "\n")
-        except OSError as e:  # a full disk, a model_dir that vanished: say so in one line
-            raise RunFailure(f"writing {self._path} failed ({e.strerror or e}); free disk space or restore "
-                             "model_dir, then rerun: it continues from the newest checkpoint") from e
+        import tensorflow as tf
+
+        self._append({"step": int(step), "split": split} | {k: float(v) for k, v in metrics.items()})
         writer = self._writer(split)
         with writer.as_default(step=step):
             for name, value in metrics.items():
@@ -61,6 +72,14 @@ class MetricsLog:
         for listener in self._listeners:
             listener(int(step), split, dict(metrics))
 
+    def _append(self, line: dict) -> None:
+        try:
+            with open(self._path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:  # a full disk, a model_dir that vanished: say so in one line
+            raise RunFailure(f"writing {self._path} failed ({e.strerror or e}); free disk space or restore "
+                             "model_dir, then rerun: it continues from the newest checkpoint") from e
+
     def subscribe(self, listener: Callable[[int, str, dict[str, float]], None]) -> None:
         """`listener(step, split, metrics)` gets every record written from now on (e.g. MLflow's hook)."""
         self._listeners.append(listener)
@@ -69,6 +88,8 @@ class MetricsLog:
         """A text summary (e.g. the operative gin config) in the train event files."""
         if not self.enabled:
             return
+        import tensorflow as tf
+
         with self._writers["train"].as_default(step=step):
             tf.summary.text(name, markdown)
         self._writers["train"].flush()
@@ -84,6 +105,7 @@ class MetricsLog:
         """
         if not self.enabled:
             return
+        import tensorflow as tf
         from tensorboard.plugins.hparams import api as hp
 
         writer = tf.summary.create_file_writer(os.path.dirname(self._path))
@@ -96,10 +118,33 @@ class MetricsLog:
             writer.close()
 
 
-def read_metrics(model_dir: str) -> list[dict]:
-    """All records of `model_dir/metrics.jsonl`, in order (empty if there is none)."""
+def read_history(model_dir: str) -> list[dict]:
+    """`model_dir/metrics.jsonl` as one history: the lines of each (step, split) once, the last
+    one written, in step order; lines superseded by a later `resumed` line (of a step above its
+    own) and the `resumed` lines themselves left out. A last line still being written is skipped.
+
+    Raises UserError if there is no metrics.jsonl or a line before the last is not JSON.
+    """
     path = os.path.join(model_dir, METRICS_FILE)
-    if not os.path.exists(path):
-        return []
+    if not os.path.isfile(path):
+        raise UserError(f"no {METRICS_FILE} in {model_dir}; pass the --model_dir of a trainer.main run")
+    latest: dict[tuple[int, str], dict] = {}
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number > 1 and not line.endswith("\n"):
+                    break  # a line a running job is still writing
+                raise UserError(f"{path}:{number} is not a JSON line") from None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "split" not in record:
+                raise UserError(f"{path}:{number} is not a metrics record (it needs a \"step\" and a \"split\")")
+            key = (record["step"], record["split"])
+            if key[1] == RESUMED:
+                latest = {k: r for k, r in latest.items() if k[0] <= key[0]}
+            else:
+                latest.pop(key, None)  # the last one written, in the place it was written
+                latest[key] = record
+    return sorted(latest.values(), key=lambda r: r["step"])

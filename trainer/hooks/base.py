@@ -48,6 +48,10 @@ class Hook:
     def rewind(self, run: "Run", step: int) -> None:
         """Training went back to `step` (a roll-back after a non-finite loss)."""
 
+    def close(self, run: "Run") -> None:
+        """After the run however it ended (an error, an exit, after `end`): give back what `begin`
+        took from the process (signal handlers), so a caller of `train` gets it back."""
+
     def steps_to_boundary(self, step: int) -> int | None:
         if self.every_steps <= 0:
             return None
@@ -83,6 +87,12 @@ class Console:
 
     def hide_live(self) -> None:
         self._live = None
+
+    def close_live(self) -> None:
+        """Blanks the live line for good: a run that ends early (Ctrl-C) ends on its last line."""
+        if self._live is not None:
+            self._live.clear()
+            self._live = None
 
 
 @dataclasses.dataclass

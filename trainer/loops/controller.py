@@ -68,9 +68,9 @@ def drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: 
     """The outer loop: compiled calls that end on the nearest hook boundary, hooks in between.
 
     Returns the step the run ended at (before `total_steps` if a hook asked to stop). Whatever
-    happens, the pending checkpoint write is finished (or its failure said in one line) and the
-    metrics log closed: a run that stops (a non-finite loss, preemption, a lost peer) keeps its
-    event records too.
+    happens, the pending checkpoint write is finished (or its failure said in one line), the
+    metrics log closed and every hook's `close` called: a run that stops (a non-finite loss,
+    preemption, Ctrl-C, a lost peer) keeps its event records too.
     """
     try:
         return _drive(loop, run, hooks, steps_per_loop)
@@ -80,9 +80,12 @@ def drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: 
                 run.saver.wait()
         finally:
             run.metrics_log.close()
+            for hook in hooks:
+                hook.close(run)
 
 
 def _drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: int) -> int:
+    run.metrics_log.resumed(run.start_step)  # what an earlier run logged past start_step is trained again
     for hook in hooks:
         hook.begin(run)
     step = run.start_step
@@ -98,6 +101,7 @@ def _drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop:
         back = next((s for h in hooks if (s := h.rollback_to(run, step, num_steps, metrics)) is not None), None)
         if back is not None:
             step = back
+            run.metrics_log.resumed(step)  # what was logged past the checkpoint rolled back to is trained again
             for hook in hooks:
                 hook.rewind(run, step)
             continue
