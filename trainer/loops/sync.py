@@ -46,8 +46,9 @@ class TrainLoop:
 
         def train_steps(iterator, num_steps):
             state = totals.accumulate(num_steps, lambda: next(iterator), after_step=after_update)
-            global_step.assign_add(tf.cast(num_steps, global_step.dtype))
             means = {k: v / tf.cast(num_steps, tf.float32) for k, v in totals.sums(state).items()}
+            with tf.control_dependencies(list(means.values())):  # a call that failed counts no steps
+                global_step.assign_add(tf.cast(num_steps, global_step.dtype))
             return means, totals.first_nonfinite(state, num_steps)
 
         # Plain TF ops throughout: no AutoGraph (see trainer/task/user_code.py; the step is converted).

@@ -14,6 +14,7 @@ def setup(settings: Settings) -> tuple[Runtime, Task]:
     input checked against the batch size, then the task under the strategy's scope."""
     runtime = make_runtime(settings.runtime)
     inp = settings.make_input()
+    inp.print_fn = settings.print_fn  # a long count of a split of unknown size says how far it got
     inp.validate()
     inp.check_sizes(settings.global_batch_size)
     runtime.check_batch_size(settings.global_batch_size)

@@ -14,10 +14,20 @@ marker a user can put on a step written in plain TF ops to skip its conversion t
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+import os
+import sys
+import sysconfig
+import traceback
+from typing import Any, Callable, Iterator
 
 import tensorflow as tf
+
+from trainer.errors import RunFailure, UserCodeError, UserError
+
+# Whose frames are not the user's: ours, the libraries between us and the user's code, Python's own.
+_NOT_USER_PACKAGES = ("trainer", "tensorflow", "keras", "tf_keras", "gin", "absl", "numpy", "google", "tree", "optree")
 
 
 def _call(fn: Callable, *args, **kwargs) -> Any:
@@ -52,3 +62,59 @@ def placed(batch: Any) -> Any:
 def call_step(step_fn: Callable, model: Any, optimizer: Any, batch: Any, global_batch_size: int) -> Any:
     """The user's train step on `batch` (`placed`), in replica context, through `call_user`."""
     return call_user(step_fn, model, optimizer, placed(batch), global_batch_size)
+
+
+def name_of(fn: Any) -> str:
+    """How a gin file names `fn` (`@load` binds a function `load`; `@Cls()` an instance of `Cls`)."""
+    fn = getattr(fn, "func", fn)  # functools.partial
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    dirs = [sysconfig.get_paths()["stdlib"]]
+    for package in _NOT_USER_PACKAGES:
+        module = sys.modules.get(package)
+        for path in getattr(module, "__path__", ()) or ():
+            dirs.append(os.path.realpath(path))
+    return tuple(os.path.join(d, "") for d in dirs)
+
+
+def is_user_frame(filename: str) -> bool:
+    """Whether a frame's file is the user's: not TensorFlow's, Keras', gin's, ours, Python's own,
+    nor a file AutoGraph generated."""
+    if filename.startswith("<") or "__autograph_generated_file" in filename:
+        return False
+    path = os.path.realpath(filename)
+    return not any(path.startswith(d) for d in _library_dirs())
+
+
+def user_frames(error: BaseException) -> str:
+    """The frames of `error`'s traceback that are the user's own, formatted as a traceback shows them."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if is_user_frame(f.filename)]
+    if not frames:
+        return ""
+    return "the user code's frames (most recent call last):\n" + "".join(traceback.format_list(frames))
+
+
+def raised_by(error: Exception, name: str, where: str, doing: str = "") -> UserCodeError:
+    """The UserCodeError saying that the user's `name` (called as `where`, e.g. 'train.input_fn =
+    @load') raised `error` (while `doing`, e.g. "for split 'eval'"), with the user's frames as details."""
+    text = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    what = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    doing = f" {doing}" if doing else ""
+    return UserCodeError(f"{where} raised {what}{doing}; fix {name} (its frames are printed above)",
+                         user_frames(error))
+
+
+@contextlib.contextmanager
+def user_function(fn: Any, binding: str, doing: str = "") -> Iterator[None]:
+    """Turns an exception raised in the block (a call of the user's `fn`, bound as `binding`) into
+    one UserCodeError line with the user's own frames; the framework's refusals pass unchanged."""
+    try:
+        yield
+    except (UserError, RunFailure):
+        raise
+    except Exception as e:  # noqa: BLE001  (whatever the user's code raises is theirs to fix)
+        name = name_of(fn)
+        raise raised_by(e, name, f"{binding} = @{name}", doing) from e

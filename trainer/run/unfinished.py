@@ -1,0 +1,52 @@
+"""A run that dies of a user mistake before its first step leaves model_dir as it found it.
+
+Most mistakes are refused before the first write. Some show only when the first compiled call
+runs on real data (labels out of range, strings where numbers go) or when a user's callback
+first runs, and by then the chief has written the run record, the operative config and the
+first event files. A `model_dir` holding those looks like a run to resume, though it never
+trained a step. So the chief notes what `model_dir` held before its first write, and if the
+run then ends with a UserError before any step finished, removes what this run added: the
+directory itself when the run created it, else only the new files and folders (a user's own
+files, and an earlier run's, stay byte for byte).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import Callable, Iterator
+
+from trainer.errors import UserError
+
+
+def _contents(model_dir: str) -> set[str]:
+    paths = set()
+    for dirpath, dirnames, filenames in os.walk(model_dir):
+        paths.update(os.path.join(dirpath, name) for name in dirnames + filenames)
+    return paths
+
+
+@contextlib.contextmanager
+def undone_unless_a_step_finishes(model_dir: str, *, is_chief: bool, finished: Callable[[], bool]) -> Iterator[None]:
+    """Removes what the block added to `model_dir` if it raises a UserError while `finished()` is
+    False (no step of this run finished); the error goes on unchanged. Only the chief writes."""
+    existed = os.path.isdir(model_dir)
+    before = _contents(model_dir) if existed else set()
+    try:
+        yield
+    except UserError:
+        if is_chief and not finished():
+            _remove_added(model_dir, existed, before)
+        raise
+
+
+def _remove_added(model_dir: str, existed: bool, before: set[str]) -> None:
+    if not existed:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        return
+    added = sorted(_contents(model_dir) - before, key=len, reverse=True)  # the deepest first
+    for path in added:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.remove(path)
