@@ -64,6 +64,23 @@ def call_step(step_fn: Callable, model: Any, optimizer: Any, batch: Any, global_
     return call_user(step_fn, model, optimizer, placed(batch), global_batch_size)
 
 
+def built_at_import() -> list[str]:
+    """`module.NAME` of every model, layer or variable that a module of the user's holds at its
+    top level: built when the module was imported, so outside any strategy's scope, and (its
+    first op) before the run could set up its devices."""
+    import keras
+
+    kinds = (keras.layers.Layer, keras.Variable, tf.Variable, tf.Module)
+    found = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or not is_user_frame(path):
+            continue
+        found += [f"{name}.{attribute}" for attribute, value in list(vars(module).items())
+                  if not attribute.startswith("__") and isinstance(value, kinds)]
+    return sorted(found)
+
+
 def name_of(fn: Any) -> str:
     """How a gin file names `fn` (`@load` binds a function `load`; `@Cls()` an instance of `Cls`)."""
     fn = getattr(fn, "func", fn)  # functools.partial
