@@ -147,3 +147,17 @@ def test_the_first_nonfinite_step_of_a_call_is_found_on_any_replica(replicas):
     assert second["offset"] == 1 and np.isnan(second["means"]["loss"]) and second["means"]["examples"] == 4.0
     assert third == {"means": {"loss": sum(range(32, 48)) / 4, "examples": 4.0}, "offset": None}
     assert result["step"] == 12 and result["traces"] == 1
+
+
+def test_weights_that_go_non_finite_behind_finite_outputs_are_never_saved(tmp_path):
+    # The step sets the first kernel to NaN after step 7; the fused conv+ReLU keeps the outputs finite.
+    model_dir = tmp_path / "run"
+    proc = run_main("--gin_file=gin/single.gin", "--gin_bindings=import tests.nan_steps",
+                    "--gin_bindings=train.step_fn=@weight_poisoning_step", "--gin_bindings=train.total_steps=10",
+                    "--gin_bindings=train.checkpoint_every_steps=5", "--gin_bindings=train.steps_per_loop=5",
+                    f"--model_dir={model_dir}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the weights are non-finite (cnn/conv2d/kernel) after steps 6-10"), last
+    assert last.endswith(f"the last good checkpoint is {model_dir}/ckpt-5"), last
+    assert sorted(n for n in os.listdir(model_dir) if n.endswith(".index")) == ["ckpt-5.index"]

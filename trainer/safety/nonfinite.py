@@ -192,7 +192,8 @@ class NonFiniteHandling(Extension):
         """Stops a run whose weights went non-finite with finite outputs and gradients (before they are saved)."""
         if not self._weights or bool(self._weights_finite()):
             return
-        name = next((v.name for v in self._weights if not np.all(np.isfinite(v.numpy()))), "a weight")
+        name = next((getattr(v, "path", v.name) for v in self._weights if not np.all(np.isfinite(v.numpy()))),
+                    "a weight")
         latest = run.saver.latest()
         where = f"the last good checkpoint is {latest}" if latest else "there is no checkpoint yet"
         raise RunFailure(f"the weights are non-finite ({name}) after steps {step + 1}-{end}, whose outputs and "
