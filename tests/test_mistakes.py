@@ -186,8 +186,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "labels_are_strings": ([IMPORT, *bind("train.input_fn = @string_label_input", "cnn.num_classes = 4")],
                            "op Cast failed on a batch after step 0 (UnimplementedError: Cast string to int32"),
     "labels_one_based": ([IMPORT, *bind("train.input_fn = @one_based_label_input")],
-                         "op SparseSoftmaxCrossEntropyWithLogits failed on a batch after step 20 (InvalidArgumentError: "
-                         "Received a label value of 10"),
+                         "op SparseSoftmaxCrossEntropyWithLogits failed on a batch after step 20 "
+                         "(InvalidArgumentError: Received a label value of 10"),
 }
 # Cases run in an empty model_dir (holding only a user's file) rather than a copy of an existing
 # run's, where the resume check (a changed model) would speak first, also in one line.
@@ -277,7 +277,8 @@ def test_what_user_code_raises_shows_only_its_frames(outcomes, name):
 
 
 def test_an_endless_dataset_says_how_far_its_count_got(outcomes):
-    assert "counting split 'train' (its size is unknown to tf.data):" in outcomes["input_fn_endless_generator"]["stdout"]
+    stdout = outcomes["input_fn_endless_generator"]["stdout"]
+    assert "counting split 'train' (its size is unknown to tf.data):" in stdout
 
 
 @pytest.mark.parametrize("name", ["gin_unclosed_parenthesis", "optimizer_momentum_text", "step_returns_list"])

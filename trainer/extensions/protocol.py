@@ -89,9 +89,9 @@ def check_method_names(participants: Sequence[Hook]) -> None:
                 continue
             close = [m for m in difflib.get_close_matches(name, PROTOCOL_METHODS, n=3, cutoff=0.8) if m not in own]
             if close:
-                raise UserError(f"{cls.__name__}.{name} is not a method of the hook and extension protocol, and the run "
-                                f"never calls it; did you mean {close[0]}? (rename it; a helper of its own starts "
-                                "with _)")
+                raise UserError(f"{cls.__name__}.{name} is not a method of the hook and extension protocol, and "
+                                f"the run never calls it; did you mean {close[0]}? (rename it; a helper of its own "
+                                "starts with _)")
 
 
 def setting_of(extension: Extension) -> str:

@@ -5,8 +5,8 @@ attached -> restore -> loops (traced, outputs verified) -> model_dir (chief) -> 
 Nothing in `model_dir` is written before the settings, the data, the user's functions, every
 extension and the checkpoint have been checked; what shows only when the first step runs (an
 op that cannot take the data's values, a user's callback that raises) removes again what the
-run wrote, as long as no step has finished (trainer/run/unfinished.py). A new feature is an extension
-(trainer/extensions/), not a line here.
+run wrote, as long as no step has finished (trainer/run/unfinished.py). A new feature is an
+extension (trainer/extensions/), not a line here.
 """
 from __future__ import annotations
 

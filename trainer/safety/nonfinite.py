@@ -216,7 +216,8 @@ class NonFiniteHandling(Extension):
         bad_batch = batch_index(bad_step, self.dropped)
         path = run.saver.restore_latest(run.print_fn)
         if path is None:
-            raise RunFailure(f"step {bad_step} gave a non-finite output or gradient ({shown}) and there is no checkpoint to roll back to")
+            raise RunFailure(f"step {bad_step} gave a non-finite output or gradient ({shown}) and there is no "
+                             "checkpoint to roll back to")
         self.dropped = sorted(set(self.dropped) | set(read_dropped(self._variable)) | {bad_batch})
         if len(self.dropped) > CAPACITY:
             raise RunFailure(f"more than {CAPACITY} batches skipped; stopped; {where}")
