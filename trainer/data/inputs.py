@@ -179,7 +179,8 @@ class Input:
 
     def _count(self, split: str) -> int:
         if counter := getattr(self.input_fn, "num_examples", None):
-            return int(counter(split))
+            with user_function(self.input_fn, "train.input_fn", f"in its num_examples({split!r})"):
+                return int(counter(split))
         dataset = self.examples(split)
         count = int(dataset.cardinality())
         if count == tf.data.INFINITE_CARDINALITY:
@@ -211,12 +212,16 @@ class Input:
     def num_files(self, split: str) -> int | None:
         """How many files `split` is read from, None where the function does not say."""
         counter = getattr(self.input_fn, "num_files", None)
-        return None if counter is None else int(counter(split))
+        if counter is None:
+            return None
+        with user_function(self.input_fn, "train.input_fn", f"in its num_files({split!r})"):
+            return int(counter(split))
 
     def validate(self) -> None:
         """Raises UserError now, before anything is written, if any split the run needs is unusable."""
         if validate := getattr(self.input_fn, "validate", None):
-            validate()
+            with user_function(self.input_fn, "train.input_fn", "in its validate()"):
+                validate()
         for split in ("train", *self.eval_splits):
             with tf.init_scope():
                 self.examples(split)
