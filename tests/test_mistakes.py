@@ -314,3 +314,18 @@ def test_a_model_built_at_import_is_named(tmp_path, gin_file):
     assert line.startswith("error: tests.import_time_model.MODEL was built when its module was imported, outside "
                            "the strategy's scope"), line
     assert line.endswith("build models inside train.model_fn, which the run calls under the strategy's scope"), line
+
+
+@pytest.mark.parametrize("name, suggestion", [("atach", "attach"), ("after_lop", "after_loop"), ("verfy", "verify"),
+                                              ("state_dic", "state_dict"), ("begn", "begin"), ("send", None),
+                                              ("log_weights", None), ("ende", None)])
+def test_a_near_miss_of_a_protocol_method_is_refused_with_the_suggestion(name, suggestion):
+    from trainer.errors import UserError
+    from trainer.extensions.protocol import Extension, check_method_names
+
+    extension = type("Mine", (Extension,), {name: lambda self: None})()
+    if suggestion is None:
+        check_method_names([extension])  # a helper of its own, no typo
+        return
+    with pytest.raises(UserError, match=rf"^Mine\.{name} is not a method .*; did you mean {suggestion}\?"):
+        check_method_names([extension])

@@ -75,6 +75,10 @@ class Extension(Hook):
 
 PROTOCOL_METHODS = frozenset(name for name in dir(Extension)
                              if not name.startswith("_") and callable(getattr(Extension, name)))
+# What a near miss is: difflib's ratio at least this (`atach` 0.91, `restore` 0.93), of a method
+# name of at least 4 letters (`send` is no typo of `end`).
+NEAR_MISS_RATIO = 0.85
+_MISSABLE = sorted(name for name in PROTOCOL_METHODS if len(name) >= 4)
 
 
 def check_method_names(participants: Sequence[Hook]) -> None:
@@ -87,7 +91,8 @@ def check_method_names(participants: Sequence[Hook]) -> None:
         for name in sorted(own):
             if name.startswith("_") or name in PROTOCOL_METHODS or not callable(getattr(cls, name, None)):
                 continue
-            close = [m for m in difflib.get_close_matches(name, PROTOCOL_METHODS, n=3, cutoff=0.8) if m not in own]
+            close = [m for m in difflib.get_close_matches(name, _MISSABLE, n=3, cutoff=NEAR_MISS_RATIO)
+                     if m not in own]
             if close:
                 raise UserError(f"{cls.__name__}.{name} is not a method of the hook and extension protocol, and "
                                 f"the run never calls it; did you mean {close[0]}? (rename it; a helper of its own "
