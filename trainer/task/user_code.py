@@ -11,6 +11,11 @@ Keras' `fit` pays none of it (AutoGraph never converts Keras). So the loops comp
 what they call, as `tf.function` would), and mark their own functions that `tf.data` or a
 user's step may reach with `tf.autograph.experimental.do_not_convert`, the same public
 marker a user can put on a step written in plain TF ops to skip its conversion too.
+
+What the user's code raises is theirs to fix, and a traceback through TensorFlow, Keras, gin and
+the loop buries it: `user_function` turns it into one UserCodeError line naming the function and
+its gin binding, with only the user's own frames (`user_frames`) printed above it. A model built
+when a user's module is imported (`built_at_import`) is found the same way, by where it lives.
 """
 from __future__ import annotations
 
@@ -26,8 +31,9 @@ import tensorflow as tf
 
 from trainer.errors import RunFailure, UserCodeError, UserError
 
-# Whose frames are not the user's: ours, the libraries between us and the user's code, Python's own.
-_NOT_USER_PACKAGES = ("trainer", "tensorflow", "keras", "tf_keras", "gin", "absl", "numpy", "google", "tree", "optree")
+# Whose frames are not the user's: ours (also where we are not installed), and, through the
+# installation directories, TensorFlow's, Keras', gin's, every other installed library's and Python's own.
+_NOT_USER_PACKAGES = ("trainer", "tensorflow", "keras", "gin")
 
 
 def _call(fn: Callable, *args, **kwargs) -> Any:
@@ -87,9 +93,9 @@ def name_of(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-@functools.cache
 def _library_dirs() -> tuple[str, ...]:
-    dirs = [sysconfig.get_paths()["stdlib"]]
+    paths = sysconfig.get_paths()
+    dirs = [os.path.realpath(paths[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib")]
     for package in _NOT_USER_PACKAGES:
         module = sys.modules.get(package)
         for path in getattr(module, "__path__", ()) or ():
@@ -98,7 +104,7 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def is_user_frame(filename: str) -> bool:
-    """Whether a frame's file is the user's: not TensorFlow's, Keras', gin's, ours, Python's own,
+    """Whether a frame's file is the user's: not ours, not an installed library's or Python's own,
     nor a file AutoGraph generated."""
     if filename.startswith("<") or "__autograph_generated_file" in filename:
         return False
