@@ -168,3 +168,10 @@ class MisspeltExtension(Extension):
 @gin.configurable
 def misspelt_extension():
     return MisspeltExtension()
+
+
+@gin.configurable
+def raising_model(input_shape, num_classes):
+    layers = [keras.layers.Flatten(), keras.layers.Dense(num_classes)]
+    return keras.Sequential([keras.Input(input_shape), *layers, layers[2]])
+

@@ -179,6 +179,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "extension_method_typo": ([IMPORT, *bind("train.extensions = [@misspelt_extension()]")],
                               "MisspeltExtension.atach is not a method of the hook and extension protocol, and the "
                               "run never calls it; did you mean attach?"),
+    "model_fn_raises": ([IMPORT, *bind("train.model_fn = @raising_model")],
+                        "train.model_fn = @raising_model raised IndexError: list index out of range"),
     # an endless dataset (unknown cardinality): counted for a bounded time, then refused
     "input_fn_endless_generator": ([IMPORT, *bind("train.input_fn = @endless_generator_input")],
                                    "an endless dataset?"),
@@ -269,7 +271,8 @@ def test_mistake_is_one_line_exit_2_and_model_dir_unchanged(outcomes, name):
     assert outcome["seconds"] < 60
 
 
-@pytest.mark.parametrize("name", ["input_fn_raises", "eval_split_missing_from_the_users_dict", "keras_callback_raises"])
+@pytest.mark.parametrize("name", ["input_fn_raises", "eval_split_missing_from_the_users_dict", "keras_callback_raises",
+                                  "model_fn_raises"])
 def test_what_user_code_raises_shows_only_its_frames(outcomes, name):
     stderr = outcomes[name]["stderr"]
     frames = [line for line in stderr.splitlines() if line.lstrip().startswith("File ")]

@@ -11,7 +11,11 @@ from trainer.distribution.runtime import Runtime, make_runtime
 from trainer.errors import UserError
 from trainer.run.settings import Settings
 from trainer.task.task import Task, build_task
-from trainer.task.user_code import built_at_import
+from trainer.task.user_code import built_at_import, user_functions
+
+# The user's functions `build_task` calls: what one of them raises is one line naming it, with
+# its own frames above (the steps are traced later, trainer/safety/tracing.py).
+USER_FUNCTIONS = ("model_fn", "optimizer_fn")
 
 
 def setup(settings: Settings) -> tuple[Runtime, Task]:
@@ -28,7 +32,8 @@ def setup(settings: Settings) -> tuple[Runtime, Task]:
         settings.print_fn(f"warning: {inp!r} declares deterministic = False: a resumed run does not see exactly the "
                           "batches an uninterrupted one would, and eval counts are only as exact as its output")
     keras.utils.set_random_seed(settings.seed)
-    with _diagnosing_import_time_models():
+    functions = {f"train.{name}": getattr(settings, name) for name in USER_FUNCTIONS}
+    with user_functions(functions), _diagnosing_import_time_models():
         task = build_task(runtime, inp, model_fn=settings.model_fn, optimizer_fn=settings.optimizer_fn,
                           step_fn=settings.step_fn, eval_step_fn=settings.eval_step_fn,
                           global_batch_size=settings.global_batch_size, total_steps=settings.total_steps)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import sys
 import sysconfig
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import tensorflow as tf
 
@@ -141,3 +142,30 @@ def user_function(fn: Any, binding: str, doing: str = "") -> Iterator[None]:
     except Exception as e:  # noqa: BLE001  (whatever the user's code raises is theirs to fix)
         name = name_of(fn)
         raise raised_by(e, name, f"{binding} = @{name}", doing) from e
+
+
+def _code(fn: Any) -> Any:
+    """The code object a call of `fn` runs (through gin's and functools' wrappers), None if none."""
+    fn = inspect.unwrap(getattr(fn, "func", fn))
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        fn = getattr(type(fn), "__call__", None)
+    return getattr(fn, "__code__", None)
+
+
+@contextlib.contextmanager
+def user_functions(functions: Mapping[str, Any]) -> Iterator[None]:
+    """Like `user_function`, for a block that calls several of the user's functions among its own
+    code (`functions`: binding -> function, e.g. {'train.model_fn': cnn}): an exception raised
+    inside one of them names the outermost one it passed through; any other goes on unchanged."""
+    try:
+        yield
+    except (UserError, RunFailure):
+        raise
+    except Exception as e:  # noqa: BLE001  (re-raised unchanged unless it came from the user's code)
+        codes = {code: (binding, fn) for binding, fn in functions.items() if (code := _code(fn)) is not None}
+        for frame, _ in traceback.walk_tb(e.__traceback__):
+            if frame.f_code in codes:
+                binding, fn = codes[frame.f_code]
+                name = name_of(fn)
+                raise raised_by(e, name, f"{binding} = @{name}") from e
+        raise
