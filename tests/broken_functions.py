@@ -1,8 +1,10 @@
 """User functions with the mistakes researchers make, for tests/test_mistakes.py."""
 import gin
 import keras
+import numpy as np
 import tensorflow as tf
 
+from trainer.extensions import Extension
 from trainer.task import optimizers
 
 
@@ -94,3 +96,82 @@ def list_metrics():
 @gin.configurable
 def number_metrics():
     return {"auc": 3}
+
+
+def _images(n: int = 256):
+    return tf.random.stateless_uniform([n, 8, 8, 1], seed=[1, 2])
+
+
+@gin.configurable
+def missing_file_input(split):
+    arrays = np.load(f"/nonexistent/digits-{split}.npz")
+    return tf.data.Dataset.from_tensor_slices((arrays["x"], arrays["y"]))
+
+
+@gin.configurable
+def input_without_split():
+    return tf.data.Dataset.from_tensor_slices((_images(), tf.zeros([256], tf.int32)))
+
+
+@gin.configurable
+def endless_generator_input(split):
+    def examples():
+        i = 0
+        while True:
+            yield np.full([8, 8, 1], i % 3, np.float32), i % 10
+            i += 1
+    return tf.data.Dataset.from_generator(examples, output_signature=(
+        tf.TensorSpec([8, 8, 1], tf.float32), tf.TensorSpec([], tf.int32)))
+
+
+@gin.configurable
+def string_label_input(split):
+    names = tf.constant(["zero", "one", "two", "three"])
+    return tf.data.Dataset.from_tensor_slices((_images(), tf.gather(names, tf.range(256) % 4)))
+
+
+@gin.configurable
+def one_based_label_input(split):
+    return tf.data.Dataset.from_tensor_slices((_images(), tf.range(256) % 10 + 1))
+
+
+one_based_label_input.num_classes = 10
+
+
+@gin.configurable
+def dict_input(split):
+    datasets = {"train": tf.data.Dataset.from_tensor_slices((_images(), tf.range(256) % 10)),
+                "eval": tf.data.Dataset.from_tensor_slices((_images(64), tf.range(64) % 10))}
+    return datasets[split]
+
+
+class RaisingCallback(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.history = {}["loss"]
+
+
+@gin.configurable
+def raising_callback():
+    return RaisingCallback()
+
+
+class MisspeltExtension(Extension):
+    name = "misspelt"
+
+    def atach(self, setup):
+        self.weights = setup.task.models.trainable_variables
+
+    def after_loop(self, run, step, metrics):
+        print(len(self.weights))
+
+
+@gin.configurable
+def misspelt_extension():
+    return MisspeltExtension()
+
+
+@gin.configurable
+def raising_model(input_shape, num_classes):
+    layers = [keras.layers.Flatten(), keras.layers.Dense(num_classes)]
+    return keras.Sequential([keras.Input(input_shape), *layers, layers[2]])
+

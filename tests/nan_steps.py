@@ -19,3 +19,13 @@ def input_energy_step(model, optimizer, batch, global_batch_size, weight=1e-3):
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return {"loss": loss}
+
+
+@gin.configurable
+def weight_poisoning_step(model, optimizer, batch, global_batch_size, at_step=7):
+    """The classification step, which then sets the first kernel to NaN after update `at_step`:
+    weights that go non-finite by another way than the gradient."""
+    outputs = steps.classification_step(model, optimizer, batch, global_batch_size)
+    kernel = model.trainable_variables[0]
+    kernel.assign(tf.where(optimizer.iterations == at_step, tf.fill(tf.shape(kernel), float("nan")), kernel))
+    return outputs

@@ -226,3 +226,40 @@ def test_fashion_mnist_validation_split_and_standardization(tmp_path):
     assert sum(len(w) for _, _, w in eval_batches) == 5
     with pytest.raises(UserError, match=re.escape("validation_size 20 leaves no training images")):
         data.FashionMnist(str(tmp_path), validation_size=20, validation_from="front").num_examples("train")
+
+
+def test_a_split_of_unknown_size_is_counted_with_a_bound_and_a_progress_line(monkeypatch):
+    """A generator that never ends is refused once counting passes COUNT_SECONDS, having said how far it got."""
+    def endless(split):
+        def examples():
+            while True:
+                yield np.zeros([2], np.float32)
+        return tf.data.Dataset.from_generator(examples, output_signature=tf.TensorSpec([2], tf.float32))
+
+    monkeypatch.setattr(data.inputs, "COUNT_SECONDS", 1.0)
+    monkeypatch.setattr(data.inputs, "COUNT_PROGRESS_SECONDS", 0.2)
+    inp, lines = data.Input(endless), []
+    inp.print_fn = lines.append
+    with pytest.raises(UserError, match=r"counting split 'train' .* took more than 1 s \(\d+ examples so far\): an "
+                                        r"endless dataset\?.*assert_cardinality"):
+        inp.num_examples("train")
+    assert lines and all(re.fullmatch(r"counting split 'train' \(its size is unknown to tf.data\): \d+ examples so far",
+                                      line) for line in lines)
+    assert data.Input(streamed).num_examples("train") == 40  # a finite one of unknown size is counted
+
+
+def test_an_input_function_without_a_split_parameter_is_refused():
+    with pytest.raises(UserError, match=r"train.input_fn .*\(\) takes no split.*add a first parameter `split`"):
+        data.Input(lambda: regression("train"))
+    data.Input(lambda name: regression(name))  # any name for the one positional parameter
+    data.Input(lambda split, path="x": regression(split))
+
+
+def test_what_an_input_function_raises_names_it_and_the_split():
+    def broken(split):
+        return {"train": regression("train")}[split]
+
+    with pytest.raises(UserError, match=r"train.input_fn = @.*broken raised KeyError: 'eval' for split 'eval' "
+                                        r"\(one of train.eval_splits\)") as caught:
+        data.Input(broken).validate()
+    assert "in broken" in caught.value.details and "tensorflow" not in caught.value.details

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from tests.support import REPO, run_main, run_python, tree_digest
+from tests.support import REPO, refused_run, run_main, run_python, tree_digest
 
 # The module-scoped fixture below is shared by this file's tests: one worker runs them all.
 pytestmark = pytest.mark.xdist_group("mistakes")
@@ -166,13 +166,37 @@ CASES: dict[str, tuple[list[str], str]] = {
                                                  "early_stopping.metric = 'auc'"),
                                             "early_stopping.metric 'auc' is not an output"),
     "ema_decay_out_of_range": (bind("train.ema_decay = 2.0"), "train.ema_decay must be a number > 0 and < 1"),
+    # the user's own code raising: one line naming it and its binding, its own frames above
+    "input_fn_raises": ([IMPORT, *bind("train.input_fn = @missing_file_input")],
+                        "train.input_fn = @missing_file_input raised FileNotFoundError"),
+    "input_fn_without_split": ([IMPORT, *bind("train.input_fn = @input_without_split")],
+                               "takes no split"),
+    "eval_split_missing_from_the_users_dict": ([IMPORT, *bind("train.input_fn = @dict_input",
+                                                              "train.eval_splits = ['test']")],
+                                               "train.input_fn = @dict_input raised KeyError: 'test' for split 'test'"),
+    "keras_callback_raises": ([IMPORT, *bind("train.keras_callbacks = [@raising_callback()]")],
+                              "RaisingCallback.on_train_begin (train.keras_callbacks) raised KeyError"),
+    "extension_method_typo": ([IMPORT, *bind("train.extensions = [@misspelt_extension()]")],
+                              "MisspeltExtension.atach is not a method of the hook and extension protocol, and the "
+                              "run never calls it; did you mean attach?"),
+    "model_fn_raises": ([IMPORT, *bind("train.model_fn = @raising_model")],
+                        "train.model_fn = @raising_model raised IndexError: list index out of range"),
+    # an endless dataset (unknown cardinality): counted for a bounded time, then refused
+    "input_fn_endless_generator": ([IMPORT, *bind("train.input_fn = @endless_generator_input")],
+                                   "an endless dataset?"),
+    # the data an op cannot take, found by the first step: the input and the op named
+    "labels_are_strings": ([IMPORT, *bind("train.input_fn = @string_label_input", "cnn.num_classes = 4")],
+                           "op Cast failed on a batch after step 0 (UnimplementedError: Cast string to int32"),
+    "labels_one_based": ([IMPORT, *bind("train.input_fn = @one_based_label_input")],
+                         "op SparseSoftmaxCrossEntropyWithLogits failed on a batch after step 20 "
+                         "(InvalidArgumentError: Received a label value of 10"),
 }
 # Cases run in an empty model_dir (holding only a user's file) rather than a copy of an existing
 # run's, where the resume check (a changed model) would speak first, also in one line.
-FRESH_ONLY = {"model_cannot_take_the_batch"}
+FRESH_ONLY = {"model_cannot_take_the_batch", "labels_are_strings"}
 
 DRIVER = textwrap.dedent("""
-    import contextlib, io, json, os, sys, traceback
+    import contextlib, io, json, os, sys, time, traceback
     sys.argv = ["trainer.main"]
     import gin
     import keras
@@ -188,7 +212,7 @@ DRIVER = textwrap.dedent("""
         flags.FLAGS.unparse_flags()
         before = tree_digest(model_dir)
         err, out = io.StringIO(), io.StringIO()
-        code = 0
+        code, started = 0, time.monotonic()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             try:
                 main_lib.run(main_lib.parse_flags(["trainer.main", *args, "--model_dir=" + model_dir]))
@@ -198,7 +222,7 @@ DRIVER = textwrap.dedent("""
                 code = "uncaught"
                 traceback.print_exc(file=err)
         results[name] = {"code": code, "stderr": err.getvalue(), "stdout": out.getvalue()[-2000:],
-                         "unchanged": tree_digest(model_dir) == before}
+                         "unchanged": tree_digest(model_dir) == before, "seconds": time.monotonic() - started}
     print(json.dumps(results))
 """)
 
@@ -244,6 +268,20 @@ def test_mistake_is_one_line_exit_2_and_model_dir_unchanged(outcomes, name):
     assert len(errors) == 1 and lines[-1] == errors[0], lines
     assert expected in errors[0], errors[0]
     assert outcome["unchanged"]
+    assert outcome["seconds"] < 60
+
+
+@pytest.mark.parametrize("name", ["input_fn_raises", "eval_split_missing_from_the_users_dict", "keras_callback_raises",
+                                  "model_fn_raises"])
+def test_what_user_code_raises_shows_only_its_frames(outcomes, name):
+    stderr = outcomes[name]["stderr"]
+    frames = [line for line in stderr.splitlines() if line.lstrip().startswith("File ")]
+    assert frames and all("tests/broken_functions.py" in line for line in frames), stderr
+
+
+def test_an_endless_dataset_says_how_far_its_count_got(outcomes):
+    stdout = outcomes["input_fn_endless_generator"]["stdout"]
+    assert "counting split 'train' (its size is unknown to tf.data):" in stdout
 
 
 @pytest.mark.parametrize("name", ["gin_unclosed_parenthesis", "optimizer_momentum_text", "step_returns_list"])
@@ -261,3 +299,36 @@ def test_the_same_mistakes_from_a_real_process(tmp_path, name):
     assert len(errors) == 1 and proc.stderr.strip().splitlines()[-1] == errors[0]
     assert CASES[name][1] in errors[0]
     assert tree_digest(str(model_dir)) == before and os.path.isdir(REPO)
+
+
+def test_a_run_that_dies_of_its_data_at_the_first_step_leaves_no_model_dir(tmp_path):
+    model_dir = tmp_path / "new"
+    proc = run_main(*CASES["labels_one_based"][0], f"--model_dir={model_dir}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: op SparseSoftmaxCrossEntropyWithLogits failed on "
+                                                           "a batch after step 0")
+    assert not model_dir.exists()
+
+
+@pytest.mark.parametrize("gin_file", ["gin/mirrored.gin", "gin/mwms.gin"])
+def test_a_model_built_at_import_is_named(tmp_path, gin_file):
+    line = refused_run(tmp_path, f"--gin_file={gin_file}", "--gin_bindings=import tests.import_time_model",
+                       "--gin_bindings=train.model_fn = @import_time_model")
+    assert line.startswith("error: tests.import_time_model.MODEL was built when its module was imported, outside "
+                           "the strategy's scope"), line
+    assert line.endswith("build models inside train.model_fn, which the run calls under the strategy's scope"), line
+
+
+@pytest.mark.parametrize("name, suggestion", [("atach", "attach"), ("after_lop", "after_loop"), ("verfy", "verify"),
+                                              ("state_dic", "state_dict"), ("begn", "begin"), ("send", None),
+                                              ("log_weights", None), ("ende", None)])
+def test_a_near_miss_of_a_protocol_method_is_refused_with_the_suggestion(name, suggestion):
+    from trainer.errors import UserError
+    from trainer.extensions.protocol import Extension, check_method_names
+
+    extension = type("Mine", (Extension,), {name: lambda self: None})()
+    if suggestion is None:
+        check_method_names([extension])  # a helper of its own, no typo
+        return
+    with pytest.raises(UserError, match=rf"^Mine\.{name} is not a method .*; did you mean {suggestion}\?"):
+        check_method_names([extension])

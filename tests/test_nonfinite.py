@@ -1,4 +1,6 @@
-"""A NaN in the data at a known step: 'stop' exits naming that step, 'rollback' skips it and finishes."""
+"""A NaN in the data at a known step: 'stop' exits naming that step, 'rollback' skips it and finishes;
+also where the loss stays finite (the CNN's fused conv+ReLU drops NaN pixels) and only the
+gradients are not, and where only the weights are."""
 from __future__ import annotations
 
 import os
@@ -56,7 +58,7 @@ def test_stop_mode_exits_naming_the_step_and_the_last_good_checkpoint(poisoned, 
     proc = run_main(*poisoned, f"--model_dir={model_dir}", "--gin_bindings=train.nonfinite='stop'")
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: step {BAD_STEP} gave a non-finite output (loss nan"), last
+    assert last.startswith(f"error: step {BAD_STEP} gave a non-finite output or gradient (loss nan"), last
     assert last.endswith(f"the last good checkpoint is {model_dir}/ckpt-5"), last
     checkpoints = sorted(n for n in os.listdir(model_dir) if n.endswith(".index"))
     assert checkpoints == ["ckpt-5.index"]  # nothing saved after the NaN
@@ -67,11 +69,35 @@ def test_rollback_mode_skips_the_batch_and_finishes(poisoned, tmp_path):
     proc = run_main(*poisoned, f"--model_dir={model_dir}", "--gin_bindings=train.nonfinite='rollback'",
                     "--gin_bindings=train.max_rollbacks=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"step {BAD_STEP} gave a non-finite output" in proc.stdout
+    assert f"step {BAD_STEP} gave a non-finite output or gradient" in proc.stdout
     assert f"rolled back to {model_dir}/ckpt-5 (step 5) and skipping batch {BAD_STEP - 1}" in proc.stdout
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
     assert records[-1]["split"] == "eval" and records[-1]["step"] == 30
     assert all(np.isfinite(r["loss"]) for r in records if r["split"] != "resumed")
+
+
+def test_nan_pixels_that_leave_the_loss_finite_stop_at_their_step_by_their_gradient(poisoned, tmp_path):
+    # The plain classification step: the loss of the NaN batch stays finite, its kernel gradients do not.
+    model_dir = tmp_path / "run"
+    proc = run_main("--gin_file=gin/single.gin", *poisoned[1:], f"--model_dir={model_dir}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: step {BAD_STEP} gave a non-finite output or gradient (loss nan"), last
+    assert "Traceback" not in proc.stderr
+    assert sorted(n for n in os.listdir(model_dir) if n.endswith(".index")) == ["ckpt-5.index"]
+    reader = tf.train.load_checkpoint(str(model_dir / "ckpt-5"))
+    assert all(np.all(np.isfinite(reader.get_tensor(k))) for k in reader.get_variable_to_shape_map()
+               if reader.get_variable_to_dtype_map()[k].is_floating)
+
+
+def test_nan_pixels_that_leave_the_loss_finite_are_skipped_by_rollback(poisoned, tmp_path):
+    model_dir = tmp_path / "run"
+    proc = run_main("--gin_file=gin/single.gin", *poisoned[1:], f"--model_dir={model_dir}",
+                    "--gin_bindings=train.nonfinite='rollback'")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"skipping batch {BAD_STEP - 1}" in proc.stdout
+    accuracy = read_jsonl(str(model_dir / "metrics.jsonl"))[-1]["accuracy"]
+    assert accuracy > 0.2  # trained on: NaN kernels would leave chance (0.098 measured)
 
 
 def test_rollback_mode_gives_up_after_max_rollbacks(poisoned, tmp_path):
@@ -121,3 +147,17 @@ def test_the_first_nonfinite_step_of_a_call_is_found_on_any_replica(replicas):
     assert second["offset"] == 1 and np.isnan(second["means"]["loss"]) and second["means"]["examples"] == 4.0
     assert third == {"means": {"loss": sum(range(32, 48)) / 4, "examples": 4.0}, "offset": None}
     assert result["step"] == 12 and result["traces"] == 1
+
+
+def test_weights_that_go_non_finite_behind_finite_outputs_are_never_saved(tmp_path):
+    # The step sets the first kernel to NaN after step 7; the fused conv+ReLU keeps the outputs finite.
+    model_dir = tmp_path / "run"
+    proc = run_main("--gin_file=gin/single.gin", "--gin_bindings=import tests.nan_steps",
+                    "--gin_bindings=train.step_fn=@weight_poisoning_step", "--gin_bindings=train.total_steps=10",
+                    "--gin_bindings=train.checkpoint_every_steps=5", "--gin_bindings=train.steps_per_loop=5",
+                    f"--model_dir={model_dir}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the weights are non-finite (cnn/conv2d/kernel) after steps 6-10"), last
+    assert last.endswith(f"the last good checkpoint is {model_dir}/ckpt-5"), last
+    assert sorted(n for n in os.listdir(model_dir) if n.endswith(".index")) == ["ckpt-5.index"]

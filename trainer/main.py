@@ -152,6 +152,7 @@ def run(argv: list[str]) -> None:
                 hparams=gin_config.hparams(FLAGS.gin_file, FLAGS.gin_bindings, [REPO_ROOT]), print_fn=print_fn,
             )
     except UserError as e:
+        print(e.details, end="", file=sys.stderr)  # the user's own frames, where their code raised
         fail(str(e))
     except TypeError as e:  # gin calling `@name()` without the arguments it needs
         if "No values supplied by Gin or caller" not in str(e):

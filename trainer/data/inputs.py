@@ -15,17 +15,24 @@ The built-in sources (trainer.data.sources, trainer.data.tfrecord) are such func
 """
 
 import inspect
+import time
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from trainer.errors import UserError
+from trainer.task.user_code import user_function
 
 SPLITS = ("train", "eval")
 # Train data whose fixed-shape examples take at most this many bytes in all are held in
 # memory and gathered in whole batches (see pipeline.shuffled_index_batches and gathered).
 MAX_IN_MEMORY_BYTES = 2 * 1024**3
+# A split of unknown cardinality is counted by iterating it once, for at most this long: an
+# endless one (a `from_generator` that never returns) would otherwise hang the start. One that
+# takes longer is refused, naming the two ways to declare its size.
+COUNT_SECONDS = 20.0
+COUNT_PROGRESS_SECONDS = 5.0  # a progress line this often while counting
 Shard = tuple[int, int]  # (number of shards, this shard's index)
 InputFunction = Callable[..., tf.data.Dataset]
 
@@ -60,6 +67,22 @@ def _name(input_fn: InputFunction) -> str:
     return type(input_fn).__name__
 
 
+def _check_signature(input_fn: InputFunction) -> None:
+    """Refuses a function that cannot be called as `input_fn(split)` (gin may supply its other parameters)."""
+    try:
+        signature = inspect.signature(input_fn)
+    except (TypeError, ValueError):  # builtins without a signature
+        return
+    if "split" in signature.parameters:
+        return
+    try:
+        signature.bind("train")
+    except TypeError:
+        raise UserError(f"train.input_fn {_name(input_fn)}{signature} takes no split: the loop calls it as "
+                        "input_fn(split) with 'train' and each of train.eval_splits; add a first parameter "
+                        "`split`") from None
+
+
 def _declares_input_context(input_fn: InputFunction) -> bool:
     try:
         return "input_context" in inspect.signature(input_fn).parameters
@@ -87,6 +110,7 @@ class Input:
     def __init__(self, input_fn: InputFunction, *, eval_splits: Sequence[str] = ("eval",)) -> None:
         if isinstance(input_fn, Input) or not callable(input_fn):
             raise UserError(f"the input function must be a callable input_fn(split), got {input_fn!r}")
+        _check_signature(input_fn)
         self.input_fn = input_fn
         self.eval_splits = tuple(eval_splits)
         self.num_classes: int | None = getattr(input_fn, "num_classes", None)
@@ -95,6 +119,8 @@ class Input:
         self.deterministic: bool = getattr(input_fn, "deterministic", True) is not False
         self.shards_itself = _declares_input_context(input_fn)
         self._counts: dict[str, int] = {}
+        # Where a long count says how far it got (the run's console; silent by default).
+        self.print_fn: Callable[[str], None] | None = None
         self._memory: dict[Shard | None, Any] = {}
         self._spec: Any = None
 
@@ -122,10 +148,12 @@ class Input:
         if splits is not None and split not in splits:
             raise UserError(f"input function {_name(self.input_fn)} has no split {split!r} (it has "
                             f"{', '.join(splits)}): use one of those")
-        if self.shards_itself:
-            dataset = self.input_fn(split, input_context=input_context)
-        else:
-            dataset = self.input_fn(split)
+        doing = f"for split {split!r}" + ("" if split == "train" else " (one of train.eval_splits)")
+        with user_function(self.input_fn, "train.input_fn", doing):
+            if self.shards_itself:
+                dataset = self.input_fn(split, input_context=input_context)
+            else:
+                dataset = self.input_fn(split)
         self._check(dataset, split)
         return dataset
 
@@ -151,25 +179,49 @@ class Input:
 
     def _count(self, split: str) -> int:
         if counter := getattr(self.input_fn, "num_examples", None):
-            return int(counter(split))
+            with user_function(self.input_fn, "train.input_fn", f"in its num_examples({split!r})"):
+                return int(counter(split))
         dataset = self.examples(split)
         count = int(dataset.cardinality())
         if count == tf.data.INFINITE_CARDINALITY:
             raise UserError(f"input function {_name(self.input_fn)} returned an endless dataset for split "
                             f"{split!r}: return each example once (no .repeat()); the loop repeats it")
         if count < 0:
-            count = int(dataset.reduce(np.int64(0), lambda n, _: n + 1))
+            count = self._count_by_iterating(dataset, split)
+        return count
+
+    def _count_by_iterating(self, dataset: tf.data.Dataset, split: str) -> int:
+        """Counts `split` (cardinality unknown) in batches, for at most COUNT_SECONDS (UserError after)."""
+        sizes = dataset.batch(1024).map(_batch_size)
+        count, started = 0, time.monotonic()
+        next_line = started + COUNT_PROGRESS_SECONDS
+        for size in sizes:
+            count += int(size)
+            now = time.monotonic()
+            if now - started > COUNT_SECONDS:
+                raise UserError(
+                    f"counting split {split!r} of input function {_name(self.input_fn)} (its size is unknown to "
+                    f"tf.data) took more than {COUNT_SECONDS:g} s ({count} examples so far): an endless dataset? "
+                    "return each example once; if it is that big, declare its size "
+                    f"(dataset.apply(tf.data.experimental.assert_cardinality(n)), or a num_examples(split) attribute)")
+            if now > next_line and self.print_fn is not None:
+                self.print_fn(f"counting split {split!r} (its size is unknown to tf.data): {count} examples so far")
+                next_line = now + COUNT_PROGRESS_SECONDS
         return count
 
     def num_files(self, split: str) -> int | None:
         """How many files `split` is read from, None where the function does not say."""
         counter = getattr(self.input_fn, "num_files", None)
-        return None if counter is None else int(counter(split))
+        if counter is None:
+            return None
+        with user_function(self.input_fn, "train.input_fn", f"in its num_files({split!r})"):
+            return int(counter(split))
 
     def validate(self) -> None:
         """Raises UserError now, before anything is written, if any split the run needs is unusable."""
         if validate := getattr(self.input_fn, "validate", None):
-            validate()
+            with user_function(self.input_fn, "train.input_fn", "in its validate()"):
+                validate()
         for split in ("train", *self.eval_splits):
             with tf.init_scope():
                 self.examples(split)
@@ -211,6 +263,11 @@ class Input:
             return tf.nest.map_structure(lambda s: np.zeros((0, *s.shape), s.dtype.as_numpy_dtype),
                                          dataset.element_spec)
         return tf.nest.map_structure(lambda t: t.numpy(), dataset.batch(count).get_single_element())
+
+
+@tf.autograph.experimental.do_not_convert
+def _batch_size(*batch: Any) -> tf.Tensor:
+    return tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
 
 
 def _leaves(spec: Any, path: str = "") -> list[tuple[str, Any]]:

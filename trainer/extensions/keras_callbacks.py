@@ -20,18 +20,21 @@ checkpointed: a resumed run starts it afresh; the learning rate itself is in the
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import tempfile
-from typing import Any, Sequence
+import traceback
+from typing import Any, Iterator, Sequence
 
 import keras
 
 from trainer.distribution import modes
-from trainer.errors import UserError
+from trainer.errors import RunFailure, UserError
 from trainer.extensions.monitoring import AnyWorker
 from trainer.extensions.protocol import Extension, Setup
 from trainer.hooks.base import Run
+from trainer.task.user_code import raised_by
 
 REFUSED = {
     "ModelCheckpoint": "the run checkpoints itself (train.checkpoint_every_steps; best ones: train.keep_best)",
@@ -88,7 +91,30 @@ class KerasCallbacks(Extension):
                                 "or decay); use a constant rate or leave the callback out")
         self._model, self._optimizer = model, optimizer
 
+    @contextlib.contextmanager
+    def _calling_callbacks(self) -> Iterator[None]:
+        """An exception a callback raises becomes one line naming it, with its own frames above."""
+        try:
+            yield
+        except (UserError, RunFailure):
+            raise
+        except Exception as e:  # noqa: BLE001  (what a user's callback raises is theirs to fix)
+            name = self._raiser(e)
+            raise raised_by(e, name, f"{name} (train.keras_callbacks)") from e
+
+    def _raiser(self, error: Exception) -> str:
+        """`Class.method` of the callback whose method raised `error` (the innermost one)."""
+        for frame, _ in reversed(list(traceback.walk_tb(error.__traceback__))):
+            owner = frame.f_locals.get("self")
+            if any(owner is callback for callback in self._callbacks):
+                return f"{type(owner).__name__}.{frame.f_code.co_name}"
+        return "a Keras callback"
+
     def begin(self, run: Run) -> None:
+        with self._calling_callbacks():
+            self._begin(run)
+
+    def _begin(self, run: Run) -> None:
         self._any_worker = AnyWorker(run.strategy)
         if not run.is_chief:
             for callback in self._callbacks:
@@ -109,6 +135,10 @@ class KerasCallbacks(Extension):
         return math.ceil(step / self._eval_every) - 1
 
     def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+        with self._calling_callbacks():
+            self._after_loop(run, step, metrics)
+
+    def _after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
         steps, self._last_step = step - self._last_step, step
         self._count += steps
         for key, value in metrics.items():
@@ -135,6 +165,10 @@ class KerasCallbacks(Extension):
         return {k: v / self._count for k, v in self._sums.items()} if self._count else {}
 
     def end(self, run: Run, step: int) -> None:
+        with self._calling_callbacks():
+            self._end(run, step)
+
+    def _end(self, run: Run, step: int) -> None:
         if run.evaluations.at(step) is not None and self._epoch_start != step:  # the final eval (or one after a stop)
             self._end_epoch(run, step, self._train_logs())
         self._list.on_train_end(self._last_logs)

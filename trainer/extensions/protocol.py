@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+import difflib
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from trainer.distribution import modes
 from trainer.errors import UserError
@@ -70,6 +71,32 @@ class Extension(Hook):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The state `state_dict` returned, read back from the checkpoint being restored."""
+
+
+PROTOCOL_METHODS = frozenset(name for name in dir(Extension)
+                             if not name.startswith("_") and callable(getattr(Extension, name)))
+# What a near miss is: difflib's ratio at least this (`atach` 0.91, `restore` 0.93), of a method
+# name of at least 4 letters (`send` is no typo of `end`).
+NEAR_MISS_RATIO = 0.85
+_MISSABLE = sorted(name for name in PROTOCOL_METHODS if len(name) >= 4)
+
+
+def check_method_names(participants: Sequence[Hook]) -> None:
+    """Refuses a hook or extension with a public method whose name is a near miss of a protocol
+    method it does not define (`atach` for `attach`): the run would never call it, and the
+    feature would fail later, far from the typo (an AttributeError after model_dir was written)."""
+    for participant in participants:
+        cls = type(participant)
+        own = {name for klass in cls.__mro__ if klass not in (Extension, Hook, object) for name in vars(klass)}
+        for name in sorted(own):
+            if name.startswith("_") or name in PROTOCOL_METHODS or not callable(getattr(cls, name, None)):
+                continue
+            close = [m for m in difflib.get_close_matches(name, _MISSABLE, n=3, cutoff=NEAR_MISS_RATIO)
+                     if m not in own]
+            if close:
+                raise UserError(f"{cls.__name__}.{name} is not a method of the hook and extension protocol, and "
+                                f"the run never calls it; did you mean {close[0]}? (rename it; a helper of its own "
+                                "starts with _)")
 
 
 def setting_of(extension: Extension) -> str:

@@ -66,8 +66,10 @@ class TrainLoop:
                     return next(iterator)
 
                 state = totals.accumulate(num_steps, next_batch, after_step=after_update)
-            global_step.assign_add(tf.cast(num_steps, global_step.dtype))
-            return totals.per_interval(state, num_steps), totals.first_nonfinite(state, num_steps)
+            per_interval = totals.per_interval(state, num_steps)
+            with tf.control_dependencies(tf.nest.flatten(per_interval)):  # a call that failed counts no steps
+                global_step.assign_add(tf.cast(num_steps, global_step.dtype))
+            return per_interval, totals.first_nonfinite(state, num_steps)
 
         # Plain TF ops throughout: no AutoGraph (see trainer/task/user_code.py; the step is converted).
         self._train_steps = tf.function(train_steps, autograph=False)

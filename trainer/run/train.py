@@ -3,15 +3,21 @@
 settings (checked) -> hooks and extensions (checked, ordered) -> runtime -> task -> extensions
 attached -> restore -> loops (traced, outputs verified) -> model_dir (chief) -> controller.
 Nothing in `model_dir` is written before the settings, the data, the user's functions, every
-extension and the checkpoint have been checked. A new feature is an extension
-(trainer/extensions/), not a line here.
+extension and the checkpoint have been checked; what shows only when the first step runs (an
+op that cannot take the data's values, a user's callback that raises) removes again what the
+run wrote, as long as no step has finished (trainer/run/unfinished.py). A new feature is an
+extension (trainer/extensions/), not a line here.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import tensorflow as tf
+
+from trainer.errors import UserError
 from trainer.extensions import factory
-from trainer.extensions.protocol import Outputs
+from trainer.extensions.protocol import Outputs, check_method_names
 from trainer.extensions.registry import Registry
 from trainer.files import model_dir as model_dir_lib, run_record
 from trainer.files.checkpoints import CheckpointSaver
@@ -19,12 +25,18 @@ from trainer.files.metrics_log import MetricsLog
 from trainer.files.run_checkpoint import RunCheckpoint
 from trainer.hooks.base import Console, Run
 from trainer.loops.build import build_loops
-from trainer.loops.controller import drive
+from trainer.loops.controller import drive, op_error_summary
 from trainer.run.settings import Settings, signature
 from trainer.run.setup import setup
+from trainer.run.unfinished import undone_unless_a_step_finishes
 from trainer.safety.nonfinite import SKIPPED
 from trainer.task import precision
 from trainer.task.structure import flat
+from trainer.task.user_code import name_of
+
+# What TensorFlow raises when an op gets values it cannot take (a label of 10 for 10 classes, a
+# string where a number goes): in a run whose step and model traced, that is the data's doing.
+DATA_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)
 
 
 @precision.keeps_global_policy
@@ -60,16 +72,21 @@ def train(**arguments: Any) -> dict[str, float]:
         print_fn=console.print)
     registry.verify(Outputs(train=loop.trace(_name(task.step_fn)),
                             eval={split: evaluator.trace() for split, evaluator in evaluators.items()}))
-    model_dir_lib.prepare(settings.model_dir, record, is_chief=runtime.is_chief, fresh=start_step == 0)
-    run = Run(model_dir=settings.model_dir, is_chief=runtime.is_chief, total_steps=settings.total_steps,
-              start_step=start_step, global_batch_size=settings.global_batch_size, model=task.models,
-              optimizer=task.optimizers, console=console, metrics_log=MetricsLog(settings.model_dir,
-                                                                                enabled=runtime.is_chief),
-              saver=saver, strategy=runtime.strategy, mode=runtime.mode, spans_processes=runtime.spans_processes,
-              task_name=runtime.cluster.task_name, evaluators=evaluators, loop=loop,
-              hparams=dict(settings.hparams or {}), values=contributions.values)
-    console.print(_start_line(settings, runtime, task, start_step))
-    drive(loop, run, registry.hooks, settings.steps_per_loop)
+    with undone_unless_a_step_finishes(settings.model_dir, is_chief=runtime.is_chief,
+                                       finished=lambda: int(task.global_step.numpy()) > start_step):
+        model_dir_lib.prepare(settings.model_dir, record, is_chief=runtime.is_chief, fresh=start_step == 0)
+        run = Run(model_dir=settings.model_dir, is_chief=runtime.is_chief, total_steps=settings.total_steps,
+                  start_step=start_step, global_batch_size=settings.global_batch_size, model=task.models,
+                  optimizer=task.optimizers, console=console,
+                  metrics_log=MetricsLog(settings.model_dir, enabled=runtime.is_chief),
+                  saver=saver, strategy=runtime.strategy, mode=runtime.mode, spans_processes=runtime.spans_processes,
+                  task_name=runtime.cluster.task_name, evaluators=evaluators, loop=loop,
+                  hparams=dict(settings.hparams or {}), values=contributions.values)
+        console.print(_start_line(settings, runtime, task, start_step))
+        try:
+            drive(loop, run, registry.hooks, settings.steps_per_loop)
+        except DATA_ERRORS as e:
+            raise data_error(e, settings, int(task.global_step.numpy())) from None
     return run.evaluations.first_split
 
 
@@ -81,7 +98,9 @@ def checked_registry(settings: Settings) -> Registry:
     the strategy, its own options), and model_dir checked: what a run refuses from its settings
     alone, before TensorFlow runs anything. Raises UserError. An entry point that starts an
     embedded cluster calls it first too, so that such a mistake starts no server."""
-    registry = Registry(factory.participants(settings), settings)
+    participants = factory.participants(settings)
+    check_method_names(participants)
+    registry = Registry(participants, settings)
     registry.check()
     model_dir_lib.check_model_dir(settings.model_dir)
     return registry
@@ -95,6 +114,19 @@ def _checked_record(settings: Settings, runtime, task) -> dict:
         config_text=settings.describe_config() if settings.describe_config else "")
     run_record.check_resume(settings.model_dir, record, allow_changes=settings.allow_resume_changes)
     return record
+
+
+def data_error(error: tf.errors.OpError, settings: Settings, step: int) -> UserError:
+    """The one line for an op that could not take the values of a batch: which op, what it said,
+    at which step, and which input and step to look at."""
+    nodes = re.findall(r"\{\{node ([^}]+)\}\}", str(error))
+    op = nodes[-1].split("/")[-1] if nodes else (error.op.type if error.op is not None else "a TensorFlow op")
+    summary = op_error_summary(error)
+    summary = summary if len(summary) <= 160 else summary[:160] + "..."
+    return UserError(
+        f"op {op} failed on a batch after step {step} ({type(error).__name__}: {summary}): check what "
+        f"train.input_fn = @{name_of(settings.input_function)} yields and what the steps (train.step_fn = "
+        f"@{name_of(settings.step_fn)}) do with it: labels must be integers 0..num_classes-1, features numbers")
 
 
 def _name(fn: Any) -> str:
