@@ -81,7 +81,7 @@ def _tf_variables(variable) -> list:
     `.value`; a ShardedVariable (what a partitioner makes of a large one) is its components."""
     import keras
 
-    value = variable.value if isinstance(variable, keras.Variable) else variable
+    value = variable.value if isinstance(variable, getattr(keras, "Variable", ())) else variable
     return list(value.variables) if isinstance(value, tf.__internal__.distribute.ShardedVariable) else [value]
 
 
@@ -92,7 +92,7 @@ def check_partitioner(models) -> None:
     import keras
 
     for key, model in named(models, default="").items():
-        if not isinstance(model, keras.Layer):
+        if not isinstance(model, keras.layers.Layer):
             continue
         for variable in model.variables:
             parts = _tf_variables(variable)
@@ -114,7 +114,7 @@ def describe_placement(models) -> str:
 
     parts: dict[str, list] = {}
     for variable in trainable_variables(models):
-        name = variable.path if isinstance(variable, keras.Variable) else variable.name.split(":")[0]
+        name = variable.path if isinstance(variable, getattr(keras, "Variable", ())) else variable.name.split(":")[0]
         parts.setdefault(name.partition("/part_")[0], []).extend(_tf_variables(variable))
     tasks = sorted({part.device.split("/device:")[0].replace("/replica:0", "") for found in parts.values()
                     for part in found})

@@ -178,7 +178,7 @@ class _Snapshot:
     def __init__(self, strategy, variables):
         seen, self._saved = set(), []
         for variable in variables:
-            if isinstance(variable, keras.Variable):
+            if isinstance(variable, getattr(keras, "Variable", ())):
                 variable = variable.value  # the tf.Variable (or distributed variable) it wraps
             if id(variable) in seen:
                 continue

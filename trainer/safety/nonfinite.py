@@ -109,7 +109,7 @@ class FiniteGradients:
 
 
 def _checked(optimizer: Any) -> Any:
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    if isinstance(optimizer, getattr(keras.optimizers, "LossScaleOptimizer", ())):
         return optimizer  # it skips non-finite updates itself (its scale finds them by design)
     return FiniteGradients(optimizer)
 

@@ -147,10 +147,10 @@ def _keras_layers(models: Any) -> list:
     """Every Keras layer of a model, a tf.Module or a dict of them (nested ones included), once each."""
     tops = []
     for model in flat(models):
-        if isinstance(model, keras.Layer):
+        if isinstance(model, keras.layers.Layer):
             tops.append(model)
         elif isinstance(model, tf.Module):
-            tops.extend(model._flatten(predicate=lambda x: isinstance(x, keras.Layer)))  # noqa: SLF001
+            tops.extend(model._flatten(predicate=lambda x: isinstance(x, keras.layers.Layer)))  # noqa: SLF001
     layers, seen = [], set()
     for top in tops:
         for layer in top._flatten_layers(include_self=True, recursive=True):  # noqa: SLF001
@@ -167,8 +167,8 @@ def separate_replica_losses(strategy: tf.distribute.Strategy, models: Any) -> No
     Call it once the models are built. Set past Keras' attribute tracking (`object.__setattr__`):
     the list is per-call scratch, never state to track or save.
     """
-    if strategy.num_replicas_in_sync <= 1:
-        return
+    if strategy.num_replicas_in_sync <= 1 or not keras.__version__.startswith("3."):
+        return  # one replica; or tf_keras (the parity tool's fit), whose `_losses` are not per call
     for layer in _keras_layers(models):
         losses = layer.__dict__.get("_losses")
         if losses is not None and not isinstance(losses, PerThreadLosses):

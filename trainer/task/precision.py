@@ -90,29 +90,37 @@ def _scaled_here() -> weakref.WeakSet:
     return _scaled_by_thread.optimizers
 
 
-@keras.saving.register_keras_serializable(package="trainer")
-class ScaleCheckedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
-    """Keras' dynamic LossScaleOptimizer that refuses (UserError) an update in a thread that never
-    called its `scale_loss`: the gradients of an unscaled loss, divided by the scale, are 32768 times too small.
+@functools.cache
+def scale_checked_class() -> type:
+    """ScaleCheckedLossScaleOptimizer, defined at first use: a process that runs tf_keras in
+    place of Keras 3 (the parity tool's tf_keras fit) imports this module but has no
+    `keras.optimizers.LossScaleOptimizer` to derive from."""
 
-    Per thread, since each replica of a multi-device strategy runs the step in a thread of its own;
-    once a thread has scaled a loss it may apply any number of updates (one scaled loss, several
-    variable groups).
-    """
+    @keras.saving.register_keras_serializable(package="trainer")
+    class ScaleCheckedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+        """Keras' dynamic LossScaleOptimizer that refuses (UserError) an update in a thread that never
+        called its `scale_loss`: the gradients of an unscaled loss, divided by the scale, are 32768 times too small.
 
-    def scale_loss(self, loss):
-        _scaled_here().add(self)
-        return super().scale_loss(loss)
+        Per thread, since each replica of a multi-device strategy runs the step in a thread of its own;
+        once a thread has scaled a loss it may apply any number of updates (one scaled loss, several
+        variable groups).
+        """
 
-    def apply(self, grads, trainable_variables=None):
-        if self not in _scaled_here():
-            raise UserError(UNSCALED_MESSAGE)
-        return super().apply(grads, trainable_variables)
+        def scale_loss(self, loss):
+            _scaled_here().add(self)
+            return super().scale_loss(loss)
+
+        def apply(self, grads, trainable_variables=None):
+            if self not in _scaled_here():
+                raise UserError(UNSCALED_MESSAGE)
+            return super().apply(grads, trainable_variables)
+
+    return ScaleCheckedLossScaleOptimizer
 
 
 def wrap_optimizer(optimizer, name: str | None):
     """`optimizer` in a dynamic ScaleCheckedLossScaleOptimizer under mixed_float16 (unless it is a
     LossScaleOptimizer already)."""
     if check(name) == "mixed_float16" and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return ScaleCheckedLossScaleOptimizer(optimizer)
+        return scale_checked_class()(optimizer)
     return optimizer

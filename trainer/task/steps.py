@@ -22,7 +22,7 @@ from trainer.task import contract
 @tf.autograph.experimental.do_not_convert  # plain TF ops (trainer/task/user_code.py)
 def call_model(model, inputs: tf.Tensor, *, training: bool) -> tf.Tensor:
     """Calls a Keras model with `training`, a plain `tf.Module` without it."""
-    if isinstance(model, keras.Layer):
+    if isinstance(model, keras.layers.Layer):
         return model(inputs, training=training)
     return model(inputs)
 

@@ -44,7 +44,7 @@ def keras_layers_held(module: Any) -> list[str]:
         if id(value) in seen:
             return
         seen.add(id(value))
-        if isinstance(value, keras.Layer):
+        if isinstance(value, keras.layers.Layer):
             found.append(path)
         elif isinstance(value, tf.Module):
             for name, item in sorted(vars(value).items()):

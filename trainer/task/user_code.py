@@ -79,7 +79,7 @@ def built_at_import() -> list[str]:
     first op) before the run could set up its devices."""
     import keras
 
-    kinds = (keras.layers.Layer, keras.Variable, tf.Variable, tf.Module)
+    kinds = (keras.layers.Layer, getattr(keras, "Variable", tf.Variable), tf.Variable, tf.Module)  # tf_keras: no Variable
     found = []
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
