@@ -5,7 +5,6 @@ function whatever the parameter's position, and a binding of what the loop passe
 the same function bound without gin."""
 from __future__ import annotations
 
-import functools
 import inspect
 
 import gin

@@ -79,7 +79,8 @@ def built_at_import() -> list[str]:
     first op) before the run could set up its devices."""
     import keras
 
-    kinds = (keras.layers.Layer, getattr(keras, "Variable", tf.Variable), tf.Variable, tf.Module)  # tf_keras: no Variable
+    keras_variable = getattr(keras, "Variable", tf.Variable)  # tf_keras (the parity tool's fit) has none
+    kinds = (keras.layers.Layer, keras_variable, tf.Variable, tf.Module)
     found = []
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
