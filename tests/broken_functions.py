@@ -175,3 +175,19 @@ def raising_model(input_shape, num_classes):
     layers = [keras.layers.Flatten(), keras.layers.Dense(num_classes)]
     return keras.Sequential([keras.Input(input_shape), *layers, layers[2]])
 
+
+
+class _CallRaises(keras.Model):
+    """A subclassed model whose own `call` has a bug: it raises while the run builds the model."""
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.dense = keras.layers.Dense(num_classes)
+
+    def call(self, x):
+        return self.dense(x)[:, self.missing_index]
+
+
+@gin.configurable
+def model_whose_call_raises(input_shape, num_classes):
+    return _CallRaises(num_classes)

@@ -181,6 +181,11 @@ CASES: dict[str, tuple[list[str], str]] = {
                               "run never calls it; did you mean attach?"),
     "model_fn_raises": ([IMPORT, *bind("train.model_fn = @raising_model")],
                         "train.model_fn = @raising_model raised IndexError: list index out of range"),
+    # the model's own call has a bug: named by its method, the user's frames only
+    "model_call_raises": ([IMPORT, *bind("train.model_fn = @model_whose_call_raises")],
+                          "_CallRaises.call, called on a batch of the train features [None, 8, 8, 1] to build the "
+                          "model of train.model_fn model_whose_call_raises, raised AttributeError: "
+                          "'_CallRaises' object has no attribute 'missing_index'"),
     # an endless dataset (unknown cardinality): counted for a bounded time, then refused
     "input_fn_endless_generator": ([IMPORT, *bind("train.input_fn = @endless_generator_input")],
                                    "an endless dataset?"),
@@ -272,7 +277,7 @@ def test_mistake_is_one_line_exit_2_and_model_dir_unchanged(outcomes, name):
 
 
 @pytest.mark.parametrize("name", ["input_fn_raises", "eval_split_missing_from_the_users_dict", "keras_callback_raises",
-                                  "model_fn_raises"])
+                                  "model_fn_raises", "model_call_raises"])
 def test_what_user_code_raises_shows_only_its_frames(outcomes, name):
     stderr = outcomes[name]["stderr"]
     frames = [line for line in stderr.splitlines() if line.lstrip().startswith("File ")]

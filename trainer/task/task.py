@@ -24,7 +24,7 @@ from trainer import data
 from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError
 from trainer.safety.tracing import first_line
-from trainer.task import layer_state, precision
+from trainer.task import layer_state, precision, user_code
 from trainer.task.steps import call_model
 from trainer.task.structure import flat, keras_layers_held, named, trainable_variables
 
@@ -96,6 +96,9 @@ def build_by_calling(models: Any, model_fn: Callable, inp: data.Input) -> None:
         try:
             call_model(model, zeros, training=False)
         except Exception as error:  # noqa: BLE001  (the user's model: its failure is theirs to fix)
+            if own := user_code.own_frame_names(error):  # a bug in the model's own code, not a missing build
+                raise user_code.raised_by(error, own[-1], f"{own[-1]}, called on a batch of the train features "
+                                          f"{shapes} to build {which},") from error
             raise UserError(f"{which} is not built, and calling it on a batch of the train features {shapes} to "
                             f"build it failed ({first_line(error)}); build it in model_fn (a keras.Input, or a "
                             "call on a batch of its real inputs)") from error

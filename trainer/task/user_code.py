@@ -23,6 +23,7 @@ import contextlib
 import functools
 import inspect
 import os
+import re
 import sys
 import sysconfig
 import traceback
@@ -124,10 +125,20 @@ def user_frames(error: BaseException) -> str:
     return "the user code's frames (most recent call last):\n" + "".join(traceback.format_list(frames))
 
 
+def own_frame_names(error: BaseException) -> list[str]:
+    """The qualified names of the functions of the user's own in `error`'s traceback, outermost first."""
+    return [getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+            for frame, _ in traceback.walk_tb(error.__traceback__) if is_user_frame(frame.f_code.co_filename)]
+
+
 def raised_by(error: Exception, name: str, where: str, doing: str = "") -> UserCodeError:
     """The UserCodeError saying that the user's `name` (called as `where`, e.g. 'train.input_fn =
     @load') raised `error` (while `doing`, e.g. "for split 'eval'"), with the user's frames as details."""
-    text = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Keras bolds the message of a layer's error
+    lines = [line.strip() for line in plain.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Exception encountered when calling"):
+        lines = lines[1:]  # Keras' wrapper of an error in a layer's call: the error's own message follows
+    text = lines[0][:300] if lines else ""
     what = f"{type(error).__name__}: {text}" if text else type(error).__name__
     doing = f" {doing}" if doing else ""
     return UserCodeError(f"{where} raised {what}{doing}; fix {name} (its frames are printed above)",
@@ -171,4 +182,10 @@ def user_functions(functions: Mapping[str, Any]) -> Iterator[None]:
                 binding, fn = codes[frame.f_code]
                 name = name_of(fn)
                 raise raised_by(e, name, f"{binding} = @{name}") from e
+        # Not in a bound function itself but in code of the user's it reached (a model's `call`,
+        # a layer's `build`, a loss the model adds): the last such frame is the one to fix.
+        if own := own_frame_names(e):
+            name = own[-1]
+            raise raised_by(e, name, f"{name} (run while the loop built and traced the functions of "
+                            f"{', '.join(functions)})") from e
         raise
