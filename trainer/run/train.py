@@ -31,6 +31,7 @@ from trainer.run.setup import setup
 from trainer.run.unfinished import undone_unless_a_step_finishes
 from trainer.safety.nonfinite import SKIPPED
 from trainer.task import precision
+from trainer.task.contract import function_name
 from trainer.task.structure import flat
 from trainer.task.user_code import name_of
 
@@ -70,7 +71,7 @@ def train(**arguments: Any) -> dict[str, float]:
         drop_batches=contributions.values.get(SKIPPED, ()), eval_metrics_fn=settings.eval_metrics_fn,
         parameter_server=settings.parameter_server, after_update=contributions.after_update_action(),
         print_fn=console.print)
-    registry.verify(Outputs(train=loop.trace(_name(task.step_fn)),
+    registry.verify(Outputs(train=loop.trace(function_name(task.step_fn)),
                             eval={split: evaluator.trace() for split, evaluator in evaluators.items()}))
     with undone_unless_a_step_finishes(settings.model_dir, is_chief=runtime.is_chief,
                                        finished=lambda: int(task.global_step.numpy()) > start_step):
@@ -128,9 +129,6 @@ def data_error(error: tf.errors.OpError, settings: Settings, step: int) -> UserE
         f"train.input_fn = @{name_of(settings.input_function)} yields and what the steps (train.step_fn = "
         f"@{name_of(settings.step_fn)}) do with it: labels must be integers 0..num_classes-1, features numbers")
 
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _start_line(settings: Settings, runtime, task, start_step: int) -> str:

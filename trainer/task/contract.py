@@ -56,7 +56,8 @@ def _signature(fn: Callable) -> inspect.Signature | None:
         return None
 
 
-def _name(fn: Callable) -> str:
+def function_name(fn: Callable) -> str:
+    """A function's `__name__` (a callable object's class name): how refusals name a bound function."""
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
@@ -89,9 +90,10 @@ def targets(fn: Callable, contract: Contract) -> dict[str, str] | None:
         if p.name not in filled and p.default is inspect.Parameter.empty and p.kind not in (
                 inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             raise UserError(
-                f"{contract.what} {_name(fn)} has parameter '{p.name}', which the loop does not fill (it passes "
-                f"{', '.join(contract.names)} by name, the first {len(contract.positional)} else by position); "
-                f"give '{p.name}' a default or bind it in gin ({_name(fn)}.{p.name} = ...)")
+                f"{contract.what} {function_name(fn)} has parameter '{p.name}', which the loop does not fill "
+                f"(it passes {', '.join(contract.names)} by name, the first {len(contract.positional)} else by "
+                "position); "
+                f"give '{p.name}' a default or bind it in gin ({function_name(fn)}.{p.name} = ...)")
     return found
 
 
@@ -120,7 +122,7 @@ def adapt(fn: Callable, contract: Contract) -> Callable:
     by_position = [name for name in order if found.get(name) in only_positional]
     keywords = {name: found[name] for name in order if name in found and name not in by_position}
     if [found[n] for n in by_position] != only_positional[:len(by_position)]:
-        raise UserError(f"{contract.what} {_name(fn)} takes positional-only parameters "
+        raise UserError(f"{contract.what} {function_name(fn)} takes positional-only parameters "
                         f"{only_positional} that the loop cannot fill by name; make them ordinary parameters")
 
     def adapted(*values, **named):
@@ -128,7 +130,7 @@ def adapt(fn: Callable, contract: Contract) -> Callable:
         return fn(*(given[n] for n in by_position),
                   **{target: given[n] for n, target in keywords.items() if n in given})
 
-    adapted.__name__ = _name(fn)
+    adapted.__name__ = function_name(fn)
     adapted.__qualname__ = getattr(fn, "__qualname__", adapted.__name__)
     adapted.__module__ = getattr(fn, "__module__", __name__)
     adapted.__doc__ = getattr(fn, "__doc__", None)

@@ -25,6 +25,7 @@ from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError
 from trainer.safety.tracing import first_line
 from trainer.task import layer_state, precision, user_code
+from trainer.task.contract import function_name
 from trainer.task.steps import call_model
 from trainer.task.structure import flat, keras_layers_held, named, trainable_variables
 
@@ -32,9 +33,6 @@ MODEL_ARGUMENTS = ("input_shape", "num_classes", "element_spec")
 OPTIMIZER_ARGUMENTS = ("global_batch_size", "total_steps")
 _MISSING_ARGUMENT = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?")
 
-
-def _name(fn: Callable) -> str:
-    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def call_with_declared(fn: Callable, available: Mapping[str, Any], *, what: str) -> Any:
@@ -61,9 +59,9 @@ def call_with_declared(fn: Callable, available: Mapping[str, Any], *, what: str)
         names = unsupplied or re.findall(r"'(\w+)'", text.split("argument", 1)[-1]) or ["?"]
         offered = ", ".join(f"{k}" for k in available)
         raise UserError(
-            f"{what} {_name(fn)} needs parameter '{names[0]}', which the loop cannot supply (it passes only "
+            f"{what} {function_name(fn)} needs parameter '{names[0]}', which the loop cannot supply (it passes only "
             f"those of {offered} that it knows); give '{names[0]}' a default or bind it in gin "
-            f"({_name(fn)}.{names[0]} = ...)"
+            f"({function_name(fn)}.{names[0]} = ...)"
         ) from error
 
 
@@ -73,8 +71,8 @@ def make_models(model_fn: Callable, inp: data.Input) -> Any:
     models = call_with_declared(model_fn, available, what="train.model_fn")
     for model in flat(models):
         if not isinstance(model, tf.Module) and not hasattr(model, "trainable_variables"):
-            raise UserError(f"train.model_fn {_name(model_fn)} returned {type(model).__name__}, not a Keras model, "
-                            "a tf.Module or a dict of them")
+            raise UserError(f"train.model_fn {function_name(model_fn)} returned {type(model).__name__}, not a Keras "
+                            "model, a tf.Module or a dict of them")
     return models
 
 
@@ -90,8 +88,8 @@ def build_by_calling(models: Any, model_fn: Callable, inp: data.Input) -> None:
         built = getattr(model, "built", None)
         if built or (built is None and getattr(model, "variables", None)):
             continue
-        which = f"model {key!r} of train.model_fn {_name(model_fn)}" if key else \
-            f"the model of train.model_fn {_name(model_fn)}"
+        which = f"model {key!r} of train.model_fn {function_name(model_fn)}" if key else \
+            f"the model of train.model_fn {function_name(model_fn)}"
         shapes = tf.nest.map_structure(lambda s: [None, *s.shape], features)
         try:
             call_model(model, zeros, training=False)
@@ -122,8 +120,8 @@ def make_optimizers(optimizer_fn: Callable, *, global_batch_size: int, total_ste
     for key, optimizer in named(optimizers, default="").items():
         if not callable(getattr(optimizer, "apply_gradients", None)):
             shown = f"{{{key!r}: {type(optimizer).__name__}, ...}}" if key else type(optimizer).__name__
-            raise UserError(f"train.optimizer_fn {_name(optimizer_fn)} returned {shown}, not an optimizer; return a "
-                            "Keras optimizer (or a dict of them keyed like the models)")
+            raise UserError(f"train.optimizer_fn {function_name(optimizer_fn)} returned {shown}, not an optimizer; "
+                            "return a Keras optimizer (or a dict of them keyed like the models)")
     if isinstance(optimizers, Mapping):
         return {k: precision.wrap_optimizer(o, policy) for k, o in optimizers.items()}
     return precision.wrap_optimizer(optimizers, policy)
