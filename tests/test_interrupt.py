@@ -22,6 +22,14 @@ SHORT_CALLS = ["--gin_bindings=train.total_steps=100000", "--gin_bindings=train.
                "--gin_bindings=train.checkpoint_every_steps=100000"]
 
 
+def ctrl_c(main: Main) -> tuple[int, float]:
+    """Sends `main` a Ctrl-C; its exit code and the seconds from the signal to its exit."""
+    main.proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    code = main.finish(timeout=30)
+    return code, time.monotonic() - sent
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("gin", ["gin/single.gin", "gin/mirrored.gin"])
 def test_ctrl_c_saves_the_step_reached_says_so_in_one_line_and_exits_130(tmp_path, gin):
@@ -29,10 +37,7 @@ def test_ctrl_c_saves_the_step_reached_says_so_in_one_line_and_exits_130(tmp_pat
     main = Main(f"--gin_file={gin}", f"--model_dir={model_dir}", *SHORT_CALLS)
     try:
         main.wait_for(r"^step 20/", timeout=120)
-        main.proc.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        code = main.finish(timeout=30)
-        took = time.monotonic() - sent
+        code, took = ctrl_c(main)
     finally:
         main.kill()
     assert code == 130, main.tail()
@@ -58,10 +63,7 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path):
         main.proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         assert main.proc.poll() is None
-        main.proc.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        code = main.finish(timeout=30)
-        took = time.monotonic() - sent
+        code, took = ctrl_c(main)
     finally:
         main.kill()
     assert code == 130 and took < 3, (code, took, main.tail())
