@@ -1,8 +1,9 @@
 """Gin-configurable functions whose bound parameters sit where a positional call would fill them,
 for tests/test_gin_functions.py."""
-import gin
+
 import tensorflow as tf
 
+import gin
 from trainer.task.steps import call_model
 
 
@@ -31,5 +32,8 @@ def mode_eval_step(model, batch, training=False):
     images, labels, weights = batch
     logits = call_model(model, images, training=training)
     per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.cast(labels, tf.int32), logits)
-    return {"loss": tf.reduce_sum(per_example * weights), "training": tf.reduce_sum(weights) * float(training),
-            "num_examples": tf.reduce_sum(weights)}
+    return {
+        "loss": tf.reduce_sum(per_example * weights),
+        "training": tf.reduce_sum(weights) * float(training),
+        "num_examples": tf.reduce_sum(weights),
+    }

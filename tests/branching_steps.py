@@ -3,9 +3,10 @@ tf.function: the loops trace without AutoGraph and must still convert the user's
 
 Each counts the batch's labels >= 5 twice, with a Python loop and `if` on tensors and with one
 vectorised op, and returns both counts, so the test can check the loop ran on real values."""
-import gin
+
 import tensorflow as tf
 
+import gin
 from trainer.task import steps
 
 
@@ -28,8 +29,11 @@ def branching_step(model, optimizer, batch, global_batch_size):
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     vectorised = tf.reduce_sum(tf.cast(labels >= 5, tf.float32))
-    return {"loss": loss, "high": count_high(labels) / global_batch_size,
-            "high_vectorised": vectorised / global_batch_size}
+    return {
+        "loss": loss,
+        "high": count_high(labels) / global_batch_size,
+        "high_vectorised": vectorised / global_batch_size,
+    }
 
 
 @gin.configurable

@@ -1,9 +1,10 @@
 """User functions with the mistakes researchers make, for tests/test_mistakes.py."""
-import gin
+
 import keras
 import numpy as np
 import tensorflow as tf
 
+import gin
 from trainer.extensions import Extension
 from trainer.task import optimizers
 
@@ -50,8 +51,10 @@ def not_a_model(input_shape, num_classes):
 
 @gin.configurable
 def two_optimizers(global_batch_size, total_steps):
-    return {"generator": optimizers.make_optimizer(global_batch_size=global_batch_size, total_steps=total_steps),
-            "critic": optimizers.make_optimizer(global_batch_size=global_batch_size, total_steps=total_steps)}
+    return {
+        "generator": optimizers.make_optimizer(global_batch_size=global_batch_size, total_steps=total_steps),
+        "critic": optimizers.make_optimizer(global_batch_size=global_batch_size, total_steps=total_steps),
+    }
 
 
 @gin.configurable
@@ -120,8 +123,10 @@ def endless_generator_input(split):
         while True:
             yield np.full([8, 8, 1], i % 3, np.float32), i % 10
             i += 1
-    return tf.data.Dataset.from_generator(examples, output_signature=(
-        tf.TensorSpec([8, 8, 1], tf.float32), tf.TensorSpec([], tf.int32)))
+
+    return tf.data.Dataset.from_generator(
+        examples, output_signature=(tf.TensorSpec([8, 8, 1], tf.float32), tf.TensorSpec([], tf.int32))
+    )
 
 
 @gin.configurable
@@ -140,8 +145,10 @@ one_based_label_input.num_classes = 10
 
 @gin.configurable
 def dict_input(split):
-    datasets = {"train": tf.data.Dataset.from_tensor_slices((_images(), tf.range(256) % 10)),
-                "eval": tf.data.Dataset.from_tensor_slices((_images(64), tf.range(64) % 10))}
+    datasets = {
+        "train": tf.data.Dataset.from_tensor_slices((_images(), tf.range(256) % 10)),
+        "eval": tf.data.Dataset.from_tensor_slices((_images(64), tf.range(64) % 10)),
+    }
     return datasets[split]
 
 
@@ -174,7 +181,6 @@ def misspelt_extension():
 def raising_model(input_shape, num_classes):
     layers = [keras.layers.Flatten(), keras.layers.Dense(num_classes)]
     return keras.Sequential([keras.Input(input_shape), *layers, layers[2]])
-
 
 
 class _CallRaises(keras.Model):

@@ -1,8 +1,9 @@
 """Steps with diagnostics that are no share of a global-batch mean, declared with trainer.combine,
 for tests/test_combine.py."""
-import gin
+
 import tensorflow as tf
 
+import gin
 import trainer
 from trainer.task.steps import call_model
 
@@ -23,8 +24,13 @@ def diagnostic_step(model, optimizer, batch, global_batch_size):
     summed = context.all_reduce(tf.distribute.ReduceOp.SUM, grads) if context.num_replicas_in_sync > 1 else grads
     kernels = [g for g, v in zip(summed, variables) if len(v.shape) == 2]
     optimizer.apply_gradients(zip(grads, variables))
-    return {"loss": loss, "max_logit": tf.reduce_max(logits), "min_logit": tf.reduce_min(logits),
-            "hidden_grad_norm": tf.norm(kernels[0]), "output_grad_norm": tf.norm(kernels[-1])}
+    return {
+        "loss": loss,
+        "max_logit": tf.reduce_max(logits),
+        "min_logit": tf.reduce_min(logits),
+        "hidden_grad_norm": tf.norm(kernels[0]),
+        "output_grad_norm": tf.norm(kernels[-1]),
+    }
 
 
 @gin.configurable

@@ -1,4 +1,5 @@
 """Fixtures shared across test files."""
+
 from __future__ import annotations
 
 import sys
@@ -14,9 +15,12 @@ def trained_single_dir(tmp_path_factory) -> str:
     """One short real run of gin/single.gin, shared by the tests that only read its output."""
     model_dir = str(tmp_path_factory.mktemp("single"))
     proc = run_main(
-        "--gin_file=gin/single.gin", f"--model_dir={model_dir}",
-        "--gin_bindings=train.total_steps=60", "--gin_bindings=train.checkpoint_every_steps=30",
-        "--gin_bindings=train.eval_every_steps=30", "--gin_bindings=train.log_every_steps=20",
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.total_steps=60",
+        "--gin_bindings=train.checkpoint_every_steps=30",
+        "--gin_bindings=train.eval_every_steps=30",
+        "--gin_bindings=train.log_every_steps=20",
         "--gin_bindings=train.steps_per_loop=25",
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -30,11 +34,15 @@ def profiled_run(tmp_path_factory):
     Returns (model_dir, the finished process)."""
     model_dir = str(tmp_path_factory.mktemp("observed") / "lr_0.002")
     proc = run_main(
-        "--gin_file=gin/single.gin", f"--model_dir={model_dir}",
-        "--gin_bindings=train.total_steps=40", "--gin_bindings=train.steps_per_loop=25",
-        "--gin_bindings=train.log_every_steps=10", "--gin_bindings=train.eval_every_steps=20",
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.total_steps=40",
+        "--gin_bindings=train.steps_per_loop=25",
+        "--gin_bindings=train.log_every_steps=10",
+        "--gin_bindings=train.eval_every_steps=20",
         "--gin_bindings=train.checkpoint_every_steps=40",
-        "--gin_bindings=train.hooks=[@profiler_hook()]", "--gin_bindings=profiler_hook.steps=(7, 13)",
+        "--gin_bindings=train.hooks=[@profiler_hook()]",
+        "--gin_bindings=profiler_hook.steps=(7, 13)",
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return model_dir, proc
@@ -47,11 +55,18 @@ def embedded_ps_run(tmp_path_factory) -> SampledRun:
     read by tests/test_ps.py (training, sidecar, servers stopped) and tests/test_network.py (closed
     to the network). Its tests carry the xdist_group "embedded_ps_run", so it runs once."""
     model_dir = tmp_path_factory.mktemp("embedded_ps") / "run"
-    sidecar = Main("--gin_file=gin/ps.gin", "--mode=eval_continuous", f"--model_dir={model_dir}",
-                   "--gin_bindings=eval_continuous.timeout_secs=200")
+    sidecar = Main(
+        "--gin_file=gin/ps.gin",
+        "--mode=eval_continuous",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=eval_continuous.timeout_secs=200",
+    )
     try:
-        run = sampled([sys.executable, "-m", "trainer.main", "--gin_file=gin/ps.gin", f"--model_dir={model_dir}"],
-                      model_dir, sidecar=sidecar)
+        run = sampled(
+            [sys.executable, "-m", "trainer.main", "--gin_file=gin/ps.gin", f"--model_dir={model_dir}"],
+            model_dir,
+            sidecar=sidecar,
+        )
         run.sidecar_code = sidecar.finish(timeout=90)
     finally:
         sidecar.kill()
@@ -68,6 +83,18 @@ def launched_mwms_run(tmp_path_factory) -> SampledRun:
     scratch = root / "tmp"
     scratch.mkdir()
     model_dir = root / "run"
-    return sampled([sys.executable, "-m", "trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin",
-                    f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=400"],
-                   model_dir, env=subprocess_env(TMPDIR=str(scratch)), scratch=scratch)
+    return sampled(
+        [
+            sys.executable,
+            "-m",
+            "trainer.launch",
+            "--num_workers=2",
+            "--",
+            "--gin_file=gin/mwms.gin",
+            f"--model_dir={model_dir}",
+            "--gin_bindings=train.total_steps=400",
+        ],
+        model_dir,
+        env=subprocess_env(TMPDIR=str(scratch)),
+        scratch=scratch,
+    )

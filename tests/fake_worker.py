@@ -25,12 +25,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--exit_code", type=int, default=1, help="exit code of the failing task")
     parser.add_argument("--fail_once", action="store_true", help="fail on the first attempt only")
     parser.add_argument("--ignore_sigterm", action="store_true", help="only SIGKILL ends it")
-    parser.add_argument(
-        "--grandchild", action="store_true", help="start a sleeping child process of its own"
-    )
-    parser.add_argument(
-        "--wait_for_cluster", action="store_true", help="wait until every task wrote its pid"
-    )
+    parser.add_argument("--grandchild", action="store_true", help="start a sleeping child process of its own")
+    parser.add_argument("--wait_for_cluster", action="store_true", help="wait until every task wrote its pid")
     args, _ = parser.parse_known_args(argv)
     return args
 

@@ -3,12 +3,13 @@
 A gin config reaches them with `import tests.guard_steps` and `train.step_fn = @name`.
 Each is `classification_step` with one thing changed.
 """
+
 from __future__ import annotations
 
-import gin
 import keras
 import tensorflow as tf
 
+import gin
 from trainer.task.steps import call_model, regularization_loss
 
 

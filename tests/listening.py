@@ -5,6 +5,7 @@ run with the sidecar evaluator beside it, and a 2-worker `trainer.launch` run, e
 and sampled while it trains, so that the training checks and the network checks share one
 cluster start.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,7 +42,7 @@ def socket_inodes(pid: int) -> set[int]:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
             if target.startswith("socket:["):
-                inodes.add(int(target[len("socket:["):-1]))
+                inodes.add(int(target[len("socket:[") : -1]))
     except OSError:  # the process (or the fd) went away meanwhile
         pass
     return inodes
@@ -94,9 +95,16 @@ class Sampler:
 def run_sampled(command: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, Sampler]:
     """Runs `command` (its stderr into its stdout) in its own session, sampling what it listens on
     until it ends; whatever it started is killed afterwards."""
-    proc = subprocess.Popen(command, cwd=REPO, env=env or subprocess_env(), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env or subprocess_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()

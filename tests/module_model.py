@@ -2,12 +2,14 @@
 
 Gin: `import tests.module_model` then `train.model_fn = @module_mlp`.
 """
+
 from __future__ import annotations
 
 import math
 
-import gin
 import tensorflow as tf
+
+import gin
 
 
 class ModuleMLP(tf.Module):
@@ -16,7 +18,8 @@ class ModuleMLP(tf.Module):
     def __init__(self, input_size: int, hidden: int, num_classes: int, seed: int = 0):
         super().__init__(name="module_mlp")
         init = lambda shape, s: tf.random.stateless_uniform(  # noqa: E731  (Glorot uniform)
-            shape, seed=[seed, s], minval=-math.sqrt(6 / sum(shape)), maxval=math.sqrt(6 / sum(shape)))
+            shape, seed=[seed, s], minval=-math.sqrt(6 / sum(shape)), maxval=math.sqrt(6 / sum(shape))
+        )
         self.w1 = tf.Variable(init([input_size, hidden], 1), name="w1")
         self.b1 = tf.Variable(tf.zeros([hidden]), name="b1")
         self.w2 = tf.Variable(init([hidden, num_classes], 2), name="w2")

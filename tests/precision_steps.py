@@ -3,10 +3,12 @@ divided by the loss scale, vanish), so the run refuses it before step 1 (trainer
 
 Gin: `import tests.precision_steps`, then `train.step_fn = @unscaled_step`.
 """
+
 from __future__ import annotations
 
-import gin
 import tensorflow as tf
+
+import gin
 
 
 @gin.configurable

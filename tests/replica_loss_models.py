@@ -6,12 +6,13 @@ Gin: `import tests.replica_loss_models`, then `train.model_fn = @bn_activity_mod
 `classification_step`) or `train.model_fn = @bn_dropout_add_loss_model` and
 `train.step_fn = @compute_loss_step`.
 """
+
 from __future__ import annotations
 
-import gin
 import keras
 import tensorflow as tf
 
+import gin
 from trainer.task.steps import call_model
 
 
@@ -19,11 +20,17 @@ from trainer.task.steps import call_model
 def bn_activity_model(input_shape, num_classes: int, synchronized: bool = False) -> keras.Model:
     """Conv -> BatchNorm -> ReLU -> Dense with an L2 activity penalty -> logits. `synchronized`: batch
     statistics over the global batch (an all-reduce inside the call), so 1 and 2 replicas compute alike."""
-    return keras.Sequential([
-        keras.Input(input_shape), keras.layers.Conv2D(8, 3), keras.layers.BatchNormalization(synchronized=synchronized),
-        keras.layers.ReLU(), keras.layers.Flatten(),
-        keras.layers.Dense(64, activity_regularizer=keras.regularizers.L2(1e-3)), keras.layers.Dense(num_classes),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input(input_shape),
+            keras.layers.Conv2D(8, 3),
+            keras.layers.BatchNormalization(synchronized=synchronized),
+            keras.layers.ReLU(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activity_regularizer=keras.regularizers.L2(1e-3)),
+            keras.layers.Dense(num_classes),
+        ]
+    )
 
 
 class BatchNormDropoutAddLoss(keras.Model):

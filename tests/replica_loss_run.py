@@ -5,6 +5,7 @@ device's numbers: the replicas' model-call losses (`model.losses`, scaled as the
 sum to one device's, and the weights end the same. Prints one JSON line (from the chief only under
 multi_worker_mirrored, whose workers read TF_CONFIG).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ import numpy as np
 
 def main(modes: list[str]) -> None:
     from trainer.distribution import devices, strategies
+
     if modes != ["multi_worker_mirrored"]:
         devices.configure_devices(devices.DeviceConfig(logical_cpus_without_gpu=2))
     import keras
@@ -29,14 +31,17 @@ def main(modes: list[str]) -> None:
     slice_size, num_steps = 16, 30
     batches = iter(data.train_dataset(source, slice_size, 0))
     slices = [next(batches) for _ in range(num_steps)]
-    kinds = {"sequential": (models.bn_activity_model, steps.classification_step),
-             "subclassed": (models.bn_dropout_add_loss_model, models.compute_loss_step)}
+    kinds = {
+        "sequential": (models.bn_activity_model, steps.classification_step),
+        "subclassed": (models.bn_dropout_add_loss_model, models.compute_loss_step),
+    }
 
     def measured(step):
         def run(model, optimizer, batch, global_batch_size):
             outputs = dict(step(model, optimizer, batch, global_batch_size))
             outputs["model_losses"] = steps.regularization_loss(model)  # read in the replica, after the step
             return outputs
+
         return run
 
     def train(strategy, kind):
@@ -71,14 +76,18 @@ def main(modes: list[str]) -> None:
             record, _, weights = train(strategy, kind)
             result[f"{name}/{kind}"] = {
                 "replicas": strategy.num_replicas_in_sync,
-                "model_losses": record["model_losses"][:3], "one_device_model_losses": reference["model_losses"][:3],
+                "model_losses": record["model_losses"][:3],
+                "one_device_model_losses": reference["model_losses"][:3],
                 "model_losses_diff": max(abs(a - b) for a, b in zip(record["model_losses"], reference["model_losses"])),
                 "loss_diff": max(abs(a - b) for a, b in zip(record["loss"], reference["loss"])),
                 "weights_diff": max(float(np.abs(a - b).max()) for a, b in zip(weights, reference_weights)),
                 "trained": max(float(np.abs(a - b).max()) for a, b in zip(initial, reference_weights)),
             }
-    chief = all(s.cluster_resolver is None or s.cluster_resolver.task_id in (None, 0) for s in made.values()
-                if hasattr(s, "cluster_resolver"))
+    chief = all(
+        s.cluster_resolver is None or s.cluster_resolver.task_id in (None, 0)
+        for s in made.values()
+        if hasattr(s, "cluster_resolver")
+    )
     if chief:
         print(json.dumps(result))
 

@@ -1,4 +1,5 @@
 """Test helpers: run the real entry points in fresh subprocesses with hard timeouts."""
+
 from __future__ import annotations
 
 import gzip
@@ -30,7 +31,11 @@ def run_module(module: str, *args: str, timeout: float = 240, env: dict | None =
     """`python -m module args...` from the repo root; the child is killed at `timeout`."""
     return subprocess.run(
         [sys.executable, "-m", module, *args],
-        cwd=REPO, env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env=env or subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -44,8 +49,12 @@ def run_python(code: str, *, timeout: float = 240) -> dict:
     The code prints one JSON object as its last stdout line; that object is returned.
     """
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -96,8 +105,13 @@ class Main:
 
     def __init__(self, *args: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=subprocess_env(),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            [sys.executable, "-m", "trainer.main", *args],
+            cwd=REPO,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         self.out: list[str] = []
         self.err: list[str] = []

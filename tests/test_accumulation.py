@@ -3,6 +3,7 @@
 Real TensorFlow in fresh processes (the multi-replica ones split the CPU into logical devices):
 20 SGD steps of an MLP on the digits, whole batch vs 4 micro-batches, single and mirrored.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,8 @@ import tensorflow as tf
 
 from tests.support import read_jsonl, run_main, run_python
 from tests.update_runs import STEPS, max_difference
-from trainer.update import accumulation
 from trainer.errors import UserError
+from trainer.update import accumulation
 
 
 @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "mirrored"])
@@ -49,8 +50,12 @@ def test_bad_grad_accum_steps_is_one_line(value):
 
 def test_batch_not_divisible_by_micro_batches_times_replicas_exits_2(tmp_path):
     model_dir = str(tmp_path / "run")
-    proc = run_main("--gin_file=gin/mirrored.gin", "--gin_bindings=train.grad_accum_steps = 3",
-                    f"--model_dir={model_dir}", timeout=120)
+    proc = run_main(
+        "--gin_file=gin/mirrored.gin",
+        "--gin_bindings=train.grad_accum_steps = 3",
+        f"--model_dir={model_dir}",
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "not divisible by train.grad_accum_steps 3 x 2 replica(s)" in errors[0], errors
@@ -59,17 +64,25 @@ def test_batch_not_divisible_by_micro_batches_times_replicas_exits_2(tmp_path):
 
 def test_accumulated_run_resumes_exactly(tmp_path):
     """10 steps of 2 micro-batches (the CNN with dropout) straight, and as 5 + 5 across a restart."""
-    common = ["--gin_file=gin/single.gin", "--gin_bindings=train.grad_accum_steps=2", "--gin_bindings=cnn.dropout=0.5",
-              "--gin_bindings=train.checkpoint_every_steps=5", "--gin_bindings=train.eval_every_steps=10",
-              "--gin_bindings=train.steps_per_loop=5"]
+    common = [
+        "--gin_file=gin/single.gin",
+        "--gin_bindings=train.grad_accum_steps=2",
+        "--gin_bindings=cnn.dropout=0.5",
+        "--gin_bindings=train.checkpoint_every_steps=5",
+        "--gin_bindings=train.eval_every_steps=10",
+        "--gin_bindings=train.steps_per_loop=5",
+    ]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     for model_dir, totals in ((straight, (10,)), (resumed, (5, 10))):
         for total in totals:
-            proc = run_main(*common, f"--model_dir={model_dir}", f"--gin_bindings=train.total_steps={total}",
-                            timeout=120)
+            proc = run_main(
+                *common, f"--model_dir={model_dir}", f"--gin_bindings=train.total_steps={total}", timeout=120
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
     assert "continuing from step 5" in proc.stdout
-    finals = [[r for r in read_jsonl(os.path.join(d, "metrics.jsonl")) if r["split"] == "eval"][-1]
-              for d in (straight, resumed)]
+    finals = [
+        [r for r in read_jsonl(os.path.join(d, "metrics.jsonl")) if r["split"] == "eval"][-1]
+        for d in (straight, resumed)
+    ]
     assert finals[0]["step"] == finals[1]["step"] == 10
     assert finals[0]["loss"] == finals[1]["loss"]

@@ -12,6 +12,7 @@ synchronous save. Real runs, real checkpoints on disk, real SIGKILLs:
 - parameter_server and a wrong value are refused in one line before model_dir is touched;
 - the stall benchmark (trainer/tools/bench/save_stall.py) returns its numbers.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,9 +27,13 @@ from tests.test_resume import kill_group, kill_while_writing, per_step_losses, w
 
 ASYNC = "--gin_bindings=train.async_checkpoint=True"
 SMALL = [
-    "--gin_file=gin/mirrored.gin", "--gin_bindings=train.total_steps=40", "--gin_bindings=train.log_every_steps=1",
-    "--gin_bindings=train.checkpoint_every_steps=10", "--gin_bindings=train.eval_every_steps=1000",
-    "--gin_bindings=cnn.dropout=0.3", "--gin_bindings=cnn.filters=(8, 8, 8)",
+    "--gin_file=gin/mirrored.gin",
+    "--gin_bindings=train.total_steps=40",
+    "--gin_bindings=train.log_every_steps=1",
+    "--gin_bindings=train.checkpoint_every_steps=10",
+    "--gin_bindings=train.eval_every_steps=1000",
+    "--gin_bindings=cnn.dropout=0.3",
+    "--gin_bindings=cnn.filters=(8, 8, 8)",
 ]
 
 
@@ -56,9 +61,14 @@ def test_killed_async_run_resumes_bit_for_bit_like_an_uninterrupted_sync_one(tmp
     reference = run_main(*SMALL, f"--model_dir={reference_dir}")
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    first = subprocess.Popen(main_command(*SMALL, ASYNC, f"--model_dir={resumed_dir}"), cwd=REPO,
-                             env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+    first = subprocess.Popen(
+        main_command(*SMALL, ASYNC, f"--model_dir={resumed_dir}"),
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_for_step(resumed_dir, 25, first)
     finally:
@@ -126,10 +136,15 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint_in_charge
     soon as its files appear, while training has gone on past the save."""
     model_dir = str(tmp_path / "run")
     flags = [
-        "--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.model_fn=@mlp",
-        "--gin_bindings=mlp.hidden=(3072, 3072)", "--gin_bindings=train.total_steps=60",
-        "--gin_bindings=train.checkpoint_every_steps=20", "--gin_bindings=train.eval_every_steps=1000",
-        "--gin_bindings=train.log_every_steps=10", ASYNC,
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.model_fn=@mlp",
+        "--gin_bindings=mlp.hidden=(3072, 3072)",
+        "--gin_bindings=train.total_steps=60",
+        "--gin_bindings=train.checkpoint_every_steps=20",
+        "--gin_bindings=train.eval_every_steps=1000",
+        "--gin_bindings=train.log_every_steps=10",
+        ASYNC,
     ]
     names = kill_while_writing(main_command(*flags), model_dir)
     assert "ckpt-40.index" not in names, "killed after the background write had finished"
@@ -152,11 +167,16 @@ def test_a_roll_back_restores_the_checkpoint_whose_write_was_pending(poisoned, t
     assert f"rolled back to {model_dir}/ckpt-5 (step 5) and skipping batch {BAD_STEP - 1}" in proc.stdout
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["--gin_file=gin/ps.gin", ASYNC], "train.async_checkpoint is not supported with parameter_server"),
-    (["--gin_file=gin/single.gin", "--gin_bindings=train.async_checkpoint='yes'"],
-     "train.async_checkpoint must be True or False, got 'yes'"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--gin_file=gin/ps.gin", ASYNC], "train.async_checkpoint is not supported with parameter_server"),
+        (
+            ["--gin_file=gin/single.gin", "--gin_bindings=train.async_checkpoint='yes'"],
+            "train.async_checkpoint must be True or False, got 'yes'",
+        ),
+    ],
+)
 def test_refused_in_one_line_before_model_dir_is_touched(tmp_path, args, expected):
     model_dir = tmp_path / "run"
     model_dir.mkdir()
@@ -173,11 +193,23 @@ def test_refused_in_one_line_before_model_dir_is_touched(tmp_path, args, expecte
 
 @pytest.mark.parametrize("step_threads", [0, 1])
 def test_save_stall_reports_sync_and_async_stalls(step_threads):
-    result = run_python("import json\nfrom trainer.tools.bench.save_stall import run_save_stall\n"
-                        f"print(json.dumps(run_save_stall(params=100_000, saves=2, step_threads={step_threads}, "
-                        "print_fn=lambda _: None)))")
-    for key in ("params", "checkpoint_bytes", "sync_stall_s", "async_stall_s", "async_over_sync",
-                "sync_stalls", "async_stalls", "sync_save_cpu_s", "cores", "step_threads"):
+    result = run_python(
+        "import json\nfrom trainer.tools.bench.save_stall import run_save_stall\n"
+        f"print(json.dumps(run_save_stall(params=100_000, saves=2, step_threads={step_threads}, "
+        "print_fn=lambda _: None)))"
+    )
+    for key in (
+        "params",
+        "checkpoint_bytes",
+        "sync_stall_s",
+        "async_stall_s",
+        "async_over_sync",
+        "sync_stalls",
+        "async_stalls",
+        "sync_save_cpu_s",
+        "cores",
+        "step_threads",
+    ):
         assert key in result, key
     assert result["sync_save_cpu_s"] > 0 and result["cores"] >= 1
     assert result["step_threads"] == (step_threads or None)

@@ -1,4 +1,5 @@
 """`python -m trainer.bench`: runs end to end and reports every field; no timing is asserted."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,11 +16,28 @@ import pytest
 from tests.support import REPO, run_module, subprocess_env
 from trainer.tools.bench.protocol import KEEP_FREED_MEMORY, Worker, with_tunables
 
-FIELDS = ("steps_per_sec", "examples_per_sec", "steps_per_sec_min_max", "chunk_seconds", "chunk_cpu_seconds",
-          "cores_used", "time_to_first_step_s", "first_call_steps", "compile_count", "peak_rss_mib", "status")
-TINY = ("--gin_file=gin/single.gin", "--gin_bindings=train.model_fn=@mlp", "--gin_bindings=train.global_batch_size=32",
-        "--gin_bindings=train.steps_per_loop=5", "--gin_bindings=train.log_every_steps=5",
-        "--gin_bindings=train.checkpoint_every_steps=10", "--steps=8")
+FIELDS = (
+    "steps_per_sec",
+    "examples_per_sec",
+    "steps_per_sec_min_max",
+    "chunk_seconds",
+    "chunk_cpu_seconds",
+    "cores_used",
+    "time_to_first_step_s",
+    "first_call_steps",
+    "compile_count",
+    "peak_rss_mib",
+    "status",
+)
+TINY = (
+    "--gin_file=gin/single.gin",
+    "--gin_bindings=train.model_fn=@mlp",
+    "--gin_bindings=train.global_batch_size=32",
+    "--gin_bindings=train.steps_per_loop=5",
+    "--gin_bindings=train.log_every_steps=5",
+    "--gin_bindings=train.checkpoint_every_steps=10",
+    "--steps=8",
+)
 HAVE_ORBIT = importlib.util.find_spec("orbit") is not None
 
 
@@ -29,8 +47,18 @@ def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
     # Every worker is started for up to 100,000 rounds (a million steps); the intervals are narrow enough (at
     # most 10 wide) after the 3 rounds, so every worker is told to finish then, and must end its run early:
     # ours answers only once its run has ended, so one that went on would time out.
-    proc = run_module("trainer.bench", *TINY, "--mode=train", "--repeats=3", "--max_repeats=100000", "--max_width=10",
-                      "--fit_steps_per_execution=5", f"--json={out}", f"--report={report_path}", timeout=300)
+    proc = run_module(
+        "trainer.bench",
+        *TINY,
+        "--mode=train",
+        "--repeats=3",
+        "--max_repeats=100000",
+        "--max_width=10",
+        "--fit_steps_per_execution=5",
+        f"--json={out}",
+        f"--report={report_path}",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result, report = json.loads(out.read_text()), report_path.read_text()
     assert set(result["variants"]) == {"limit", "limit_input", "ours", "ours_async", "orbit", "fit_spe5"}
@@ -77,12 +105,25 @@ def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
     # Our loop ran calls of 1, 5 and 4 steps (the first step alone, then up to hook boundaries): one trace.
     assert result["ours_compile_count"] == 1 and result["limit_compile_count"] == 1
     assert result["variants"]["fit_spe5"]["first_call_steps"] == 5
-    for key in ("ours_over_limit", "ours_over_fit_spe1", "ours_over_fit_best", "rss_ours_over_fit", "ours_over_orbit",
-                "first_step_ours_over_fit", "first_step_ours_over_orbit"):
+    for key in (
+        "ours_over_limit",
+        "ours_over_fit_spe1",
+        "ours_over_fit_best",
+        "rss_ours_over_fit",
+        "ours_over_orbit",
+        "first_step_ours_over_fit",
+        "first_step_ours_over_orbit",
+    ):
         assert key in result["ratios"]
     assert result["ratios"]["fit_best"] == "fit_spe5" and result["ratios"]["ours_over_fit_best"] > 0
-    for key in ("ours_over_limit", "ours_over_limit_input", "limit_input_over_limit", "ours_over_fit_best",
-                "ours_async_over_ours", "ours_async_over_fit_best"):
+    for key in (
+        "ours_over_limit",
+        "ours_over_limit_input",
+        "limit_input_over_limit",
+        "ours_over_fit_best",
+        "ours_async_over_ours",
+        "ours_async_over_fit_best",
+    ):
         interval = result["intervals"][key]
         assert interval["rounds"] == 3 and interval["low"] <= interval["geomean"] <= interval["high"], key
     assert set(result["verdicts"]) >= {"ours_over_fit_best", "ours_over_fit_spe5", "ours_async_over_fit_best"}
@@ -118,8 +159,9 @@ def test_without_orbit_the_variant_is_one_line_and_the_rest_runs(tmp_path):
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(hidden), env["PYTHONPATH"]])
     out = tmp_path / "bench.json"
-    proc = run_module("trainer.bench", *TINY, "--repeats=1", "--variants=ours,orbit", f"--json={out}", env=env,
-                      timeout=240)
+    proc = run_module(
+        "trainer.bench", *TINY, "--repeats=1", "--variants=ours,orbit", f"--json={out}", env=env, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["variants"]["ours"]["status"] == "ok"
@@ -135,19 +177,41 @@ def _made_up_result(ours_seconds: list[float], fit_seconds: list[float]) -> dict
     from trainer.run.settings import Settings
     from trainer.tools.bench.plan import Schedule
 
-    settings = Settings(strategy="default", global_batch_size=64, steps_per_loop=10, log_every_steps=100,
-                        checkpoint_every_steps=200, jit_compile=False, mixed_precision=None,
-                        data_source=data.Digits(), model_fn=len)
+    settings = Settings(
+        strategy="default",
+        global_batch_size=64,
+        steps_per_loop=10,
+        log_every_steps=100,
+        checkpoint_every_steps=200,
+        jit_compile=False,
+        mixed_precision=None,
+        data_source=data.Digits(),
+        model_fn=len,
+    )
     variants = bench.plan_variants(settings, ["limit", "limit_input", "ours", "ours_async", "fit"], [1])
-    seconds = {"limit": [s * 0.9 for s in ours_seconds], "limit_input": [s * 0.9 for s in ours_seconds],
-               "ours": ours_seconds, "ours_async": ours_seconds, "fit_spe1": fit_seconds}
+    seconds = {
+        "limit": [s * 0.9 for s in ours_seconds],
+        "limit_input": [s * 0.9 for s in ours_seconds],
+        "ours": ours_seconds,
+        "ours_async": ours_seconds,
+        "fit_spe1": fit_seconds,
+    }
     for v in variants:
         v.chunks = v.cpu = seconds[v.name]
         v.first_step_s, v.compile_count, v.peak_rss_mib = 4.0, 1, 700.0
     rounds = {"rounds": len(ours_seconds), "least_rounds": len(ours_seconds), "most_rounds": len(ours_seconds)}
-    return bench.results(settings, variants, plan=Schedule(200, 200, len(ours_seconds)), rounds=rounds, cpus=[0],
-                         pause_waiting=True, malloc_tunables="", load_before=(0.5, 0, 0), load_after=(0.6, 0, 0),
-                         command="python -m trainer.bench --gin_file=gin/single.gin")
+    return bench.results(
+        settings,
+        variants,
+        plan=Schedule(200, 200, len(ours_seconds)),
+        rounds=rounds,
+        cpus=[0],
+        pause_waiting=True,
+        malloc_tunables="",
+        load_before=(0.5, 0, 0),
+        load_after=(0.6, 0, 0),
+        command="python -m trainer.bench --gin_file=gin/single.gin",
+    )
 
 
 def test_readme_shows_every_run_of_a_config_with_its_verdicts(tmp_path):
@@ -198,6 +262,7 @@ def test_an_interval_width_of_zero_is_one_error_line():
 
 def test_a_waiting_worker_is_stopped_until_its_turn(tmp_path):
     """The parent stops a worker between its answer and its next request (every thread: state T in /proc)."""
+
     def state(pid: int) -> str:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
@@ -255,17 +320,33 @@ def test_table_says_where_fit_cannot_run():
     from trainer.run.settings import Settings
     from trainer.tools.bench.plan import Schedule
 
-    settings = Settings(strategy="multi_worker_mirrored", global_batch_size=64, steps_per_loop=10,
-                        log_every_steps=100, checkpoint_every_steps=200, jit_compile=False,
-                        mixed_precision=None, data_source=data.Digits(), model_fn=len)
+    settings = Settings(
+        strategy="multi_worker_mirrored",
+        global_batch_size=64,
+        steps_per_loop=10,
+        log_every_steps=100,
+        checkpoint_every_steps=200,
+        jit_compile=False,
+        mixed_precision=None,
+        data_source=data.Digits(),
+        model_fn=len,
+    )
     variants = bench.plan_variants(settings, ["limit", "ours", "fit"], [1, 10])
     assert [v.status for v in variants] == ["ok", "ok", "cannot_run", "cannot_run"]
     for v in variants[:2]:
         v.chunks, v.cpu, v.first_step_s, v.compile_count, v.peak_rss_mib = [2.0, 2.2, 2.1], [4.0] * 3, 5.0, 1, 700.0
-    result = bench.results(settings, variants, plan=Schedule(200, 200, 3), rounds={"rounds": 3}, cpus=[0],
-                           pause_waiting=True,
-                           malloc_tunables="", load_before=(0.5, 0, 0), load_after=(0.6, 0, 0),
-                           command="python -m trainer.bench")
+    result = bench.results(
+        settings,
+        variants,
+        plan=Schedule(200, 200, 3),
+        rounds={"rounds": 3},
+        cpus=[0],
+        pause_waiting=True,
+        malloc_tunables="",
+        load_before=(0.5, 0, 0),
+        load_after=(0.6, 0, 0),
+        command="python -m trainer.bench",
+    )
     assert result["ratios"]["ours_over_fit_best"] is None and result["ratios"]["ours_over_limit"] == 1.0
     assert result["intervals"]["ours_over_limit"]["geomean"] == pytest.approx(1.0) and result["verdicts"] == {}
     text = bench.text_table(result)
@@ -277,8 +358,12 @@ def test_rounds_alternate_their_order():
     from trainer.tools.bench.plan import Schedule, round_order
 
     assert [round_order("ABC", i) for i in range(4)] == [list("ABC"), list("CBA"), list("ABC"), list("CBA")]
-    assert Schedule(chunk=10, warmup=20, repeats=3).targets() == [("warmup", 20), ("round 1", 30), ("round 2", 40),
-                                                                  ("round 3", 50)]
+    assert Schedule(chunk=10, warmup=20, repeats=3).targets() == [
+        ("warmup", 20),
+        ("round 1", 30),
+        ("round 2", 40),
+        ("round 3", 50),
+    ]
 
 
 def test_a_round_runs_in_turns_that_end_on_every_call_boundary():
@@ -291,9 +376,17 @@ def test_a_round_runs_in_turns_that_end_on_every_call_boundary():
     assert Schedule(chunk=600, warmup=600, repeats=2).turn_targets(1200) == [1200]  # no turns: the chunk at once
     with pytest.raises(ValueError):
         Schedule(chunk=600, warmup=600, repeats=2, turn=250)
-    settings = Settings(strategy="default", global_batch_size=128, steps_per_loop=100, log_every_steps=250,
-                        checkpoint_every_steps=1500, jit_compile=False, mixed_precision=None,
-                        data_source=data.Digits(), model_fn=len)
+    settings = Settings(
+        strategy="default",
+        global_batch_size=128,
+        steps_per_loop=100,
+        log_every_steps=250,
+        checkpoint_every_steps=1500,
+        jit_compile=False,
+        mixed_precision=None,
+        data_source=data.Digits(),
+        model_fn=len,
+    )
     plan = schedule(settings, [1, 100], steps=0, warmup_steps=0, repeats=12)
     assert (plan.chunk, plan.turn, plan.turns_per_chunk, plan.warmup) == (1500, 100, 15, 1500)
     assert schedule(settings, [1, 100], steps=0, warmup_steps=0, repeats=12, turn_steps=220).turn == 300
@@ -331,8 +424,12 @@ def test_rounds_go_on_while_a_headline_interval_is_too_wide():
 
     ours, limit = _rounds(1.0, 0.9, n=12)
     noisy = list(np.asarray(ours) * np.random.default_rng(5).normal(1.0, 0.05, 12))  # 5% of its own a round
-    variants = [Variant("limit", "", "limit"), Variant("ours", "", "ours"), Variant("fit_spe1", "", "fit"),
-                Variant("orbit", "", "orbit", status="cannot_run")]
+    variants = [
+        Variant("limit", "", "limit"),
+        Variant("ours", "", "ours"),
+        Variant("fit_spe1", "", "fit"),
+        Variant("orbit", "", "orbit", status="cannot_run"),
+    ]
 
     def measured(rounds: int) -> list[Variant]:
         for v, seconds in zip(variants, (limit, ours, noisy)):
@@ -345,13 +442,18 @@ def test_rounds_go_on_while_a_headline_interval_is_too_wide():
     assert [rule.enough(measured(n), 100, n, lines.append) for n in range(1, 9)] == [False] * 7 + [True]
     assert [line.split(":")[0] for line in lines] == [f"after round {n}" for n in range(4, 8)]
     assert "ours/fit best's 95% interval is 0.059 wide, more than 0.052: one more round (at most 12)" in lines[0]
-    assert rule.summary() == {"rounds": 8, "least_rounds": 4, "most_rounds": 12, "max_width": 0.052,
-                              "rounds_ended": "every headline interval at most 0.052 wide (the widest: ours/fit best, "
-                                              "0.051)"}
+    assert rule.summary() == {
+        "rounds": 8,
+        "least_rounds": 4,
+        "most_rounds": 12,
+        "max_width": 0.052,
+        "rounds_ended": "every headline interval at most 0.052 wide (the widest: ours/fit best, 0.051)",
+    }
     strict = Rounds(least=4, most=12, max_width=0.045)  # never reached: it ends at the most rounds allowed
     assert [strict.enough(measured(n), 100, n, lines.append) for n in range(1, 13)] == [False] * 11 + [True]
-    assert strict.summary()["rounds_ended"] == ("ours/fit best's interval still 0.050 wide after the most rounds "
-                                                "allowed (12)")
+    assert strict.summary()["rounds_ended"] == (
+        "ours/fit best's interval still 0.050 wide after the most rounds allowed (12)"
+    )
     assert Rounds(least=4, most=2, max_width=0.5).most == 4  # never fewer than the least
     variants[2].chunks, variants[0].status = [], "failed"  # no fit, and the limit failed: nothing to compare
     assert widest(variants, 100) is None and Rounds(least=1, most=8, max_width=0.06).enough(variants, 100, 1, print)
@@ -372,12 +474,15 @@ def test_a_slow_round_cancels_in_the_paired_ratios():
     from trainer.tools.bench.report import intervals
 
     # Round 2 ran 2x slow for everyone: the ratio of medians sees noise, the per-round ratios do not.
-    res = {"ratios": {"fit_best": "fit_spe1"}, "variants": {
-        "ours": {"chunk_seconds": [1.0, 2.0, 1.0]},
-        "limit": {"chunk_seconds": [0.9, 1.8, 0.9]},
-        "orbit": {"chunk_seconds": [1.1, 2.2, 1.1]},
-        "fit_spe1": {"chunk_seconds": []},
-    }}
+    res = {
+        "ratios": {"fit_best": "fit_spe1"},
+        "variants": {
+            "ours": {"chunk_seconds": [1.0, 2.0, 1.0]},
+            "limit": {"chunk_seconds": [0.9, 1.8, 0.9]},
+            "orbit": {"chunk_seconds": [1.1, 2.2, 1.1]},
+            "fit_spe1": {"chunk_seconds": []},
+        },
+    }
     paired = intervals(res)
     assert paired["ours_over_limit"]["geomean"] == pytest.approx(0.9)
     orbit = paired["ours_over_orbit"]
@@ -405,9 +510,14 @@ def _alive(pid: int) -> bool:
 def test_a_bench_that_is_killed_leaves_no_worker_behind(signum):
     """SIGTERM: the parent ends its workers (stopped ones too) and exits 143; SIGKILL: the kernel kills
     them (they die with their parent)."""
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.bench", *TINY, "--variants=limit,ours", "--repeats=500"],
-                            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.bench", *TINY, "--variants=limit,ours", "--repeats=500"],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     workers: set[int] = set()
     try:
         for line in proc.stdout:  # both workers are up, and at least one of them is stopped, when rounds run

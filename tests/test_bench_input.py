@@ -2,6 +2,7 @@
 
 No rate is asserted beyond being measured: this machine is shared, its numbers vary.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -41,12 +42,20 @@ def test_input_bench_measures_memory_tfrecord_and_the_step():
 def test_table_says_input_bound_and_why_a_source_was_skipped():
     assert input_only.verdict(0.5) == "input-bound" and input_only.verdict(1.0) == "keeps up"
     result = {
-        "sources": {"memory": {"examples_per_sec": 500.0, "in_memory": False},
-                    "tfrecord": {"examples_per_sec": None, "skipped": "dict examples"}},
+        "sources": {
+            "memory": {"examples_per_sec": 500.0, "in_memory": False},
+            "tfrecord": {"examples_per_sec": None, "skipped": "dict examples"},
+        },
         "step": {"examples_per_sec": 1000.0},
         "input_over_step": {"memory": 0.5, "tfrecord": None},
-        "settings": {"strategy": "mirrored", "num_replicas": 2, "global_batch_size": 64, "train_examples": 100,
-                     "seconds": 1.0, "prefetch": True},
+        "settings": {
+            "strategy": "mirrored",
+            "num_replicas": 2,
+            "global_batch_size": 64,
+            "train_examples": 100,
+            "seconds": 1.0,
+            "prefetch": True,
+        },
     }
     rows = input_only.text_table(result).splitlines()
     assert rows[2].startswith("config's input (streamed)") and rows[2].endswith("0.50x  input-bound")
@@ -57,8 +66,11 @@ def test_table_says_input_bound_and_why_a_source_was_skipped():
 def test_batched_parsing_keeps_every_example_in_order(tmp_path):
     """Both schemas that parse a batch of records at a time give the written examples, in order."""
     built_in = write_tfrecords.write(data.Digits(), str(tmp_path), 3)
-    by_features = data.TFRecordFiles(built_in.train_pattern, built_in.eval_pattern, features={
-        "image": data.float_feature((8, 8, 1)), "label": data.int64_feature()})
+    by_features = data.TFRecordFiles(
+        built_in.train_pattern,
+        built_in.eval_pattern,
+        features={"image": data.float_feature((8, 8, 1)), "label": data.int64_feature()},
+    )
     images, labels = data.Digits().arrays("train")
     for source in (built_in, by_features):
         got = list(source.examples("train").as_numpy_iterator())

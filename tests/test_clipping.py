@@ -1,5 +1,6 @@
 """train.clip_global_norm clips the update's gradient after the cross-replica sum: the same weights
 on 1, 2 and 4 replicas; Keras' own global_clipnorm (per replica, docs/design.md, rule 11) is refused."""
+
 from __future__ import annotations
 
 import os
@@ -8,16 +9,21 @@ import pytest
 
 from tests.support import read_jsonl, run_main, run_module, run_python
 from tests.update_runs import CLIP, STEPS, max_difference
-from trainer.update import accumulation
-from trainer.update.update_path import UpdatePath
+from trainer.errors import UserError
 from trainer.extensions.registry import Registry
 from trainer.run.settings import Settings
-from trainer.errors import UserError
+from trainer.update import accumulation
+from trainer.update.update_path import UpdatePath
 
 
 def test_clipped_sgd_gives_the_same_weights_on_1_2_and_4_replicas():
-    runs = {n: run_python(f"from tests.update_runs import main; main({n}, [[1, {CLIP}]] + "
-                          f"([[1, None]] if {n} == 1 else []))", timeout=180) for n in (1, 2, 4)}
+    runs = {
+        n: run_python(
+            f"from tests.update_runs import main; main({n}, [[1, {CLIP}]] + ([[1, None]] if {n} == 1 else []))",
+            timeout=180,
+        )
+        for n in (1, 2, 4)
+    }
     reference = runs[1]["runs"][0]
     for n, result in runs.items():
         clipped = result["runs"][0]
@@ -25,8 +31,10 @@ def test_clipped_sgd_gives_the_same_weights_on_1_2_and_4_replicas():
         norms = [o["grad_norm"] for o in clipped["outputs"]]
         assert len(norms) == STEPS and min(norms) > CLIP  # clipping was active at every step
         difference = max_difference(reference["weights"], clipped["weights"])
-        print(f"{n} replica(s): max |weights - weights on 1 replica| = {difference:.3g}, "
-              f"gradient norms {min(norms):.3g}..{max(norms):.3g} > clip {CLIP}")
+        print(
+            f"{n} replica(s): max |weights - weights on 1 replica| = {difference:.3g}, "
+            f"gradient norms {min(norms):.3g}..{max(norms):.3g} > clip {CLIP}"
+        )
         assert difference < 1e-5
     unclipped = runs[1]["runs"][1]
     assert max_difference(reference["weights"], unclipped["weights"]) > 0.1  # clipping changed the training
@@ -34,9 +42,13 @@ def test_clipped_sgd_gives_the_same_weights_on_1_2_and_4_replicas():
 
 def test_keras_global_clipnorm_on_2_replicas_exits_2(tmp_path):
     model_dir = str(tmp_path / "run")
-    proc = run_main("--gin_file=gin/mirrored.gin", "--gin_bindings=import tests.update_runs",
-                    "--gin_bindings=train.optimizer_fn = @keras_clipping_sgd", f"--model_dir={model_dir}",
-                    timeout=120)
+    proc = run_main(
+        "--gin_file=gin/mirrored.gin",
+        "--gin_bindings=import tests.update_runs",
+        "--gin_bindings=train.optimizer_fn = @keras_clipping_sgd",
+        f"--model_dir={model_dir}",
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -60,20 +72,37 @@ def test_parameter_server_refuses_both_options():
 def test_two_multiworker_workers_clip_and_accumulate_like_one_device(tmp_path):
     """Real `trainer.launch` processes: 2 MultiWorkerMirrored workers with 2 micro-batches and clipping
     active every step end at the eval loss of one device running the same configuration."""
-    bindings = [f"--gin_bindings={b}" for b in (
-        "train.total_steps=20", "train.grad_accum_steps=2", f"train.clip_global_norm={CLIP}",
-        "train.eval_every_steps=20", "make_optimizer.name='sgd'", "make_optimizer.learning_rate=0.5")]
+    bindings = [
+        f"--gin_bindings={b}"
+        for b in (
+            "train.total_steps=20",
+            "train.grad_accum_steps=2",
+            f"train.clip_global_norm={CLIP}",
+            "train.eval_every_steps=20",
+            "make_optimizer.name='sgd'",
+            "make_optimizer.learning_rate=0.5",
+        )
+    ]
     multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={multi}",
-                      *bindings, timeout=240)
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={multi}",
+        *bindings,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     assert "on 2 replica(s) (2 worker(s))" in proc.stdout
     proc = run_main("--gin_file=gin/single.gin", f"--model_dir={single}", *bindings, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    evals = [[r for r in read_jsonl(os.path.join(d, "metrics.jsonl")) if r["split"] == "eval"][-1]
-             for d in (multi, single)]
-    trains = [[r for r in read_jsonl(os.path.join(d, "metrics.jsonl")) if r["split"] == "train"][-1]
-              for d in (multi, single)]
+    evals = [
+        [r for r in read_jsonl(os.path.join(d, "metrics.jsonl")) if r["split"] == "eval"][-1] for d in (multi, single)
+    ]
+    trains = [
+        [r for r in read_jsonl(os.path.join(d, "metrics.jsonl")) if r["split"] == "train"][-1] for d in (multi, single)
+    ]
     print(f"eval loss at step 20: 2 workers {evals[0]['loss']:.9f}, one device {evals[1]['loss']:.9f}")
     assert evals[0]["step"] == evals[1]["step"] == 20
     assert abs(evals[0]["loss"] - evals[1]["loss"]) < 1e-5

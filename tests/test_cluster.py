@@ -76,8 +76,11 @@ def test_invalid_tf_config_is_one_line_naming_the_field(text, allowed, expected)
 
 
 def test_index_outside_cluster_message_names_the_fix():
-    with pytest.raises(UserError, match=r"^TF_CONFIG: task\.index 3 is outside cluster\.worker "
-                       r"\(2 tasks\); set task\.index to 0\.\.1$"):
+    with pytest.raises(
+        UserError,
+        match=r"^TF_CONFIG: task\.index 3 is outside cluster\.worker "
+        r"\(2 tasks\); set task\.index to 0\.\.1$",
+    ):
         parse_tf_config(tf_config(TWO_WORKERS, index=3))
 
 
@@ -99,8 +102,7 @@ def test_mwms_with_chief():
 
 
 def test_mwms_workers_only_worker0_is_chief():
-    infos = [parse_tf_config(tf_config(TWO_WORKERS, "worker", i), allowed_task_types=MWMS)
-             for i in range(2)]
+    infos = [parse_tf_config(tf_config(TWO_WORKERS, "worker", i), allowed_task_types=MWMS) for i in range(2)]
     assert [info.is_chief for info in infos] == [True, False]
     assert infos[1].num_workers == 2
 
@@ -129,8 +131,11 @@ def test_allowed_task_types_and_single_machine_check():
     cluster.check_single_machine(one, "mirrored")
     two = parse_tf_config(tf_config(TWO_WORKERS))
     cluster.check_single_machine(two, "multi_worker_mirrored")
-    with pytest.raises(UserError, match="strategy 'mirrored' runs on one machine but TF_CONFIG "
-                       "describes 2 workers; use gin/mwms.gin or unset TF_CONFIG"):
+    with pytest.raises(
+        UserError,
+        match="strategy 'mirrored' runs on one machine but TF_CONFIG "
+        "describes 2 workers; use gin/mwms.gin or unset TF_CONFIG",
+    ):
         cluster.check_single_machine(two, "mirrored")
 
 
@@ -150,16 +155,22 @@ def test_temp_dir_for_non_chief_is_outside_model_dir_and_removed(tmp_path):
 
 
 def test_checking_tf_config_does_not_import_tensorflow():
-    code = ("import sys; from trainer.distribution import cluster; cluster.cluster_from_env({'worker'}); "
-            "assert 'tensorflow' not in sys.modules")
+    code = (
+        "import sys; from trainer.distribution import cluster; cluster.cluster_from_env({'worker'}); "
+        "assert 'tensorflow' not in sys.modules"
+    )
     env = {**os.environ, "TF_CONFIG": tf_config(TWO_WORKERS)}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60,
-                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        env=env,
+        timeout=60,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
 
 
 def test_unknown_resolver_kind_lists_the_valid_ones():
-    with pytest.raises(UserError, match="unknown cluster_resolver 'k8s'; use one of 'tf_config', "
-                       "'slurm'"):
+    with pytest.raises(UserError, match="unknown cluster_resolver 'k8s'; use one of 'tf_config', 'slurm'"):
         cluster.make_cluster_resolver("k8s")
 
 
@@ -211,20 +222,18 @@ def test_slurm_on_cpu_gives_the_same_cluster_info_as_tf_config(slurm_env):
 
 
 def test_slurm_jobs_make_a_parameter_server_cluster(slurm_env):
-    resolver = cluster.make_cluster_resolver(
-        "slurm", jobs={"chief": 1, "worker": 2, "ps": 1}, gpus_per_node=0
-    )
+    resolver = cluster.make_cluster_resolver("slurm", jobs={"chief": 1, "worker": 2, "ps": 1}, gpus_per_node=0)
     info = cluster.cluster_info_from_resolver(resolver, allowed_task_types=PS)
-    assert info.cluster == {"chief": ["node1:8888"], "ps": ["node1:8889"],
-                            "worker": ["node2:8888", "node2:8889"]}
+    assert info.cluster == {"chief": ["node1:8888"], "ps": ["node1:8889"], "worker": ["node2:8888", "node2:8889"]}
     assert (info.task_type, info.task_id, info.has_ps) == ("worker", 0, True)
 
 
 def test_slurm_jobs_give_a_server_its_task(slurm_env):
     from trainer import server
 
-    kind, options = server.parse_args(["--cluster_resolver=slurm",
-                                       "--cluster_resolver_options={'jobs': {'chief': 1, 'ps': 1, 'worker': 2}}"])
+    kind, options = server.parse_args(
+        ["--cluster_resolver=slurm", "--cluster_resolver_options={'jobs': {'chief': 1, 'ps': 1, 'worker': 2}}"]
+    )
     info = server.server_task(kind, options)
     assert (info.task_type, info.task_id) == ("worker", 0)
     assert info.cluster["worker"] == ["node2:8888", "node2:8889"]
@@ -243,9 +252,12 @@ def test_slurm_with_gpus_uses_tensorflows_resolver(slurm_env, monkeypatch):
 def test_slurm_without_slurm_env_names_the_missing_variables(slurm_env, monkeypatch):
     monkeypatch.delenv("SLURM_PROCID")
     monkeypatch.delenv("SLURM_STEP_NODELIST")
-    with pytest.raises(UserError, match=r"^slurm resolver chosen but SLURM_PROCID, "
-                       r"SLURM_STEP_NODELIST not set: run inside an sbatch/srun job or use "
-                       r"cluster_resolver='tf_config'$"):
+    with pytest.raises(
+        UserError,
+        match=r"^slurm resolver chosen but SLURM_PROCID, "
+        r"SLURM_STEP_NODELIST not set: run inside an sbatch/srun job or use "
+        r"cluster_resolver='tf_config'$",
+    ):
         cluster.make_cluster_resolver("slurm")
 
 
@@ -257,8 +269,11 @@ def test_slurm_refuses_an_address_on_another_node_than_the_tasks_own(slurm_env, 
     monkeypatch.setenv("SLURM_STEP_NODELIST", "node[9-10]")
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "1(x2)")
     monkeypatch.setenv("SLURMD_NODENAME", "node9")
-    with pytest.raises(UserError, match=r"^slurm resolver: task 0 runs on node9 but TensorFlow's "
-                       r"SlurmClusterResolver gives it node10:8888 .*cluster_resolver='tf_config'$"):
+    with pytest.raises(
+        UserError,
+        match=r"^slurm resolver: task 0 runs on node9 but TensorFlow's "
+        r"SlurmClusterResolver gives it node10:8888 .*cluster_resolver='tf_config'$",
+    ):
         cluster.make_cluster_resolver("slurm", gpus_per_node=gpus_per_node)
     monkeypatch.setenv("SLURM_STEP_NODELIST", "node[10-11]")
     monkeypatch.setenv("SLURMD_NODENAME", "node10")
@@ -266,10 +281,13 @@ def test_slurm_refuses_an_address_on_another_node_than_the_tasks_own(slurm_env, 
     assert resolver.cluster_spec().as_dict() == {"worker": ["node10:8888", "node11:8888"]}
 
 
-@pytest.mark.parametrize("kwargs, expected", [
-    ({"jobs": {"worker": 3}, "gpus_per_node": 0}, "Requested 3 tasks but only 4 were assigned"),
-    ({"bogus": 1}, r"unknown argument\(s\) \['bogus'\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"jobs": {"worker": 3}, "gpus_per_node": 0}, "Requested 3 tasks but only 4 were assigned"),
+        ({"bogus": 1}, r"unknown argument\(s\) \['bogus'\]"),
+    ],
+)
 def test_slurm_argument_mistakes_are_user_errors(slurm_env, kwargs, expected):
     with pytest.raises(UserError, match=expected):
         cluster.make_cluster_resolver("slurm", **kwargs)

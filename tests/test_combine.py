@@ -4,6 +4,7 @@ replicas, on two multi-worker processes and under parameter_server, inside one c
 several steps, across calls and over the micro-batches of gradient accumulation,
 and the loss-scaling guard checks only the shares. Undeclared, the same max is refused by the
 guard; a declaration of an output the step does not return is one error line."""
+
 from __future__ import annotations
 
 import os
@@ -18,10 +19,20 @@ from trainer.errors import UserError
 pytestmark = pytest.mark.xdist_group("combine")
 
 KEYS = ("loss", "max_logit", "min_logit", "hidden_grad_norm", "output_grad_norm")
-COMMON = [f"--gin_bindings={b}" for b in (
-    "import tests.combine_steps", "train.step_fn = @diagnostic_step", "train.model_fn = @mlp", "mlp.hidden = (16,)",
-    "train.total_steps = 6", "train.eval_every_steps = 6", "train.checkpoint_every_steps = 6",
-    "make_optimizer.name = 'sgd'", "make_optimizer.learning_rate = 0.5")]
+COMMON = [
+    f"--gin_bindings={b}"
+    for b in (
+        "import tests.combine_steps",
+        "train.step_fn = @diagnostic_step",
+        "train.model_fn = @mlp",
+        "mlp.hidden = (16,)",
+        "train.total_steps = 6",
+        "train.eval_every_steps = 6",
+        "train.checkpoint_every_steps = 6",
+        "make_optimizer.name = 'sgd'",
+        "make_optimizer.learning_rate = 0.5",
+    )
+]
 
 
 def train_records(tmp_path, name: str, *args: str, timeout: float = 150) -> tuple[dict[int, dict], str]:
@@ -35,8 +46,11 @@ def train_records(tmp_path, name: str, *args: str, timeout: float = 150) -> tupl
 def interval(per_step: dict[int, dict], steps: range) -> dict[str, float]:
     """What a record over `steps` must say: max and min over them, the rest averaged."""
     values = {k: [per_step[s][k] for s in steps] for k in KEYS}
-    return {"max_logit": max(values["max_logit"]), "min_logit": min(values["min_logit"]),
-            **{k: float(np.mean(values[k])) for k in ("loss", "hidden_grad_norm", "output_grad_norm")}}
+    return {
+        "max_logit": max(values["max_logit"]),
+        "min_logit": min(values["min_logit"]),
+        **{k: float(np.mean(values[k])) for k in ("loss", "hidden_grad_norm", "output_grad_norm")},
+    }
 
 
 def assert_close(record: dict, expected: dict, what: str) -> None:
@@ -47,8 +61,13 @@ def assert_close(record: dict, expected: dict, what: str) -> None:
 @pytest.fixture(scope="module")
 def expected(tmp_path_factory) -> dict[int, dict[str, float]]:
     """One device, one step per call and record: what the records of steps 1-3 and 4-6 must say."""
-    per_step, _ = train_records(tmp_path_factory.mktemp("combine"), "single_per_step", "--gin_file=gin/single.gin",
-                                "--gin_bindings=train.steps_per_loop = 1", "--gin_bindings=train.log_every_steps = 1")
+    per_step, _ = train_records(
+        tmp_path_factory.mktemp("combine"),
+        "single_per_step",
+        "--gin_file=gin/single.gin",
+        "--gin_bindings=train.steps_per_loop = 1",
+        "--gin_bindings=train.log_every_steps = 1",
+    )
     expected = {3: interval(per_step, range(1, 4)), 6: interval(per_step, range(4, 7))}
     assert expected[3]["max_logit"] != np.mean([per_step[s]["max_logit"] for s in (1, 2, 3)])  # the max differs
     return expected
@@ -66,24 +85,31 @@ PER_3 = ["--gin_bindings=train.steps_per_loop = 3", "--gin_bindings=train.log_ev
 @pytest.mark.timeout(400)
 def test_diagnostics_read_the_same_on_one_and_two_replicas_and_over_calls_and_micro_batches(expected, tmp_path):
     # one device, one step per call: the progress hook combines three calls into one record
-    calls, _ = train_records(tmp_path, "single_calls", "--gin_file=gin/single.gin",
-                             "--gin_bindings=train.steps_per_loop = 1", "--gin_bindings=train.log_every_steps = 3")
+    calls, _ = train_records(
+        tmp_path,
+        "single_calls",
+        "--gin_file=gin/single.gin",
+        "--gin_bindings=train.steps_per_loop = 1",
+        "--gin_bindings=train.log_every_steps = 3",
+    )
     assert_records(calls, expected, "single, calls of one step")
     # two replicas, three steps per compiled call: combined on device, across replicas and steps
     mirrored, stdout = train_records(tmp_path, "mirrored", "--gin_file=gin/mirrored.gin", *PER_3)
     assert "loss-scaling check passed" in stdout, stdout[-2000:]
     assert_records(mirrored, expected, "mirrored")
     # two micro-batches per update: the max and min over them (a micro-batch's gradient norm is its own)
-    accumulated, _ = train_records(tmp_path, "accumulated", "--gin_file=gin/single.gin",
-                                   "--gin_bindings=train.grad_accum_steps = 2", *PER_3)
+    accumulated, _ = train_records(
+        tmp_path, "accumulated", "--gin_file=gin/single.gin", "--gin_bindings=train.grad_accum_steps = 2", *PER_3
+    )
     assert_records(accumulated, expected, "accumulated", keys=("loss", "max_logit", "min_logit"))
 
 
 @pytest.mark.timeout(300)
 def test_diagnostics_read_the_same_under_parameter_server(expected, tmp_path):
     # one worker: closures of 2 and 1 steps, combined on the coordinator
-    ps, _ = train_records(tmp_path, "ps", "--gin_file=gin/ps.gin", "--gin_bindings=local_cluster.num_workers = 1",
-                          *PER_3, timeout=250)
+    ps, _ = train_records(
+        tmp_path, "ps", "--gin_file=gin/ps.gin", "--gin_bindings=local_cluster.num_workers = 1", *PER_3, timeout=250
+    )
     assert_records(ps, expected, "parameter_server")
 
 
@@ -91,8 +117,17 @@ def test_diagnostics_read_the_same_under_parameter_server(expected, tmp_path):
 def test_diagnostics_read_the_same_on_two_multi_worker_processes(expected, tmp_path):
     # max and min of the other process's replica: gathered across processes
     model_dir = str(tmp_path / "mwms")
-    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", *COMMON, *PER_3,
-                      f"--model_dir={model_dir}", timeout=250, env=subprocess_env())
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        *COMMON,
+        *PER_3,
+        f"--model_dir={model_dir}",
+        timeout=250,
+        env=subprocess_env(),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "on 2 replica(s) (2 worker(s))" in proc.stdout
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
@@ -101,19 +136,21 @@ def test_diagnostics_read_the_same_on_two_multi_worker_processes(expected, tmp_p
 
 @pytest.mark.timeout(200)
 def test_an_undeclared_max_is_refused_by_the_guard_and_a_misnamed_declaration_is_one_line(tmp_path):
-    error = refused_run(tmp_path, "--gin_file=gin/mirrored.gin", *COMMON,
-                        "--gin_bindings=train.step_fn = @undeclared_max_step")
+    error = refused_run(
+        tmp_path, "--gin_file=gin/mirrored.gin", *COMMON, "--gin_bindings=train.step_fn = @undeclared_max_step"
+    )
     assert error.startswith("error: loss scaling: step output 'max_logit' summed over 2 replicas is 2 times"), error
     (tmp_path / "run").rmdir()
     error = refused_run(tmp_path, "--gin_file=gin/single.gin", *COMMON, "--gin_bindings=train.step_fn = @misnamed_step")
-    assert error.startswith("error: train.step_fn declares how output 'max_logits' combines, but returns no such "
-                            "output (it returns loss, max_logit, min_logit, hidden_grad_norm, output_grad_norm)"), error
+    assert error.startswith(
+        "error: train.step_fn declares how output 'max_logits' combines, but returns no such "
+        "output (it returns loss, max_logit, min_logit, hidden_grad_norm, output_grad_norm)"
+    ), error
 
 
 def test_the_declaration_survives_gin_bindings_and_the_loop_s_adaptation():
     """Decorated over gin's wrapper or under it, with bindings or without, the rule reaches the loop."""
     import gin
-
     from trainer.task import combine, contract
     from trainer.tools import gin_functions
 
@@ -130,8 +167,10 @@ def test_the_declaration_survives_gin_bindings_and_the_loop_s_adaptation():
     gin.clear_config()
     try:
         gin.external_configurable(lambda **kw: kw, "test_combine_probe")
-        gin.parse_config("test_combine_outer_step.loss_weight = 0.5\ntest_combine_probe.a = @test_combine_outer_step\n"
-                         "test_combine_probe.b = @test_combine_inner_step")
+        gin.parse_config(
+            "test_combine_outer_step.loss_weight = 0.5\ntest_combine_probe.a = @test_combine_outer_step\n"
+            "test_combine_probe.b = @test_combine_inner_step"
+        )
         refs = gin.get_bindings("test_combine_probe", resolve_references=False)
         for ref, kind in ((refs["a"], "max"), (refs["b"], "min")):
             plain = gin_functions.plain_function(ref, supplied=contract.STEP.names)
@@ -141,6 +180,9 @@ def test_the_declaration_survives_gin_bindings_and_the_loop_s_adaptation():
 
 
 def test_an_unknown_kind_is_one_error_line():
-    with pytest.raises(UserError, match=r"^trainer.combine gives output 'max_logit' the kind 'maximum'; use one of "
-                                        r"share, mean, max, min$"):
+    with pytest.raises(
+        UserError,
+        match=r"^trainer.combine gives output 'max_logit' the kind 'maximum'; use one of "
+        r"share, mean, max, min$",
+    ):
         trainer.combine(max_logit="maximum")

@@ -2,6 +2,7 @@
 `apply_gradients`): trains on one device; under MirroredStrategy and parameter servers, where
 TensorFlow cannot run the update's cross-replica merge_call inside a while loop, one line naming
 the fix (a Python range), exit 2, before anything is written; the unrolled loop trains there."""
+
 from __future__ import annotations
 
 import os
@@ -11,10 +12,16 @@ import tensorflow as tf
 
 from tests.support import read_jsonl, refused_run, run_main
 
-CRITIC = ("--gin_file=experiments/gan/gan.gin", "--gin_bindings=import tests.critic_steps",
-          "--gin_bindings=train.step_fn=@critic_loop_step", "--gin_bindings=train.total_steps=20",
-          "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.log_every_steps=10",
-          "--gin_bindings=train.eval_every_steps=20", "--gin_bindings=train.checkpoint_every_steps=20")
+CRITIC = (
+    "--gin_file=experiments/gan/gan.gin",
+    "--gin_bindings=import tests.critic_steps",
+    "--gin_bindings=train.step_fn=@critic_loop_step",
+    "--gin_bindings=train.total_steps=20",
+    "--gin_bindings=train.steps_per_loop=10",
+    "--gin_bindings=train.log_every_steps=10",
+    "--gin_bindings=train.eval_every_steps=20",
+    "--gin_bindings=train.checkpoint_every_steps=20",
+)
 FIX = "unroll the loop with a Python range (`for _ in range(n_critic)`, n a Python int)"
 
 
@@ -36,12 +43,17 @@ def test_under_mirrored_and_parameter_servers_it_is_one_line_naming_a_python_ran
     for mode, extra in (("mirrored", ()), ("ps", ("--gin_bindings=local_cluster.num_workers=1",))):
         (tmp_path / mode).mkdir()
         line = refused_run(tmp_path / mode, f"--gin_file=gin/{mode}.gin", *CRITIC, *extra)
-        assert line.startswith("error: train.step_fn critic_loop_step calls optimizer.apply_gradients inside graph "
-                               "control flow"), line
+        assert line.startswith(
+            "error: train.step_fn critic_loop_step calls optimizer.apply_gradients inside graph control flow"
+        ), line
         assert FIX in line and "batch structure" not in line and "merge_call" not in line, line
     unrolled = tmp_path / "unrolled"
-    proc = run_main("--gin_file=gin/mirrored.gin", *CRITIC, "--gin_bindings=critic_loop_step.unrolled=True",
-                    f"--model_dir={unrolled}")
+    proc = run_main(
+        "--gin_file=gin/mirrored.gin",
+        *CRITIC,
+        "--gin_bindings=critic_loop_step.unrolled=True",
+        f"--model_dir={unrolled}",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert _critic_updates(unrolled) == 2 * 20
 

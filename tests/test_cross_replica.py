@@ -1,6 +1,7 @@
 """Steps that talk across replicas (experiments/contrastive: negatives gathered with all_gather) train
 in every synchronous mode, the same on 1 and 2 replicas, pass the loss-scaling guard (which still
 stops such a step when it is mis-scaled), and are refused in one line under parameter_server."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,15 @@ from tests.test_multiworker import model_weights
 pytestmark = pytest.mark.xdist_group("cross_replica")
 
 GIN = "--gin_file=experiments/contrastive/contrastive.gin"
-SGD_30 = [f"--gin_bindings={b}" for b in ("train.total_steps=30", "train.eval_every_steps=30",
-                                          "train.checkpoint_every_steps=30", "train.log_every_steps=10")]
+SGD_30 = [
+    f"--gin_bindings={b}"
+    for b in (
+        "train.total_steps=30",
+        "train.eval_every_steps=30",
+        "train.checkpoint_every_steps=30",
+        "train.log_every_steps=10",
+    )
+]
 PASSED = "loss-scaling check passed: the step depends on other replicas' examples"
 
 
@@ -51,8 +59,17 @@ def test_two_replicas_pass_the_guard_and_train_the_weights_of_one(one_replica, t
 @pytest.mark.timeout(400)
 def test_two_multiworker_mirrored_workers_train_the_weights_of_one(one_replica, tmp_path):
     model_dir = str(tmp_path / "mwms")
-    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", GIN,
-                      f"--model_dir={model_dir}", *SGD_30, timeout=350, env=subprocess_env())
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        GIN,
+        f"--model_dir={model_dir}",
+        *SGD_30,
+        timeout=350,
+        env=subprocess_env(),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "on 2 replica(s) (2 worker(s))" in proc.stdout
     assert_same_weights(one_replica, model_dir)
@@ -62,18 +79,27 @@ def test_two_multiworker_mirrored_workers_train_the_weights_of_one(one_replica, 
 def test_a_mis_scaled_step_that_gathers_is_still_stopped(tmp_path):
     model_dir = tmp_path / "run"
     model_dir.mkdir()
-    proc = run_main("--gin_file=gin/mirrored.gin", GIN, "--gin_bindings=import tests.guard_steps",
-                    "--gin_bindings=train.step_fn=@contrastive_mean_step", f"--model_dir={model_dir}", *SGD_30,
-                    timeout=150)
+    proc = run_main(
+        "--gin_file=gin/mirrored.gin",
+        GIN,
+        "--gin_bindings=import tests.guard_steps",
+        "--gin_bindings=train.step_fn=@contrastive_mean_step",
+        f"--model_dir={model_dir}",
+        *SGD_30,
+        timeout=150,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: loss scaling: step output 'loss' summed over 2 replicas is 2 times") and \
-        "per-replica mean instead of the global-batch share" in last, last
+    assert (
+        last.startswith("error: loss scaling: step output 'loss' summed over 2 replicas is 2 times")
+        and "per-replica mean instead of the global-batch share" in last
+    ), last
     assert tree_digest(str(model_dir)) == {}
 
 
 @pytest.mark.timeout(200)
 def test_parameter_server_refuses_a_cross_replica_call_in_one_line(tmp_path):
     error = refused_run(tmp_path, "--gin_file=gin/ps.gin", GIN, *SGD_30)
-    assert "calls get_replica_context().all_gather, a cross-replica call, which parameter_server does not " \
-           "support" in error, error
+    assert (
+        "calls get_replica_context().all_gather, a cross-replica call, which parameter_server does not support" in error
+    ), error

@@ -73,13 +73,15 @@ def test_skip_and_drop_give_the_batches_of_the_full_stream():
     source = data.Synthetic(num_train=40, num_eval=8)
     full = _batches(data.train_dataset(source, 16, seed=3), 20)
     for skip in (0, 3, 7, 11):  # 7 * 16 = 112 = 2 * 40 + 32: starts mid-epoch
-        _assert_same(full[skip:skip + 4], _batches(data.train_dataset(source, 16, seed=3, skip_batches=skip), 4))
+        _assert_same(full[skip : skip + 4], _batches(data.train_dataset(source, 16, seed=3, skip_batches=skip), 4))
     drops = [2, 3, 9]
     kept = [b for i, b in enumerate(full) if i not in drops]
     _assert_same(kept[:10], _batches(data.train_dataset(source, 16, seed=3, drop_batches=drops), 10))
     for skip in (1, 2, 6, 7):
-        _assert_same(kept[skip:skip + 5],
-                     _batches(data.train_dataset(source, 16, seed=3, skip_batches=skip, drop_batches=drops), 5))
+        _assert_same(
+            kept[skip : skip + 5],
+            _batches(data.train_dataset(source, 16, seed=3, skip_batches=skip, drop_batches=drops), 5),
+        )
 
 
 def test_batches_gathered_several_per_call_are_those_of_one_per_call(monkeypatch):
@@ -168,13 +170,16 @@ def test_fashion_mnist_is_read_from_data_dir_else_keras_cache_else_debian(tmp_pa
     assert str(keras_dir) in str(named.value) and "apt-get install dataset-fashion-mnist" in str(named.value)
 
 
-@pytest.mark.parametrize("damage, words", [
-    ("truncated", "holds 15679 bytes after its header, its header says (20, 28, 28) (15680)"),
-    ("magic", "does not start with the idx header 2051"),
-    ("not_gzip", "is not a complete gzip file"),
-    ("counts", "hold images of (20, 28, 28) and labels of (19,)"),
-    ("label", "holds label 10; the classes are 0..9"),
-])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("truncated", "holds 15679 bytes after its header, its header says (20, 28, 28) (15680)"),
+        ("magic", "does not start with the idx header 2051"),
+        ("not_gzip", "is not a complete gzip file"),
+        ("counts", "hold images of (20, 28, 28) and labels of (19,)"),
+        ("label", "holds label 10; the classes are 0..9"),
+    ],
+)
 def test_fashion_mnist_files_are_checked_by_content(tmp_path, damage, words):
     _write_files(tmp_path)
     images_path = tmp_path / "train-images-idx3-ubyte.gz"
@@ -206,8 +211,9 @@ def test_fashion_mnist_of_the_original_size_must_have_its_label_counts(tmp_path)
 
 
 def test_write_tfrecords_round_trip(tmp_path):
-    result = _run([sys.executable, "-m", "trainer.write_tfrecords", "--dataset=digits",
-                   f"--out_dir={tmp_path}", "--num_shards=3"])
+    result = _run(
+        [sys.executable, "-m", "trainer.write_tfrecords", "--dataset=digits", f"--out_dir={tmp_path}", "--num_shards=3"]
+    )
     assert result.returncode == 0, result.stderr
     assert "input_shape = (8, 8, 1)" in result.stdout
     assert sorted(os.listdir(tmp_path))[:2] == ["eval-00000-of-00003.tfrecord", "eval-00001-of-00003.tfrecord"]
@@ -224,8 +230,16 @@ def test_write_tfrecords_round_trip(tmp_path):
 
 
 def test_write_tfrecords_user_error_exits_2(tmp_path):
-    result = _run([sys.executable, "-m", "trainer.write_tfrecords", "--dataset=fashion_mnist",
-                   f"--out_dir={tmp_path / 'out'}", f"--fashion_mnist_dir={tmp_path}"])
+    result = _run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.write_tfrecords",
+            "--dataset=fashion_mnist",
+            f"--out_dir={tmp_path / 'out'}",
+            f"--fashion_mnist_dir={tmp_path}",
+        ]
+    )
     assert result.returncode == 2
     last_line = result.stderr.strip().splitlines()[-1]  # TF's own log lines may come before it
     assert last_line.startswith("error: Fashion-MNIST file") and "train-images-idx3-ubyte.gz" in last_line

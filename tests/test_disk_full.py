@@ -4,6 +4,7 @@ The run's model_dir is a 3 MB tmpfs, mounted in a private user+mount namespace (
 no privileges needed where user namespaces are allowed), so the first checkpoint fits and the
 second does not. After the failure the tmpfs is enlarged and the same command runs again.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -15,9 +16,14 @@ import pytest
 
 from tests.support import REPO, subprocess_env
 
-ARGS = ["--gin_file=gin/single.gin", "--gin_bindings=train.total_steps=60", "--gin_bindings=train.log_every_steps=20",
-        "--gin_bindings=train.checkpoint_every_steps=20", "--gin_bindings=train.eval_every_steps=60",
-        "--gin_bindings=train.keep_checkpoints=5"]
+ARGS = [
+    "--gin_file=gin/single.gin",
+    "--gin_bindings=train.total_steps=60",
+    "--gin_bindings=train.log_every_steps=20",
+    "--gin_bindings=train.checkpoint_every_steps=20",
+    "--gin_bindings=train.eval_every_steps=60",
+    "--gin_bindings=train.keep_checkpoints=5",
+]
 
 
 def _namespaces_allowed() -> bool:
@@ -50,13 +56,14 @@ def run_on_a_full_disk(command: list[str], tmp_path) -> pathlib.Path:
     return out
 
 
-
 @pytest.mark.skipif(not _namespaces_allowed(), reason="needs unprivileged user and mount namespaces (unshare -rm)")
 @pytest.mark.parametrize("write", ["sync", "async"])
 def test_full_disk_during_a_save_is_one_line_and_a_rerun_continues(tmp_path, write):
     """Async: the write of ckpt-40 fails on the writer thread and surfaces as the same one line."""
-    out = run_on_a_full_disk([sys.executable, "-m", "trainer.main", *ARGS,
-                              f"--gin_bindings=train.async_checkpoint={write == 'async'}"], tmp_path)
+    out = run_on_a_full_disk(
+        [sys.executable, "-m", "trainer.main", *ARGS, f"--gin_bindings=train.async_checkpoint={write == 'async'}"],
+        tmp_path,
+    )
 
     first_err = (out / "first.err").read_text()
     assert (out / "first.rc").read_text().strip() == "1", first_err[-3000:]

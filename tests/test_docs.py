@@ -3,6 +3,7 @@ code's messages show installs from this repository (on the package index, `train
 else's project), every `@name` the configurables listing shows resolves in gin, and the bindings
 `trainer.write_tfrecords` prints train when pasted. The README's commands themselves:
 tests/test_readme.py."""
+
 from __future__ import annotations
 
 import ast
@@ -41,9 +42,15 @@ def module_strings(path: str) -> list[tuple[int, str]]:
     tree = ast.parse(open(path).read())
 
     def constants(module_tree: ast.Module) -> dict[str, str]:
-        return {target.id: node.value.value for node in module_tree.body if isinstance(node, ast.Assign)
-                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-                for target in node.targets if isinstance(target, ast.Name)}
+        return {
+            target.id: node.value.value
+            for node in module_tree.body
+            if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
 
     known = constants(tree)
     for node in tree.body:
@@ -51,46 +58,64 @@ def module_strings(path: str) -> list[tuple[int, str]]:
             source = os.path.join(REPO, *node.module.split(".")) + ".py"
             if os.path.exists(source):
                 theirs = constants(ast.parse(open(source).read()))
-                known |= {alias.asname or alias.name: theirs[alias.name] for alias in node.names
-                          if alias.name in theirs}
+                known |= {
+                    alias.asname or alias.name: theirs[alias.name] for alias in node.names if alias.name in theirs
+                }
 
     def text(node: ast.JoinedStr) -> str:
-        return "".join(part.value if isinstance(part, ast.Constant) else
-                       known.get(part.value.id, "{?}") if isinstance(part.value, ast.Name) else "{?}"
-                       for part in node.values)
+        return "".join(
+            part.value
+            if isinstance(part, ast.Constant)
+            else known.get(part.value.id, "{?}")
+            if isinstance(part.value, ast.Name)
+            else "{?}"
+            for part in node.values
+        )
 
     parts = {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}
-    return [(node.lineno, text(node) if isinstance(node, ast.JoinedStr) else node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, str)
-                                                   and id(node) not in parts)]
+    return [
+        (node.lineno, text(node) if isinstance(node, ast.JoinedStr) else node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.JoinedStr)
+        or (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in parts)
+    ]
 
 
 def pip_lines() -> list[tuple[str, str, str]]:
     """(where, flags, target) of every `pip install` in the README, docs, experiments and code."""
     found = []
-    pages = [os.path.join(REPO, "README.md"), *glob.glob(os.path.join(REPO, "docs", "*.md")),
-             *glob.glob(os.path.join(REPO, "experiments", "**", "*.md"), recursive=True),
-             *glob.glob(os.path.join(REPO, "experiments", "**", "Dockerfile"), recursive=True),
-             *glob.glob(os.path.join(REPO, ".ci", "*"))]
+    pages = [
+        os.path.join(REPO, "README.md"),
+        *glob.glob(os.path.join(REPO, "docs", "*.md")),
+        *glob.glob(os.path.join(REPO, "experiments", "**", "*.md"), recursive=True),
+        *glob.glob(os.path.join(REPO, "experiments", "**", "Dockerfile"), recursive=True),
+        *glob.glob(os.path.join(REPO, ".ci", "*")),
+    ]
     for page in pages:
         for number, line in enumerate(open(page).read().splitlines(), 1):
             found += [(f"{os.path.relpath(page, REPO)}:{number}", *m.groups()) for m in PIP_LINE.finditer(line)]
-    for module in glob.glob(os.path.join(REPO, "trainer", "**", "*.py"), recursive=True) + \
-            glob.glob(os.path.join(REPO, "experiments", "**", "*.py"), recursive=True):
+    for module in glob.glob(os.path.join(REPO, "trainer", "**", "*.py"), recursive=True) + glob.glob(
+        os.path.join(REPO, "experiments", "**", "*.py"), recursive=True
+    ):
         for number, string in module_strings(module):
-            found += [(f"{os.path.relpath(module, REPO)}:{number}", *m.groups())
-                      for m in PIP_LINE.finditer(" ".join(string.split()))]
+            found += [
+                (f"{os.path.relpath(module, REPO)}:{number}", *m.groups())
+                for m in PIP_LINE.finditer(" ".join(string.split()))
+            ]
     return found
 
 
 def test_every_pip_install_installs_from_the_repository_or_a_named_package():
     meta = project()
     extras = set(meta["optional-dependencies"])
-    packages = {package_name(r) for r in meta["dependencies"]} | OTHER_PACKAGES | {
-        package_name(r) for group in meta["optional-dependencies"].values() for r in group}
+    packages = (
+        {package_name(r) for r in meta["dependencies"]}
+        | OTHER_PACKAGES
+        | {package_name(r) for group in meta["optional-dependencies"].values() for r in group}
+    )
     lines = pip_lines()
     wrong = []
-    for where, flags, target in lines:
+    for where, _flags, target in lines:
         unquoted = target.strip("'\"")
         if unquoted.startswith("."):  # the repository: `.` or `'.[extra]'` (quoted: the shell globs [])
             extra = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", unquoted)
@@ -100,9 +125,12 @@ def test_every_pip_install_installs_from_the_repository_or_a_named_package():
             wrong.append((where, target))
     assert not wrong, f"pip install lines that do not install from this repository: {wrong}"
     # The search itself finds what it must: the README's, an extra in the docs and in a message.
-    assert {("README.md", "."), ("docs/around-the-step.md", "'.[mlflow]'"),
-            ("trainer/plot.py", "'.[plot]'"), ("trainer/bench.py", "tf-models-official==2.20.0")} <= {
-        (where.split(":")[0], target) for where, _, target in lines}
+    assert {
+        ("README.md", "."),
+        ("docs/around-the-step.md", "'.[mlflow]'"),
+        ("trainer/plot.py", "'.[plot]'"),
+        ("trainer/bench.py", "tf-models-official==2.20.0"),
+    } <= {(where.split(":")[0], target) for where, _, target in lines}
 
 
 def test_every_gin_reference_the_configurables_listing_shows_resolves():
@@ -130,20 +158,39 @@ def test_write_tfrecords_prints_bindings_that_train_when_pasted(tmp_path):
     with open(os.path.join(REPO, "docs", "your-data.md")) as f:
         (command,) = re.findall(r"^python -m (trainer\.write_tfrecords .*)$", f.read(), re.M)
     module, *arguments = command.replace("--num_shards=4", "--num_shards=2").split()
-    written = subprocess.run([sys.executable, "-m", module, *arguments], cwd=tmp_path, env=subprocess_env(),
-                             capture_output=True, text=True, timeout=120)
+    written = subprocess.run(
+        [sys.executable, "-m", module, *arguments],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert written.returncode == 0 and written.stderr == "", written.stderr[-3000:]
     lines = written.stdout.splitlines()
     assert lines[0] == "train.input_fn = @tfrecord_files()" and all(
-        line.startswith("tfrecord_files.") for line in lines[1:]), lines
+        line.startswith("tfrecord_files.") for line in lines[1:]
+    ), lines
     (tmp_path / "mine.gin").write_text("include 'gin/single.gin'\n" + written.stdout)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     trained = subprocess.run(
-        [sys.executable, "-m", "trainer.main", f"--gin_file={tmp_path / 'mine.gin'}", "--model_dir=runs/tfrecords",
-         "--gin_bindings=train.total_steps=10", "--gin_bindings=train.steps_per_loop=10",
-         "--gin_bindings=train.eval_every_steps=10"],
-        cwd=elsewhere, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "trainer.main",
+            f"--gin_file={tmp_path / 'mine.gin'}",
+            "--model_dir=runs/tfrecords",
+            "--gin_bindings=train.total_steps=10",
+            "--gin_bindings=train.steps_per_loop=10",
+            "--gin_bindings=train.eval_every_steps=10",
+        ],
+        cwd=elsewhere,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert trained.returncode == 0, trained.stderr[-3000:]
     with open(elsewhere / "runs" / "tfrecords" / "operative_config.gin") as f:
         assert "tfrecord_files.num_classes = 10" in f.read()
@@ -153,8 +200,17 @@ def test_write_tfrecords_prints_bindings_that_train_when_pasted(tmp_path):
 
 def test_the_default_model_dir_is_named_one_way():
     """`runs/<time>-<pid>` in the working directory, as trainer.main makes it."""
-    texts = {path: open(path).read() for path in [os.path.join(REPO, "README.md"), os.path.join(REPO, "trainer",
-             "main.py"), *glob.glob(os.path.join(REPO, "docs", "*.md"))]}
-    named = {(os.path.relpath(path, REPO), name) for path, text in texts.items()
-             for name in re.findall(r"(?<![\w.])(?:\./)?runs/<[^>]*>[\w<>-]*", text)}
+    texts = {
+        path: open(path).read()
+        for path in [
+            os.path.join(REPO, "README.md"),
+            os.path.join(REPO, "trainer", "main.py"),
+            *glob.glob(os.path.join(REPO, "docs", "*.md")),
+        ]
+    }
+    named = {
+        (os.path.relpath(path, REPO), name)
+        for path, text in texts.items()
+        for name in re.findall(r"(?<![\w.])(?:\./)?runs/<[^>]*>[\w<>-]*", text)
+    }
     assert named and {name for _, name in named} == {"runs/<time>-<pid>"}, named

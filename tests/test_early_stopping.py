@@ -1,5 +1,6 @@
 """Early stopping (train.early_stopping): the rule, a stopped run's rerun, and 2 MultiWorkerMirrored
 workers that stop at the same step, both exit 0, with the best-K directory checked against metrics.jsonl."""
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,24 @@ from trainer.extensions.monitoring import monitored
 
 # A metric that stops improving: no change of the eval loss beats min_delta 100, so the first
 # eval is the best and the run stops `patience` evals later.
-NEVER_IMPROVES = ["--gin_bindings=train.early_stopping=@early_stopping()", "--gin_bindings=early_stopping.patience=2",
-                  "--gin_bindings=early_stopping.min_delta=100.0"]
-SHORT = ["--gin_bindings=train.model_fn=@mlp", "--gin_bindings=train.total_steps=200",
-         "--gin_bindings=train.eval_every_steps=20", "--gin_bindings=train.checkpoint_every_steps=100",
-         "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.log_every_steps=20"]
-BEST_2 = ["--gin_bindings=train.keep_best=2", "--gin_bindings=train.best_metric='accuracy'",
-          "--gin_bindings=train.best_mode='max'"]
+NEVER_IMPROVES = [
+    "--gin_bindings=train.early_stopping=@early_stopping()",
+    "--gin_bindings=early_stopping.patience=2",
+    "--gin_bindings=early_stopping.min_delta=100.0",
+]
+SHORT = [
+    "--gin_bindings=train.model_fn=@mlp",
+    "--gin_bindings=train.total_steps=200",
+    "--gin_bindings=train.eval_every_steps=20",
+    "--gin_bindings=train.checkpoint_every_steps=100",
+    "--gin_bindings=train.steps_per_loop=10",
+    "--gin_bindings=train.log_every_steps=20",
+]
+BEST_2 = [
+    "--gin_bindings=train.keep_best=2",
+    "--gin_bindings=train.best_metric='accuracy'",
+    "--gin_bindings=train.best_mode='max'",
+]
 
 
 def top_k_steps(model_dir: str, k: int, key: str = "accuracy") -> list[int]:
@@ -57,7 +69,11 @@ def test_a_stopped_run_ends_with_exit_0_a_checkpoint_there_and_a_rerun_trains_no
     assert "early stopping at step 60: loss" in proc.stdout, proc.stdout[-2000:]
     assert os.path.exists(os.path.join(model_dir, "ckpt-60.index"))
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
-    assert max(r["step"] for r in records) == 60 and [r["step"] for r in records if r["split"] == "eval"] == [20, 40, 60]
+    assert max(r["step"] for r in records) == 60 and [r["step"] for r in records if r["split"] == "eval"] == [
+        20,
+        40,
+        60,
+    ]
     rerun = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT, *NEVER_IMPROVES, timeout=180)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "this run stopped at step 60, nothing more to train" in rerun.stdout
@@ -65,17 +81,26 @@ def test_a_stopped_run_ends_with_exit_0_a_checkpoint_there_and_a_rerun_trains_no
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("binding,needle", [
-    ("early_stopping.patience=0", "early_stopping.patience must be a positive integer"),
-    ("early_stopping.mode='up'", "unknown early_stopping.mode 'up'"),
-    ("train.keep_best=-1", "train.keep_best must be an integer >= 0"),
-    ("train.best_mode='best'", "unknown train.best_mode 'best'"),
-])
+@pytest.mark.parametrize(
+    "binding,needle",
+    [
+        ("early_stopping.patience=0", "early_stopping.patience must be a positive integer"),
+        ("early_stopping.mode='up'", "unknown early_stopping.mode 'up'"),
+        ("train.keep_best=-1", "train.keep_best must be an integer >= 0"),
+        ("train.best_mode='best'", "unknown train.best_mode 'best'"),
+    ],
+)
 def test_bad_values_are_one_line_and_write_nothing(tmp_path, binding, needle):
     model_dir = tmp_path / "run"
     model_dir.mkdir()
-    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT,
-                    "--gin_bindings=train.early_stopping=@early_stopping()", f"--gin_bindings={binding}", timeout=100)
+    proc = run_main(
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        *SHORT,
+        "--gin_bindings=train.early_stopping=@early_stopping()",
+        f"--gin_bindings={binding}",
+        timeout=100,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and needle in lines[-1], lines[-1]
@@ -86,34 +111,61 @@ def test_bad_values_are_one_line_and_write_nothing(tmp_path, binding, needle):
 def test_two_multiworker_mirrored_workers_stop_at_the_same_step_and_keep_the_best(tmp_path):
     """Must-show 4: a real 2-worker launch; every worker prints its decision, from its own numbers."""
     model_dir = str(tmp_path / "run")
-    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
-                      *SHORT, *NEVER_IMPROVES, *BEST_2, "--gin_bindings=early_stopping.patience=3",
-                      timeout=280, env=subprocess_env())
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={model_dir}",
+        *SHORT,
+        *NEVER_IMPROVES,
+        *BEST_2,
+        "--gin_bindings=early_stopping.patience=3",
+        timeout=280,
+        env=subprocess_env(),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stops = re.findall(r"\[worker (\d)\] early stopping at step (\d+): (.*)", proc.stdout)
     assert sorted(w for w, _, _ in stops) == ["0", "1"], proc.stdout[-3000:]
     assert stops[0][1:] == stops[1][1:] and stops[0][1] == "80"  # same step, same numbers on both
     assert "[worker 0] finished" not in proc.stdout and "[worker 1] finished at step 80/200" in proc.stdout
     assert os.path.exists(os.path.join(model_dir, "ckpt-80.index"))
-    assert [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "eval"] == \
-        [20, 40, 60, 80]
+    assert [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "eval"] == [
+        20,
+        40,
+        60,
+        80,
+    ]
     assert best_steps(model_dir) == top_k_steps(model_dir, 2)
     files = sorted(os.listdir(os.path.join(model_dir, "best")))
-    assert files == sorted(["best.json", "checkpoint"] + [f"ckpt-{s}.{ext}" for s in best_steps(model_dir)
-                                                          for ext in ("index", "data-00000-of-00001")])
+    assert files == sorted(
+        ["best.json", "checkpoint"]
+        + [f"ckpt-{s}.{ext}" for s in best_steps(model_dir) for ext in ("index", "data-00000-of-00001")]
+    )
     assert not trainer_pids_for(model_dir)
 
 
-KILLABLE = ["--gin_bindings=train.model_fn=@mlp", "--gin_bindings=train.total_steps=120",
-            "--gin_bindings=train.eval_every_steps=10", "--gin_bindings=train.checkpoint_every_steps=30",
-            "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.log_every_steps=10"]
+KILLABLE = [
+    "--gin_bindings=train.model_fn=@mlp",
+    "--gin_bindings=train.total_steps=120",
+    "--gin_bindings=train.eval_every_steps=10",
+    "--gin_bindings=train.checkpoint_every_steps=30",
+    "--gin_bindings=train.steps_per_loop=10",
+    "--gin_bindings=train.log_every_steps=10",
+]
 
 
 def killed_and_restarted(flags: list[str], model_dir: str, kill_at: int) -> subprocess.CompletedProcess:
     """`trainer.main flags` SIGKILLed once step `kill_at` is logged, then run again to its end."""
     command = [sys.executable, "-m", "trainer.main", *flags, f"--model_dir={model_dir}"]
-    first = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    first = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_for_step(model_dir, kill_at, first)
     finally:
@@ -136,6 +188,7 @@ def test_a_killed_and_restarted_run_stops_where_an_uninterrupted_one_does(tmp_pa
     records = read_jsonl(os.path.join(resumed_dir, "metrics.jsonl"))
     assert max(r["step"] for r in records) == 60 and os.path.exists(os.path.join(resumed_dir, "ckpt-60.index"))
     evals = {r["step"]: r["loss"] for r in records if r["split"] == "eval"}
-    expected = {r["step"]: r["loss"] for r in read_jsonl(str(tmp_path / "reference" / "metrics.jsonl"))
-                if r["split"] == "eval"}
+    expected = {
+        r["step"]: r["loss"] for r in read_jsonl(str(tmp_path / "reference" / "metrics.jsonl")) if r["split"] == "eval"
+    }
     assert evals == expected

@@ -1,5 +1,6 @@
 """train.ema_decay: EMA eval differs from raw eval, resumes exactly, and is the same on every
 replica under mirrored and central_storage (2 logical CPUs) and under 2 MultiWorkerMirrored workers."""
+
 from __future__ import annotations
 
 import os
@@ -8,15 +9,21 @@ import numpy as np
 import pytest
 
 from tests.support import read_jsonl, run_main, run_module, run_python, subprocess_env
+from trainer.errors import UserError
 from trainer.extensions import ema
 from trainer.extensions.registry import Registry
 from trainer.run.settings import Settings
-from trainer.errors import UserError
 
-SMALL = ["--gin_file=gin/single.gin", "--gin_bindings=cnn.filters=(8,)", "--gin_bindings=cnn.dense_units=16",
-         "--gin_bindings=train.ema_decay=0.9", "--gin_bindings=train.eval_every_steps=20",
-         "--gin_bindings=train.checkpoint_every_steps=20", "--gin_bindings=train.steps_per_loop=10",
-         "--gin_bindings=train.log_every_steps=20"]
+SMALL = [
+    "--gin_file=gin/single.gin",
+    "--gin_bindings=cnn.filters=(8,)",
+    "--gin_bindings=cnn.dense_units=16",
+    "--gin_bindings=train.ema_decay=0.9",
+    "--gin_bindings=train.eval_every_steps=20",
+    "--gin_bindings=train.checkpoint_every_steps=20",
+    "--gin_bindings=train.steps_per_loop=10",
+    "--gin_bindings=train.log_every_steps=20",
+]
 
 
 def evals(model_dir: str, split: str) -> dict[int, dict]:
@@ -100,15 +107,27 @@ print(json.dumps(result))
 def test_ema_and_export_of_final_and_best_under_two_multi_worker_mirrored_workers(tmp_path):
     model_dir, scratch = str(tmp_path / "run"), tmp_path / "scratch"
     scratch.mkdir()
-    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
-                      *SMALL[1:], "--gin_bindings=train.total_steps=40", "--gin_bindings=train.export_saved_model=True",
-                      "--gin_bindings=train.keep_best=1", "--gin_bindings=train.best_mode='max'",  # best: step 20
-                      timeout=280, env=subprocess_env(TMPDIR=str(scratch)))
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={model_dir}",
+        *SMALL[1:],
+        "--gin_bindings=train.total_steps=40",
+        "--gin_bindings=train.export_saved_model=True",
+        "--gin_bindings=train.keep_best=1",
+        "--gin_bindings=train.best_mode='max'",  # best: step 20
+        timeout=280,
+        env=subprocess_env(TMPDIR=str(scratch)),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     assert "on 2 replica(s) (2 worker(s))" in proc.stdout
     raw, averaged = evals(model_dir, "eval"), evals(model_dir, "eval_ema")
     print("mwms eval", raw[40], "ema", averaged[40])
-    assert list(averaged) == [20, 40] and abs(raw[40]["loss"] - averaged[40]["loss"]) > 1e-3  # one writer, other weights
+    assert (
+        list(averaged) == [20, 40] and abs(raw[40]["loss"] - averaged[40]["loss"]) > 1e-3
+    )  # one writer, other weights
     for step in (20, 40):  # the best checkpoint's and the final one
         assert os.path.exists(os.path.join(model_dir, "export", str(step), "saved_model.pb"))
     assert sorted(os.listdir(os.path.join(model_dir, "export"))) == ["20", "40"]
@@ -117,8 +136,9 @@ def test_ema_and_export_of_final_and_best_under_two_multi_worker_mirrored_worker
 
 def test_bad_decay_is_one_line_and_parameter_server_is_refused(tmp_path):
     model_dir = tmp_path / "run"
-    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.ema_decay=1.0",
-                    timeout=120)
+    proc = run_main(
+        "--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.ema_decay=1.0", timeout=120
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "train.ema_decay must be a number > 0 and < 1" in errors[0], errors

@@ -5,6 +5,7 @@ exactly after a SIGKILL.
 One device runs in this process (gin parsed here, cleared after); the others need fresh processes
 (logical CPUs are split before TensorFlow starts; workers and ps tasks are processes of their own).
 """
+
 from __future__ import annotations
 
 import os
@@ -12,9 +13,9 @@ import random
 import subprocess
 import sys
 
-import gin
 import pytest
 
+import gin
 from tests.support import REPO, read_jsonl, subprocess_env
 from tests.test_ps import assert_all_gone, server_pids
 from tests.test_resume import kill_group, per_step_losses, wait_for_step
@@ -24,11 +25,19 @@ pytestmark = pytest.mark.xdist_group("examples_a")
 
 EXAMPLES = ("regression", "two_inputs", "text")
 STEPS = 100
-SHORT = [f"train.total_steps={STEPS}", f"train.eval_every_steps={STEPS}", f"train.checkpoint_every_steps={STEPS}",
-         "train.log_every_steps=50"]
+SHORT = [
+    f"train.total_steps={STEPS}",
+    f"train.eval_every_steps={STEPS}",
+    f"train.checkpoint_every_steps={STEPS}",
+    "train.log_every_steps=50",
+]
 # The dict-input mirrored run logs every step, so that it is also the reference for the resume test.
-PER_STEP = [f"train.total_steps={STEPS}", f"train.eval_every_steps={STEPS}", "train.checkpoint_every_steps=20",
-            "train.log_every_steps=1"]
+PER_STEP = [
+    f"train.total_steps={STEPS}",
+    f"train.eval_every_steps={STEPS}",
+    "train.checkpoint_every_steps=20",
+    "train.log_every_steps=1",
+]
 
 
 def gin_files(mode: str, example: str) -> list[str]:
@@ -51,14 +60,24 @@ def assert_quality(example: str, model_dir: str) -> None:
 
 
 def main_flags(mode: str, example: str, model_dir: str, bindings: list[str]) -> list[str]:
-    return [*(f"--gin_file={f}" for f in gin_files(mode, example)), f"--model_dir={model_dir}",
-            *(f"--gin_bindings={b}" for b in bindings)]
+    return [
+        *(f"--gin_file={f}" for f in gin_files(mode, example)),
+        f"--model_dir={model_dir}",
+        *(f"--gin_bindings={b}" for b in bindings),
+    ]
 
 
 def run_in_group(args: list[str], timeout: float) -> tuple[int, str]:
     """`python args...` in a session of its own, so that every process it starts dies with it at the end."""
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     finally:
@@ -107,8 +126,9 @@ def test_example_trains_to_quality_mirrored(example, mirrored_dirs):
 @pytest.mark.timeout(200)
 def test_dict_model_on_two_multi_worker_mirrored_workers(tmp_path):
     model_dir = str(tmp_path / "run")
-    code, output = run_in_group(["-m", "trainer.launch", "--num_workers=2", "--",
-                                 *main_flags("mwms", "two_inputs", model_dir, SHORT)], 150)
+    code, output = run_in_group(
+        ["-m", "trainer.launch", "--num_workers=2", "--", *main_flags("mwms", "two_inputs", model_dir, SHORT)], 150
+    )
     assert code == 0, output[-3000:]
     assert "on 2 replica(s) (2 worker(s))" in output and "[worker 1] finished at step 100/100" in output, output[-3000:]
     assert_quality("two_inputs", model_dir)
@@ -130,8 +150,14 @@ def test_killed_dict_model_resumes_exactly_mirrored(tmp_path, mirrored_dirs):
     model_dir = str(tmp_path / "resumed")
     args = ["-m", "trainer.main", *main_flags("mirrored", "two_inputs", model_dir, PER_STEP)]
     kill_at = random.Random("two_inputs").randint(21, STEPS - 8)
-    first = subprocess.Popen([sys.executable, *args], cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    first = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_for_step(model_dir, kill_at, first)
     finally:

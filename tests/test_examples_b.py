@@ -6,6 +6,7 @@ The AUC check: the AUC that the 2-replica eval logged (a keras.metrics.AUC summe
 replicas) equals scikit-learn's roc_auc_score of the final checkpoint's predictions on every
 eval example within 1e-3.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,12 @@ MODES = ("single", "mirrored")
 
 def _run(example: str, mode: str, model_dir: str) -> list[dict]:
     """`python -m trainer.main --gin_file=gin/<mode>.gin --gin_file=experiments/<example>/<example>.gin`."""
-    proc = run_main(f"--gin_file=gin/{mode}.gin", f"--gin_file=experiments/{example}/{example}.gin",
-                    f"--model_dir={model_dir}", timeout=180)
+    proc = run_main(
+        f"--gin_file=gin/{mode}.gin",
+        f"--gin_file=experiments/{example}/{example}.gin",
+        f"--model_dir={model_dir}",
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
 
@@ -78,8 +83,11 @@ def test_batchnorm_cnn_learns_and_eval_uses_checkpointed_moving_statistics(mode,
     assert final["step"] == 300 and final["accuracy"] > 0.8  # chance: 0.1
 
     checkpoint = tf.train.latest_checkpoint(model_dir)
-    moving = {name: tf.train.load_variable(checkpoint, name) for name, _ in tf.train.list_variables(checkpoint)
-              if "moving_mean" in name or "moving_variance" in name}
+    moving = {
+        name: tf.train.load_variable(checkpoint, name)
+        for name, _ in tf.train.list_variables(checkpoint)
+        if "moving_mean" in name or "moving_variance" in name
+    }
     assert len(moving) == 4  # two BatchNormalization layers, a mean and a variance each
     assert all(not np.allclose(v, 0.0) and not np.allclose(v, 1.0) for v in moving.values())  # trained, not initial
 

@@ -1,6 +1,7 @@
 """train.export_saved_model: the SavedModel reloaded with tf.saved_model.load predicts what the
 model restored from the final checkpoint predicts (raw weights, and the EMA weights with EMA on),
 under the default strategy and mirrored (2 logical CPUs); refusals are one line."""
+
 from __future__ import annotations
 
 import os
@@ -8,13 +9,18 @@ import os
 import pytest
 
 from tests.support import run_main, run_python
+from trainer.errors import UserError
 from trainer.extensions import export
 from trainer.extensions.registry import Registry
 from trainer.run.settings import Settings
-from trainer.errors import UserError
 
-SMALL = ["--gin_bindings=cnn.filters=(8,)", "--gin_bindings=cnn.dense_units=16", "--gin_bindings=train.total_steps=20",
-         "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.export_saved_model=True"]
+SMALL = [
+    "--gin_bindings=cnn.filters=(8,)",
+    "--gin_bindings=cnn.dense_units=16",
+    "--gin_bindings=train.total_steps=20",
+    "--gin_bindings=train.steps_per_loop=10",
+    "--gin_bindings=train.export_saved_model=True",
+]
 
 COMPARE = """
 import json
@@ -68,9 +74,16 @@ def test_exported_saved_model_predicts_like_the_restored_model(tmp_path, gin_fil
 @pytest.mark.timeout(240)
 def test_the_best_checkpoint_is_exported_too(tmp_path):
     model_dir = str(tmp_path / "run")
-    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SMALL, "--gin_bindings=train.ema_decay=0.9",
-                    "--gin_bindings=train.total_steps=40", "--gin_bindings=train.eval_every_steps=20",
-                    "--gin_bindings=train.keep_best=1", "--gin_bindings=train.best_mode='max'")  # the worst loss: step 20
+    proc = run_main(
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        *SMALL,
+        "--gin_bindings=train.ema_decay=0.9",
+        "--gin_bindings=train.total_steps=40",
+        "--gin_bindings=train.eval_every_steps=20",
+        "--gin_bindings=train.keep_best=1",
+        "--gin_bindings=train.best_mode='max'",
+    )  # the worst loss: step 20
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"of the best checkpoint by loss to {model_dir}/export/20" in proc.stdout
     assert sorted(os.listdir(os.path.join(model_dir, "export"))) == ["20", "40"]
@@ -80,10 +93,13 @@ def test_the_best_checkpoint_is_exported_too(tmp_path):
     assert best["max_diff"] <= 1e-6 and final["max_diff"] <= 1e-6
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["--gin_file=gin/single.gin", "--gin_file=experiments/gan/gan.gin"], "exports one model"),
-    (["--gin_file=gin/single.gin", "--gin_bindings=train.export_saved_model='yes'"], "True or False"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--gin_file=gin/single.gin", "--gin_file=experiments/gan/gan.gin"], "exports one model"),
+        (["--gin_file=gin/single.gin", "--gin_bindings=train.export_saved_model='yes'"], "True or False"),
+    ],
+)
 def test_refusals_are_one_line_and_write_nothing(tmp_path, args, expected):
     model_dir = tmp_path / "run"
     binding = [] if any("export_saved_model" in a for a in args) else ["--gin_bindings=train.export_saved_model=True"]

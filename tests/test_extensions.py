@@ -1,6 +1,7 @@
 """The extension protocol's one place of decisions (trainer/extensions/registry.py), driven with small
 in-process fakes: capability refusals in one wording, the order of stages, the checks on `after`,
 names and state, named values; and the capability table in the docs made from the declarations."""
+
 from __future__ import annotations
 
 import os
@@ -47,12 +48,26 @@ def names(hooks) -> list[str]:
 
 def test_every_built_in_refused_under_parameter_server_says_so_in_one_wording():
     refused = [(setting, support) for setting, support in capabilities.rows() if "parameter_server" not in support]
-    assert {s for s, _ in refused} >= {"train.ema_decay", "train.export_saved_model", "train.warm_start",
-                                       "train.keras_callbacks", "train.jit_compile", "train.async_checkpoint"}
-    wording = re.compile(r"^(\S.*) is not supported with parameter_server \((.+)\); it works with the synchronous "
-                         r"strategies: (.+)$")
-    on = dict(ema_decay=0.9, export_saved_model=True, keras_callbacks=[keras.callbacks.TerminateOnNaN()],
-              nonfinite="rollback", grad_accum_steps=2, clip_global_norm=1.0)  # warm_start: tests/test_warm_start.py
+    assert {s for s, _ in refused} >= {
+        "train.ema_decay",
+        "train.export_saved_model",
+        "train.warm_start",
+        "train.keras_callbacks",
+        "train.jit_compile",
+        "train.async_checkpoint",
+    }
+    wording = re.compile(
+        r"^(\S.*) is not supported with parameter_server \((.+)\); it works with the synchronous "
+        r"strategies: (.+)$"
+    )
+    on = dict(
+        ema_decay=0.9,
+        export_saved_model=True,
+        keras_callbacks=[keras.callbacks.TerminateOnNaN()],
+        nonfinite="rollback",
+        grad_accum_steps=2,
+        clip_global_norm=1.0,
+    )  # warm_start: tests/test_warm_start.py
     for key, value in on.items():
         settings = Settings(strategy="parameter_server", **{key: value})
         with pytest.raises(UserError) as refusal:
@@ -70,8 +85,14 @@ def test_every_built_in_refused_under_parameter_server_says_so_in_one_wording():
 def test_stages_follow_after_and_the_checkpoint_runs_after_every_extension_with_state():
     log = []
     *first, checkpoint = factory.participants(Settings())
-    participants = [*first, Recorder("b", log, after=("a",)), Recorder("a", log), Plain(),
-                    Recorder("kept", log, state={"n": 0}), checkpoint]
+    participants = [
+        *first,
+        Recorder("b", log, after=("a",)),
+        Recorder("a", log),
+        Plain(),
+        Recorder("kept", log, state={"n": 0}),
+        checkpoint,
+    ]
     registry = Registry(participants, Settings())
     order = names(registry.hooks)
     assert order.index("a") < order.index("b")

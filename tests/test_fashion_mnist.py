@@ -2,6 +2,7 @@
 the tutorial's own NumPy, scikit-learn and Keras code, its config end to end on small idx files
 written in the Fashion-MNIST layout, the old option forms refused, and a short run on the real
 files where Debian's dataset-fashion-mnist package has installed them."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ from sklearn.preprocessing import StandardScaler
 
 from tests.support import read_jsonl, run_main, tree_digest, write_idx
 from trainer import data
-from trainer.task import models
 from trainer.data import fashion_mnist_files
+from trainer.task import models
 
 GIN = "experiments/fashion_mnist/fashion_mnist.gin"
 FILES = {
@@ -33,7 +34,7 @@ def _write_fashion_mnist(directory: str) -> dict[str, tuple[np.ndarray, np.ndarr
         labels = rng.randint(0, 10, count)
         images = rng.randint(0, 60, (count, 28, 28))
         for i, label in enumerate(labels):
-            images[i, label * 2:label * 2 + 8, :] += 190
+            images[i, label * 2 : label * 2 + 8, :] += 190
         write_idx(os.path.join(directory, images_file), 2051, images)
         write_idx(os.path.join(directory, labels_file), 2049, labels)
         raw[split] = images.astype(np.uint8), labels.astype(np.uint8)
@@ -66,8 +67,11 @@ def test_split_and_scaling_are_the_tutorials_numpy_and_standard_scaler(tmp_path)
     x_test_scaled = scaler.transform(x_test.astype(np.float32).reshape(-1, 1)).reshape(-1, 28, 28, 1)
 
     assert source.splits == ("train", "validation", "eval")
-    for split, (images, labels) in (("train", (x_train_scaled, y_train)), ("validation", (x_valid_scaled, y_valid)),
-                                    ("eval", (x_test_scaled, y_test))):
+    for split, (images, labels) in (
+        ("train", (x_train_scaled, y_train)),
+        ("validation", (x_valid_scaled, y_valid)),
+        ("eval", (x_test_scaled, y_test)),
+    ):
         got_images, got_labels = source.arrays(split)
         assert got_images.dtype == np.float32 and got_images.shape == images.shape
         # 1e-6 is a few float32 ulps of these values (up to ~3): StandardScaler has applied its
@@ -82,8 +86,9 @@ def test_split_and_scaling_are_the_tutorials_numpy_and_standard_scaler(tmp_path)
     np.testing.assert_array_equal(back("validation")[0][..., 0], x_train_all[600:] / np.float32(255))
     np.testing.assert_array_equal(back("train")[1], y_train_all[:600])
     # Per pixel, as an option: each pixel on its own scale, unlike the tutorial's.
-    per_pixel = data.FashionMnist(str(tmp_path), validation_size=100, validation_from="front",
-                                  standardize="per_pixel").arrays("train")[0]
+    per_pixel = data.FashionMnist(
+        str(tmp_path), validation_size=100, validation_from="front", standardize="per_pixel"
+    ).arrays("train")[0]
     np.testing.assert_allclose(per_pixel.std(axis=0), 1, atol=1e-4)
     assert np.abs(train.std(axis=0) - 1).max() > 0.3
 
@@ -110,21 +115,31 @@ def test_tutorial_config_trains_end_to_end_on_fashion_mnist_files(tmp_path):
     os.makedirs(data_dir)
     _write_fashion_mnist(data_dir)
     proc = run_main(
-        f"--gin_file={GIN}", f"--model_dir={model_dir}",
+        f"--gin_file={GIN}",
+        f"--model_dir={model_dir}",
         f"--gin_bindings=fashion_mnist.data_dir='{data_dir}'",
         "--gin_bindings=fashion_mnist.validation_size=100",  # the tutorial holds out 5,000 of 60,000
-        "--gin_bindings=train.total_steps=40", "--gin_bindings=train.steps_per_loop=20",
-        "--gin_bindings=train.log_every_steps=20", "--gin_bindings=train.eval_every_steps=40",
-        "--gin_bindings=train.checkpoint_every_steps=40", timeout=300,
+        "--gin_bindings=train.total_steps=40",
+        "--gin_bindings=train.steps_per_loop=20",
+        "--gin_bindings=train.log_every_steps=20",
+        "--gin_bindings=train.eval_every_steps=40",
+        "--gin_bindings=train.checkpoint_every_steps=40",
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "strategy 'mirrored' on 2 replica(s)" in proc.stdout and "global batch 128" in proc.stdout
 
     with open(os.path.join(model_dir, "operative_config.gin")) as f:
         config = f.read()
-    for binding in ("cnn.filters = (32, 64, 128)", "cnn.pool_padding = 'valid'", "make_optimizer.name = 'sgd'",
-                    "make_optimizer.learning_rate = 0.01", "train.global_batch_size = 128",
-                    "fashion_mnist.standardize = 'global'", "fashion_mnist.validation_from = 'front'"):
+    for binding in (
+        "cnn.filters = (32, 64, 128)",
+        "cnn.pool_padding = 'valid'",
+        "make_optimizer.name = 'sgd'",
+        "make_optimizer.learning_rate = 0.01",
+        "train.global_batch_size = 128",
+        "fashion_mnist.standardize = 'global'",
+        "fashion_mnist.validation_from = 'front'",
+    ):
         assert binding in config, binding
     with open(os.path.join(model_dir, "run_record.json")) as f:
         shapes = json.load(f)["model_variables"]
@@ -139,10 +154,13 @@ def test_tutorial_config_trains_end_to_end_on_fashion_mnist_files(tmp_path):
     assert "(150 examples)" in proc.stdout
 
 
-@pytest.mark.parametrize("old, new", [
-    ("fashion_mnist.standardize = True", "'global' (one mean and deviation over all training pixels"),
-    ("fashion_mnist.validation_size = 5000", "fashion_mnist.validation_from: 'front' holds out the first"),
-])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("fashion_mnist.standardize = True", "'global' (one mean and deviation over all training pixels"),
+        ("fashion_mnist.validation_size = 5000", "fashion_mnist.validation_from: 'front' holds out the first"),
+    ],
+)
 def test_a_gin_file_with_an_old_option_form_is_refused_naming_the_new_one(tmp_path, old, new):
     """`standardize = True` scaled per pixel and `validation_size` alone held out the last images:
     both are refused in one line that names the new forms, before model_dir is written."""
@@ -152,8 +170,9 @@ def test_a_gin_file_with_an_old_option_form_is_refused_naming_the_new_one(tmp_pa
     model_dir.mkdir()
     (model_dir / "notes.txt").write_text("keep\n")
     before = tree_digest(str(model_dir))
-    proc = run_main(f"--gin_file={old_gin}", f"--model_dir={model_dir}",
-                    f"--gin_bindings=fashion_mnist.data_dir='{tmp_path}'")
+    proc = run_main(
+        f"--gin_file={old_gin}", f"--model_dir={model_dir}", f"--gin_bindings=fashion_mnist.data_dir='{tmp_path}'"
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and [line for line in lines if line.startswith("error:")] == lines[-1:]
@@ -161,20 +180,30 @@ def test_a_gin_file_with_an_old_option_form_is_refused_naming_the_new_one(tmp_pa
     assert tree_digest(str(model_dir)) == before
 
 
-@pytest.mark.skipif(not all(os.path.isfile(os.path.join(fashion_mnist_files.SYSTEM_DIR, name))
-                            for pair in fashion_mnist_files.FILES.values() for name in pair),
-                    reason=f"the real Fashion-MNIST files are not in {fashion_mnist_files.SYSTEM_DIR} "
-                           f"(`{fashion_mnist_files.INSTALL}` installs them)")
+@pytest.mark.skipif(
+    not all(
+        os.path.isfile(os.path.join(fashion_mnist_files.SYSTEM_DIR, name))
+        for pair in fashion_mnist_files.FILES.values()
+        for name in pair
+    ),
+    reason=f"the real Fashion-MNIST files are not in {fashion_mnist_files.SYSTEM_DIR} "
+    f"(`{fashion_mnist_files.INSTALL}` installs them)",
+)
 def test_the_tutorial_config_on_the_real_fashion_mnist_files(tmp_path):
     """Reads and checks Debian's files (sizes, headers, 6,000 and 1,000 labels of each class), and
     trains the config a few steps on one device: the tutorial's statistics, split sizes and model."""
     model_dir = str(tmp_path / "run")
     proc = run_main(
-        f"--gin_file={GIN}", f"--model_dir={model_dir}", "--gin_bindings=train.strategy='default'",
+        f"--gin_file={GIN}",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.strategy='default'",
         f"--gin_bindings=fashion_mnist.data_dir='{fashion_mnist_files.SYSTEM_DIR}'",
-        "--gin_bindings=train.total_steps=60", "--gin_bindings=train.steps_per_loop=30",
-        "--gin_bindings=train.log_every_steps=30", "--gin_bindings=train.eval_every_steps=60",
-        "--gin_bindings=train.checkpoint_every_steps=60", timeout=240,
+        "--gin_bindings=train.total_steps=60",
+        "--gin_bindings=train.steps_per_loop=30",
+        "--gin_bindings=train.log_every_steps=30",
+        "--gin_bindings=train.eval_every_steps=60",
+        "--gin_bindings=train.checkpoint_every_steps=60",
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval on validation at step 60" in proc.stdout and "(5000 examples)" in proc.stdout

@@ -3,6 +3,7 @@
 Real runs of `python -m trainer.main` on gin/mirrored.gin (2 logical-CPU replicas) with the
 steps of tests/guard_steps.py; the probe's rollback is checked in a fresh process.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,15 +13,25 @@ import pytest
 from tests.support import run_main, run_python
 from trainer.safety import loss_scaling as guard
 
-SMALL = ["--gin_bindings=cnn.filters=(8, 8, 8)", "--gin_bindings=cnn.dense_units=16",
-         "--gin_bindings=train.total_steps=2", "--gin_bindings=train.log_every_steps=1",
-         "--gin_bindings=train.checkpoint_every_steps=2", "--gin_bindings=train.eval_every_steps=2"]
+SMALL = [
+    "--gin_bindings=cnn.filters=(8, 8, 8)",
+    "--gin_bindings=cnn.dense_units=16",
+    "--gin_bindings=train.total_steps=2",
+    "--gin_bindings=train.log_every_steps=1",
+    "--gin_bindings=train.checkpoint_every_steps=2",
+    "--gin_bindings=train.eval_every_steps=2",
+]
 
 
 def run_mirrored(model_dir, *bindings: str):
     return run_main(
-        "--gin_file=gin/mirrored.gin", f"--model_dir={model_dir}", "--gin_bindings=import tests.guard_steps",
-        "--gin_bindings=cnn.l2=1e-3", *SMALL, *(f"--gin_bindings={b}" for b in bindings), timeout=150,
+        "--gin_file=gin/mirrored.gin",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=import tests.guard_steps",
+        "--gin_bindings=cnn.l2=1e-3",
+        *SMALL,
+        *(f"--gin_bindings={b}" for b in bindings),
+        timeout=150,
     )
 
 
@@ -29,13 +40,27 @@ def error_lines(stderr: str) -> list[str]:
 
 
 @pytest.mark.timeout(160)
-@pytest.mark.parametrize("step, expected", [
-    ("per_replica_mean_step", ["per-replica mean instead of the global-batch share (gradients 2 times too large)",
-                               "tf.nn.compute_average_loss(per_example, global_batch_size=...)"]),
-    ("keras_loss_scaled_by_hand_step", ["a Keras 3 loss at its default reduction already divides by the replica "
-                                        "count", "2 times too small", "reduction=None and compute_average_loss"]),
-    ("unscaled_regularization_step", ["model.losses added without tf.nn.scale_regularization_loss"]),
-])
+@pytest.mark.parametrize(
+    "step, expected",
+    [
+        (
+            "per_replica_mean_step",
+            [
+                "per-replica mean instead of the global-batch share (gradients 2 times too large)",
+                "tf.nn.compute_average_loss(per_example, global_batch_size=...)",
+            ],
+        ),
+        (
+            "keras_loss_scaled_by_hand_step",
+            [
+                "a Keras 3 loss at its default reduction already divides by the replica count",
+                "2 times too small",
+                "reduction=None and compute_average_loss",
+            ],
+        ),
+        ("unscaled_regularization_step", ["model.losses added without tf.nn.scale_regularization_loss"]),
+    ],
+)
 def test_mis_scaled_step_is_stopped_before_training(tmp_path, step, expected):
     model_dir = tmp_path / "run"
     proc = run_mirrored(model_dir, f"train.step_fn=@{step}")
@@ -126,18 +151,22 @@ def test_probe_is_exact_with_batchnorm_and_dropout_and_rolls_everything_back():
 
 # The classification of a mismatch, on numbers (no TensorFlow run needed).
 
+
 def outputs(loss: float, grads=()):
     return {"loss": loss}, list(grads)
 
 
-@pytest.mark.parametrize("distributed, single, reg, mistake", [
-    (4.6, 2.3, 0.0, "per_replica_mean"),
-    (2 * (2.3 - 0.2) + 0.2, 2.3, 0.2, "per_replica_mean"),  # data term doubled, regularisation scaled right
-    (2.3 / 2, 2.3, 0.0, "keras_default_scaled"),
-    ((2.3 - 0.2) / 2 + 0.2, 2.3, 0.2, "keras_default_scaled"),
-    (2.3 + 0.2, 2.3, 0.2, "unscaled_regularization"),
-    (2.3 * 1.5, 2.3, 0.2, None),
-])
+@pytest.mark.parametrize(
+    "distributed, single, reg, mistake",
+    [
+        (4.6, 2.3, 0.0, "per_replica_mean"),
+        (2 * (2.3 - 0.2) + 0.2, 2.3, 0.2, "per_replica_mean"),  # data term doubled, regularisation scaled right
+        (2.3 / 2, 2.3, 0.0, "keras_default_scaled"),
+        ((2.3 - 0.2) / 2 + 0.2, 2.3, 0.2, "keras_default_scaled"),
+        (2.3 + 0.2, 2.3, 0.2, "unscaled_regularization"),
+        (2.3 * 1.5, 2.3, 0.2, None),
+    ],
+)
 def test_mismatch_is_explained(distributed, single, reg, mistake):
     findings = guard.compare(outputs(distributed), outputs(single), outputs(single), 2, reg)
     assert len(findings) == 1 and findings[0].mistake == mistake

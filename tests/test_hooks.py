@@ -1,4 +1,5 @@
 """Hooks fire exactly on their boundaries, whatever steps_per_loop is; users add hooks by gin."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,8 @@ from tests.support import REPO, read_jsonl, run_main, subprocess_env
 
 
 def test_boundaries_need_not_divide_steps_per_loop_and_user_hooks_plug_in(tmp_path):
-    (tmp_path / "my_hooks.py").write_text(textwrap.dedent('''
+    (tmp_path / "my_hooks.py").write_text(
+        textwrap.dedent("""
         import json
         import gin
         from trainer.hooks.base import Hook
@@ -25,9 +27,11 @@ def test_boundaries_need_not_divide_steps_per_loop_and_user_hooks_plug_in(tmp_pa
             def end(self, run, step):
                 with open(self.path, "w") as f:
                     json.dump({"seen": self.seen, "end": step, "chief": run.is_chief}, f)
-    '''))
+    """)
+    )
     record = tmp_path / "seen.json"
-    (tmp_path / "hooks.gin").write_text(textwrap.dedent(f'''
+    (tmp_path / "hooks.gin").write_text(
+        textwrap.dedent(f"""
         import my_hooks
         include '{REPO}/gin/single.gin'
         train.hooks = [@StepRecorder()]
@@ -37,7 +41,8 @@ def test_boundaries_need_not_divide_steps_per_loop_and_user_hooks_plug_in(tmp_pa
         train.log_every_steps = 4
         train.eval_every_steps = 15
         train.checkpoint_every_steps = 10
-    '''))
+    """)
+    )
     model_dir = str(tmp_path / "run")
     env = subprocess_env(PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
     proc = run_main(f"--gin_file={tmp_path / 'hooks.gin'}", f"--model_dir={model_dir}", env=env)

@@ -69,12 +69,14 @@ def test_skip_and_drop_give_the_batches_of_the_full_stream(fn):
     inp = data.Input(fn)
     full = _batches(data.train_dataset(inp, 16, seed=3), 14)
     for skip in (3, 7):  # 7 * 16 = 112 = 2 * 40 + 32: starts mid-epoch
-        _assert_same(full[skip:skip + 4], _batches(data.train_dataset(inp, 16, seed=3, skip_batches=skip), 4))
+        _assert_same(full[skip : skip + 4], _batches(data.train_dataset(inp, 16, seed=3, skip_batches=skip), 4))
     drops = [2, 3, 9]
     kept = [b for i, b in enumerate(full) if i not in drops]
     for skip in (0, 2, 6):
-        _assert_same(kept[skip:skip + 5],
-                     _batches(data.train_dataset(inp, 16, seed=3, skip_batches=skip, drop_batches=drops), 5))
+        _assert_same(
+            kept[skip : skip + 5],
+            _batches(data.train_dataset(inp, 16, seed=3, skip_batches=skip, drop_batches=drops), 5),
+        )
 
 
 def test_sharded_training_keeps_each_pipelines_examples():
@@ -123,11 +125,14 @@ def test_replica_slices_of_a_dict_structure():
     np.testing.assert_array_equal(slices[0]["x"], [[8, 9], [10, 11]])
 
 
-@pytest.mark.parametrize("bad, words", [
-    (lambda split: regression(split).batch(4), "of shape (None, 4) at [0]['ids']"),
-    (lambda split: [1, 2, 3], "a list, not a tf.data.Dataset"),
-    (lambda split: tf.data.Dataset.range(3).map(lambda i: tf.range(i)), "variable length"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (lambda split: regression(split).batch(4), "of shape (None, 4) at [0]['ids']"),
+        (lambda split: [1, 2, 3], "a list, not a tf.data.Dataset"),
+        (lambda split: tf.data.Dataset.range(3).map(lambda i: tf.range(i)), "variable length"),
+    ],
+)
 def test_a_bad_input_function_is_one_user_error_line(bad, words):
     with pytest.raises(UserError) as error:
         data.train_dataset(bad, 4, seed=0)
@@ -140,8 +145,9 @@ def test_missing_split_and_sizes_name_the_split():
     with pytest.raises(UserError, match="has no split 'validation'"):
         data.Input(data.Digits(), eval_splits=("validation",)).validate()
     with pytest.raises(UserError, match="the test split has no examples"):
-        data.Input(lambda split: regression("train").take(0 if split == "test" else 40),
-                   eval_splits=("test",)).check_sizes(8)
+        data.Input(
+            lambda split: regression("train").take(0 if split == "test" else 40), eval_splits=("test",)
+        ).check_sizes(8)
     with pytest.raises(UserError, match="train split has 40 examples, fewer than one global batch of 64"):
         data.check_sizes(regression, 64)
 
@@ -165,34 +171,42 @@ def _png_records(path, count: int) -> list:
 
 def test_tfrecord_with_png_images_int64_sequences_and_a_label(tmp_path):
     written = {split: _png_records(tmp_path / f"{split}.tfrecord", n) for split, n in (("train", 6), ("eval", 3))}
-    features = {"image": data.png_feature((5, 4, 3)), "tokens": data.int64_sequence_feature(3),
-                "label": data.int64_feature()}
-    source = data.TFRecordFiles(str(tmp_path / "train.*"), str(tmp_path / "eval.*"), features=features,
-                                num_classes=3)
+    features = {
+        "image": data.png_feature((5, 4, 3)),
+        "tokens": data.int64_sequence_feature(3),
+        "label": data.int64_feature(),
+    }
+    source = data.TFRecordFiles(str(tmp_path / "train.*"), str(tmp_path / "eval.*"), features=features, num_classes=3)
     inp = data.Input(source)
     inp.validate()
     parts, label = inp.element_spec
     assert parts["image"].shape == (5, 4, 3) and parts["image"].dtype == tf.float32
     assert parts["tokens"].shape == (3,) and parts["tokens"].dtype == tf.int32 and label.dtype == tf.int32
     assert inp.input_shape is None and inp.num_examples("train") == 6 and inp.num_classes == 3
-    for (got, got_label), (image, tokens, expected_label) in zip(source("train").as_numpy_iterator(),
-                                                                 written["train"]):
+    for (got, got_label), (image, tokens, expected_label) in zip(source("train").as_numpy_iterator(), written["train"]):
         np.testing.assert_allclose(got["image"], image / 255.0, rtol=1e-6)
         assert list(got["tokens"]) == tokens and got_label == expected_label
     assert next(iter(data.train_dataset(inp, 4, seed=0)))[0]["tokens"].shape == (4, 3)
 
-    image_only = data.TFRecordFiles(str(tmp_path / "train.*"), str(tmp_path / "eval.*"),
-                                    features={"image": data.png_feature((5, 4, 3)), "label": data.int64_feature()})
+    image_only = data.TFRecordFiles(
+        str(tmp_path / "train.*"),
+        str(tmp_path / "eval.*"),
+        features={"image": data.png_feature((5, 4, 3)), "label": data.int64_feature()},
+    )
     assert data.Input(image_only).input_shape == (5, 4, 3)  # one feature left: a single tensor
-    unlabeled = data.TFRecordFiles(str(tmp_path / "train.*"), str(tmp_path / "eval.*"),
-                                   features={"tokens": data.int64_sequence_feature(2)}, label_key=None)
+    unlabeled = data.TFRecordFiles(
+        str(tmp_path / "train.*"),
+        str(tmp_path / "eval.*"),
+        features={"tokens": data.int64_sequence_feature(2)},
+        label_key=None,
+    )
     assert data.Input(unlabeled).element_spec.shape == (2,)
     parse = lambda record: tf.io.parse_single_example(  # noqa: E731
-        record, {"label": tf.io.FixedLenFeature([], tf.int64)})["label"]
+        record, {"label": tf.io.FixedLenFeature([], tf.int64)}
+    )["label"]
     assert list(data.TFRecordFiles(str(tmp_path / "train.*"), "", parse_fn=parse)("train")) == [0, 1, 2, 0, 1, 2]
     with pytest.raises(UserError, match="label_key 'label' is not among"):
         data.TFRecordFiles("a", "b", features={"image": data.float_feature((2,))}).validate()
-
 
 
 def test_fashion_mnist_validation_split_and_standardization(tmp_path):
@@ -213,9 +227,11 @@ def test_fashion_mnist_validation_split_and_standardization(tmp_path):
     train_images = raw["train"][0][:15] / 255.0
     mean, std = train_images.mean(axis=0), train_images.std(axis=0)
     std[std < 1e-8] = 1
-    for split, (images, labels) in (("train", (raw["train"][0][:15], raw["train"][1][:15])),
-                                    ("validation", (raw["train"][0][15:], raw["train"][1][15:])),
-                                    ("eval", raw["eval"])):
+    for split, (images, labels) in (
+        ("train", (raw["train"][0][:15], raw["train"][1][:15])),
+        ("validation", (raw["train"][0][15:], raw["train"][1][15:])),
+        ("eval", raw["eval"]),
+    ):
         got_images, got_labels = source.arrays(split)
         np.testing.assert_allclose(got_images[..., 0], (images / 255.0 - mean) / std, rtol=1e-4, atol=1e-5)
         np.testing.assert_array_equal(got_labels, labels)
@@ -230,21 +246,28 @@ def test_fashion_mnist_validation_split_and_standardization(tmp_path):
 
 def test_a_split_of_unknown_size_is_counted_with_a_bound_and_a_progress_line(monkeypatch):
     """A generator that never ends is refused once counting passes COUNT_SECONDS, having said how far it got."""
+
     def endless(split):
         def examples():
             while True:
                 yield np.zeros([2], np.float32)
+
         return tf.data.Dataset.from_generator(examples, output_signature=tf.TensorSpec([2], tf.float32))
 
     monkeypatch.setattr(data.inputs, "COUNT_SECONDS", 1.0)
     monkeypatch.setattr(data.inputs, "COUNT_PROGRESS_SECONDS", 0.2)
     inp, lines = data.Input(endless), []
     inp.print_fn = lines.append
-    with pytest.raises(UserError, match=r"counting split 'train' .* took more than 1 s \(\d+ examples so far\): an "
-                                        r"endless dataset\?.*assert_cardinality"):
+    with pytest.raises(
+        UserError,
+        match=r"counting split 'train' .* took more than 1 s \(\d+ examples so far\): an "
+        r"endless dataset\?.*assert_cardinality",
+    ):
         inp.num_examples("train")
-    assert lines and all(re.fullmatch(r"counting split 'train' \(its size is unknown to tf.data\): \d+ examples so far",
-                                      line) for line in lines)
+    assert lines and all(
+        re.fullmatch(r"counting split 'train' \(its size is unknown to tf.data\): \d+ examples so far", line)
+        for line in lines
+    )
     assert data.Input(streamed).num_examples("train") == 40  # a finite one of unknown size is counted
 
 
@@ -259,7 +282,10 @@ def test_what_an_input_function_raises_names_it_and_the_split():
     def broken(split):
         return {"train": regression("train")}[split]
 
-    with pytest.raises(UserError, match=r"train.input_fn = @.*broken raised KeyError: 'eval' for split 'eval' "
-                                        r"\(one of train.eval_splits\)") as caught:
+    with pytest.raises(
+        UserError,
+        match=r"train.input_fn = @.*broken raised KeyError: 'eval' for split 'eval' "
+        r"\(one of train.eval_splits\)",
+    ) as caught:
         data.Input(broken).validate()
     assert "in broken" in caught.value.details and "tensorflow" not in caught.value.details

@@ -1,5 +1,6 @@
 """Ctrl-C (SIGINT) during training: every worker saves the step the run reached, one line, exit 130,
 no traceback, within 10 s; a second Ctrl-C exits at once; in front of trainer.launch the same."""
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,16 @@ from tests.support import REPO, Main, subprocess_env
 from tests.test_multiworker import trainer_pids_for, wait_for
 
 INTERRUPTED = re.compile(
-    r"^(\[worker 0\] )?interrupted at step (\d+), saved ckpt-(\d+); rerun the same command to continue$")
+    r"^(\[worker 0\] )?interrupted at step (\d+), saved ckpt-(\d+); rerun the same command to continue$"
+)
 # Short loop calls, a line every 10 steps, no eval or periodic checkpoint to wait for.
-SHORT_CALLS = ["--gin_bindings=train.total_steps=100000", "--gin_bindings=train.log_every_steps=10",
-               "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.eval_every_steps=100000",
-               "--gin_bindings=train.checkpoint_every_steps=100000"]
+SHORT_CALLS = [
+    "--gin_bindings=train.total_steps=100000",
+    "--gin_bindings=train.log_every_steps=10",
+    "--gin_bindings=train.steps_per_loop=10",
+    "--gin_bindings=train.eval_every_steps=100000",
+    "--gin_bindings=train.checkpoint_every_steps=100000",
+]
 
 
 def ctrl_c(main: Main) -> tuple[int, float]:
@@ -55,8 +61,13 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path):
     """Loop calls of 5000 steps (a minute here): the first Ctrl-C waits for the call to end, the
     second does not."""
     model_dir = tmp_path / "run"
-    main = Main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT_CALLS,
-                "--gin_bindings=train.steps_per_loop=5000", "--gin_bindings=train.log_every_steps=5000")
+    main = Main(
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        *SHORT_CALLS,
+        "--gin_bindings=train.steps_per_loop=5000",
+        "--gin_bindings=train.log_every_steps=5000",
+    )
     try:
         main.wait_for(r"^training ", timeout=120)
         time.sleep(1)  # into the first call
@@ -67,8 +78,9 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path):
     finally:
         main.kill()
     assert code == 130 and took < 3, (code, took, main.tail())
-    assert main.out[-1] == ("interrupted again: exiting at once without saving; a rerun continues from the "
-                            "newest checkpoint"), main.tail()
+    assert main.out[-1] == (
+        "interrupted again: exiting at once without saving; a rerun continues from the newest checkpoint"
+    ), main.tail()
     assert not list(model_dir.glob("ckpt-*")) and main.stderr.strip() == ""
 
 
@@ -78,9 +90,22 @@ def test_ctrl_c_in_front_of_the_launcher_saves_on_both_workers_in_one_line(tmp_p
     the chief's line is all the user sees after it, and the launcher exits 130."""
     model_dir = str(tmp_path / "run")
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin",
-         f"--model_dir={model_dir}", *SHORT_CALLS],
-        cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "trainer.launch",
+            "--num_workers=2",
+            "--",
+            "--gin_file=gin/mwms.gin",
+            f"--model_dir={model_dir}",
+            *SHORT_CALLS,
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines = []
         for line in launcher.stdout:

@@ -1,5 +1,6 @@
 """Keras 3 callbacks as hooks (train.keras_callbacks): the same decisions as under `fit`, every
 strategy of one process, model.stop_training agreed under MultiWorkerMirrored, refusals in one line."""
+
 from __future__ import annotations
 
 import csv
@@ -100,19 +101,31 @@ def test_early_stopping_reduce_lr_and_csvlogger_behave_as_under_fit(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("gin_file,strategy", [("gin/single.gin", "default"), ("gin/single.gin", "one_device"),
-                                               ("gin/mirrored.gin", "mirrored"),
-                                               ("gin/central_storage.gin", "central_storage")])
+@pytest.mark.parametrize(
+    "gin_file,strategy",
+    [
+        ("gin/single.gin", "default"),
+        ("gin/single.gin", "one_device"),
+        ("gin/mirrored.gin", "mirrored"),
+        ("gin/central_storage.gin", "central_storage"),
+    ],
+)
 def test_all_three_features_under_each_single_process_strategy(tmp_path, gin_file, strategy):
     model_dir = str(tmp_path / "run")
-    proc = run_main(f"--gin_file={gin_file}", f"--model_dir={model_dir}", *SHORT, f"--gin_bindings=train.strategy='{strategy}'",
-                    "--gin_bindings=train.keep_best=2", "--gin_bindings=train.best_metric='accuracy'",
-                    "--gin_bindings=train.best_mode='max'",
-                    "--gin_bindings=train.keras_callbacks=[@keras.callbacks.EarlyStopping(), "
-                    "@keras.callbacks.CSVLogger()]",
-                    "--gin_bindings=keras.callbacks.EarlyStopping.min_delta=100.0",
-                    "--gin_bindings=keras.callbacks.EarlyStopping.patience=2",
-                    f"--gin_bindings=keras.callbacks.CSVLogger.filename='{tmp_path}/log.csv'", timeout=280)
+    proc = run_main(
+        f"--gin_file={gin_file}",
+        f"--model_dir={model_dir}",
+        *SHORT,
+        f"--gin_bindings=train.strategy='{strategy}'",
+        "--gin_bindings=train.keep_best=2",
+        "--gin_bindings=train.best_metric='accuracy'",
+        "--gin_bindings=train.best_mode='max'",
+        "--gin_bindings=train.keras_callbacks=[@keras.callbacks.EarlyStopping(), @keras.callbacks.CSVLogger()]",
+        "--gin_bindings=keras.callbacks.EarlyStopping.min_delta=100.0",
+        "--gin_bindings=keras.callbacks.EarlyStopping.patience=2",
+        f"--gin_bindings=keras.callbacks.CSVLogger.filename='{tmp_path}/log.csv'",
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Keras' EarlyStopping stops after epoch 2 (steps 41-60): the run ends at step 60.
     assert os.path.exists(os.path.join(model_dir, "ckpt-60.index")), proc.stdout[-2000:]
@@ -123,15 +136,23 @@ def test_all_three_features_under_each_single_process_strategy(tmp_path, gin_fil
 @pytest.mark.timeout(300)
 def test_model_stop_training_is_agreed_by_two_multiworker_mirrored_workers(tmp_path):
     model_dir = str(tmp_path / "run")
-    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
-                      *SHORT, "--gin_bindings=train.keras_callbacks=[@keras.callbacks.EarlyStopping(), "
-                      "@keras.callbacks.ReduceLROnPlateau(), @keras.callbacks.CSVLogger()]",
-                      "--gin_bindings=keras.callbacks.EarlyStopping.min_delta=100.0",
-                      "--gin_bindings=keras.callbacks.EarlyStopping.patience=2",
-                      "--gin_bindings=keras.callbacks.ReduceLROnPlateau.min_delta=100.0",
-                      "--gin_bindings=keras.callbacks.ReduceLROnPlateau.patience=1",
-                      f"--gin_bindings=keras.callbacks.CSVLogger.filename='{tmp_path}/log.csv'",
-                      timeout=280, env=subprocess_env())
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={model_dir}",
+        *SHORT,
+        "--gin_bindings=train.keras_callbacks=[@keras.callbacks.EarlyStopping(), "
+        "@keras.callbacks.ReduceLROnPlateau(), @keras.callbacks.CSVLogger()]",
+        "--gin_bindings=keras.callbacks.EarlyStopping.min_delta=100.0",
+        "--gin_bindings=keras.callbacks.EarlyStopping.patience=2",
+        "--gin_bindings=keras.callbacks.ReduceLROnPlateau.min_delta=100.0",
+        "--gin_bindings=keras.callbacks.ReduceLROnPlateau.patience=1",
+        f"--gin_bindings=keras.callbacks.CSVLogger.filename='{tmp_path}/log.csv'",
+        timeout=280,
+        env=subprocess_env(),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[worker 1] finished at step 60/200" in proc.stdout, proc.stdout[-3000:]
     assert os.path.exists(os.path.join(model_dir, "ckpt-60.index"))
@@ -140,8 +161,11 @@ def test_model_stop_training_is_agreed_by_two_multiworker_mirrored_workers(tmp_p
     assert [float(r[2]) for r in rows[1:]] == pytest.approx([2e-3, 2e-3, 2e-4])  # each epoch's rate, as fit logs it
     # ReduceLROnPlateau (factor 0.1) after epochs 1 and 2, on both workers alike (else the next step's
     # all-reduce of gradients would still agree but the weights would not: the chief's lr is checked).
-    rates = {r["step"]: r["learning_rate"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
-             if r["split"] == "train"}
+    rates = {
+        r["step"]: r["learning_rate"]
+        for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
+        if r["split"] == "train"
+    }
     assert rates == pytest.approx({20: 2e-3, 40: 2e-3, 60: 2e-4})
     final = tf.train.load_checkpoint(model_dir).get_tensor("optimizer/_learning_rate/.ATTRIBUTES/VARIABLE_VALUE")
     assert final == pytest.approx(2e-5)
@@ -149,16 +173,29 @@ def test_model_stop_training_is_agreed_by_two_multiworker_mirrored_workers(tmp_p
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("bindings,needle", [
-    (["train.keras_callbacks=[@keras.callbacks.ReduceLROnPlateau()]", "make_optimizer.warmup_steps=10"],
-     "ReduceLROnPlateau sets the learning rate, but the optimizer's rate is a schedule"),
-    (["train.keras_callbacks=[@early_stopping()]"], "train.keras_callbacks must be a list of keras.callbacks.Callback"),
-])
+@pytest.mark.parametrize(
+    "bindings,needle",
+    [
+        (
+            ["train.keras_callbacks=[@keras.callbacks.ReduceLROnPlateau()]", "make_optimizer.warmup_steps=10"],
+            "ReduceLROnPlateau sets the learning rate, but the optimizer's rate is a schedule",
+        ),
+        (
+            ["train.keras_callbacks=[@early_stopping()]"],
+            "train.keras_callbacks must be a list of keras.callbacks.Callback",
+        ),
+    ],
+)
 def test_refusals_are_one_line_and_write_nothing(tmp_path, bindings, needle):
     model_dir = tmp_path / "run"
     model_dir.mkdir()
-    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT,
-                    *[f"--gin_bindings={b}" for b in bindings], timeout=100)
+    proc = run_main(
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        *SHORT,
+        *[f"--gin_bindings={b}" for b in bindings],
+        timeout=100,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and needle in last, last

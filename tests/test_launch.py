@@ -18,8 +18,17 @@ FAKE = ["--module=tests.fake_worker", "--server_module=tests.fake_worker", "--gr
 
 
 def launcher_command(flags: list[str], passthrough: list[str], pid_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "trainer.launch", *flags, *FAKE, "--",
-            f"--pid_dir={pid_dir}", "--wait_for_cluster", *passthrough]
+    return [
+        sys.executable,
+        "-m",
+        "trainer.launch",
+        *flags,
+        *FAKE,
+        "--",
+        f"--pid_dir={pid_dir}",
+        "--wait_for_cluster",
+        *passthrough,
+    ]
 
 
 def launcher_env(pid_dir: Path) -> dict[str, str]:
@@ -29,13 +38,19 @@ def launcher_env(pid_dir: Path) -> dict[str, str]:
 
 
 def run_launcher(flags: list[str], passthrough: list[str], pid_dir: Path):
-    return subprocess.run(launcher_command(flags, passthrough, pid_dir), cwd=ROOT,
-                          env=launcher_env(pid_dir), capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        launcher_command(flags, passthrough, pid_dir),
+        cwd=ROOT,
+        env=launcher_env(pid_dir),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def started_pids(pid_dir: Path) -> dict[int, str]:
     """pid -> 'type:index' of every fake task that started."""
-    return {int(path.name[len("pid-"):]): path.read_text() for path in pid_dir.glob("pid-*")}
+    return {int(path.name[len("pid-") :]): path.read_text() for path in pid_dir.glob("pid-*")}
 
 
 def assert_none_alive(pid_dir: Path) -> None:
@@ -61,14 +76,15 @@ def test_two_workers_succeed_with_consistent_tf_configs(tmp_path):
     addresses = configs["worker 0"]["cluster"]["worker"]
     assert len(set(addresses)) == 2
     assert [configs[f"worker {i}"]["task"] for i in range(2)] == [
-        {"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
+        {"type": "worker", "index": 0},
+        {"type": "worker", "index": 1},
+    ]
     assert_none_alive(tmp_path)
 
 
 def test_a_failing_worker_ends_the_group_with_its_code(tmp_path):
     start = time.monotonic()
-    result = run_launcher(["--num_workers=2"],
-                          ["--sleep=60", "--fail_task=worker:1", "--exit_code=3"], tmp_path)
+    result = run_launcher(["--num_workers=2"], ["--sleep=60", "--fail_task=worker:1", "--exit_code=3"], tmp_path)
     assert result.returncode == 3
     assert time.monotonic() - start < 20
     assert "worker 1 exited with code 3" in result.stderr
@@ -78,8 +94,9 @@ def test_a_failing_worker_ends_the_group_with_its_code(tmp_path):
 
 def test_tasks_that_ignore_sigterm_are_killed_with_what_they_started(tmp_path):
     start = time.monotonic()
-    result = run_launcher(["--num_workers=2"], ["--sleep=60", "--fail_task=worker:1",
-                                                "--ignore_sigterm", "--grandchild"], tmp_path)
+    result = run_launcher(
+        ["--num_workers=2"], ["--sleep=60", "--fail_task=worker:1", "--ignore_sigterm", "--grandchild"], tmp_path
+    )
     assert result.returncode == 1
     assert time.monotonic() - start >= 2  # --grace_secs=2 before SIGKILL
     assert_none_alive(tmp_path)
@@ -100,9 +117,14 @@ def is_running(pid: int) -> bool:
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_to_the_launcher_reaches_every_task(tmp_path, signum, code):
-    process = subprocess.Popen(launcher_command(["--num_workers=2"], ["--sleep=60"], tmp_path),
-                               cwd=ROOT, env=launcher_env(tmp_path), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        launcher_command(["--num_workers=2"], ["--sleep=60"], tmp_path),
+        cwd=ROOT,
+        env=launcher_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while len(started_pids(tmp_path)) < 2 and time.monotonic() < deadline:
@@ -117,8 +139,9 @@ def test_a_signal_to_the_launcher_reaches_every_task(tmp_path, signum, code):
 
 
 def test_restart_after_a_failure_on_the_first_attempt(tmp_path):
-    result = run_launcher(["--num_workers=2", "--max_restarts=1"],
-                          ["--fail_task=worker:1", "--fail_once", "--exit_code=42"], tmp_path)
+    result = run_launcher(
+        ["--num_workers=2", "--max_restarts=1"], ["--fail_task=worker:1", "--fail_once", "--exit_code=42"], tmp_path
+    )
     assert result.returncode == 0, result.stderr
     assert "restarting group (1/1)" in result.stderr
     assert len(started_pids(tmp_path)) == 4
@@ -126,16 +149,14 @@ def test_restart_after_a_failure_on_the_first_attempt(tmp_path):
 
 
 def test_restarts_run_out(tmp_path):
-    result = run_launcher(["--num_workers=1", "--max_restarts=1"],
-                          ["--fail_task=worker:0", "--exit_code=42"], tmp_path)
+    result = run_launcher(["--num_workers=1", "--max_restarts=1"], ["--fail_task=worker:0", "--exit_code=42"], tmp_path)
     assert result.returncode == 42
     assert result.stderr.count("restarting group") == 1
     assert_none_alive(tmp_path)
 
 
 def test_a_user_mistake_is_not_restarted(tmp_path):
-    result = run_launcher(["--num_workers=1", "--max_restarts=2"],
-                          ["--fail_task=worker:0", "--exit_code=2"], tmp_path)
+    result = run_launcher(["--num_workers=1", "--max_restarts=2"], ["--fail_task=worker:0", "--exit_code=2"], tmp_path)
     assert result.returncode == 2
     assert "restarting" not in result.stderr
     assert_none_alive(tmp_path)
@@ -147,24 +168,27 @@ def test_parameter_server_mode_ends_the_servers_when_the_chief_is_done(tmp_path)
     configs = reported_configs(result.stdout)
     assert set(configs) == {"chief 0", "worker 0", "worker 1", "ps 0"}
     spec = configs["chief 0"]["cluster"]
-    assert {name: len(addresses) for name, addresses in spec.items()} == {
-        "chief": 1, "worker": 2, "ps": 1}
+    assert {name: len(addresses) for name, addresses in spec.items()} == {"chief": 1, "worker": 2, "ps": 1}
     assert all(config["cluster"] == spec for config in configs.values())
     assert "chief done; stopping the servers" in result.stderr
     assert sorted(started_pids(tmp_path).values()) == ["chief:0", "ps:0", "worker:0", "worker:1"]
     assert_none_alive(tmp_path)
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--num_workers=0"], "--num_workers must be at least 1, got 0"),
-    ([], "--num_workers must have a value"),
-    (["--num_workers=two"], "--num_workers=two"),
-    (["--num_workers=1", "--num_ps=-1"], "--num_ps must be 0 or more"),
-    (["--num_workers=1", "stray"], "put the module's flags after --"),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--num_workers=0"], "--num_workers must be at least 1, got 0"),
+        ([], "--num_workers must have a value"),
+        (["--num_workers=two"], "--num_workers=two"),
+        (["--num_workers=1", "--num_ps=-1"], "--num_ps must be 0 or more"),
+        (["--num_workers=1", "stray"], "put the module's flags after --"),
+    ],
+)
 def test_bad_launcher_flags_exit_2_with_one_line(flags, expected):
-    result = subprocess.run([sys.executable, "-m", "trainer.launch", *flags], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.launch", *flags], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and expected in result.stderr
     assert result.stderr.startswith("error: "), result.stderr  # as every other refusal
@@ -179,8 +203,10 @@ def test_cluster_layouts():
     ports = ports_from_5000
     assert launch.build_cluster(2, 0, ports) == {"worker": ["localhost:5000", "localhost:5001"]}
     assert launch.build_cluster(1, 2, ports) == {
-        "chief": ["localhost:5000"], "worker": ["localhost:5001"],
-        "ps": ["localhost:5002", "localhost:5003"]}
+        "chief": ["localhost:5000"],
+        "worker": ["localhost:5001"],
+        "ps": ["localhost:5002", "localhost:5003"],
+    }
 
 
 def test_in_ps_mode_only_the_chief_runs_the_module():
@@ -189,5 +215,4 @@ def test_in_ps_mode_only_the_chief_runs_the_module():
     assert launch.command_for(ps_cluster, "chief", ["--x"], options)[1:] == ["-m", "m", "--x"]
     assert launch.command_for(ps_cluster, "ps", ["--x"], options)[1:] == ["-m", "s"]
     assert launch.command_for(ps_cluster, "worker", ["--x"], options)[1:] == ["-m", "s"]
-    assert launch.command_for({"worker": ["a:1"]}, "worker", ["--x"], options)[1:] == [
-        "-m", "m", "--x"]
+    assert launch.command_for({"worker": ["a:1"]}, "worker", ["--x"], options)[1:] == ["-m", "m", "--x"]

@@ -1,5 +1,6 @@
 """Layers' non-trainable state (Dropout's seed generator, BatchNorm's moving statistics) under
 central_storage and mirrored (2 logical CPUs, a fresh process)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -104,7 +105,7 @@ def test_dropout_trains_under_central_storage_and_mirrored(layer_runs):
         assert all(np.isfinite(loss) for loss in run["losses"]), run
         assert run["global_step"] == 5
         # One Dropout call per step: the state's counter advanced once per step, seed unchanged.
-        (seed, counter), = run["before"]
+        ((seed, counter),) = run["before"]
         assert run["after"] == [[seed, counter + 5]], run
         assert run["restored"]
         assert run["replicas"] == 2
@@ -136,7 +137,6 @@ def test_scope_is_a_no_op_without_aggregating_variables():
     assert v.aggregation == tf.VariableAggregation.NONE
 
 
-
 def test_every_keras_layer_of_models_modules_and_dicts_is_found_once():
     import keras
     import tensorflow as tf
@@ -152,4 +152,4 @@ def test_every_keras_layer_of_models_modules_and_dicts_is_found_once():
     found = layer_state._keras_layers({"a": model, "b": module, "c": model})
     expected = [model, *model._flatten_layers(include_self=False), module.head[0]]  # the InputLayer too
     assert inner in expected and len(found) == len(expected) == 5
-    assert {id(l) for l in found} == {id(l) for l in expected}
+    assert {id(layer) for layer in found} == {id(layer) for layer in expected}

@@ -1,4 +1,5 @@
 """The entry point end to end: files in model_dir, resume, a user's own step, exit codes."""
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,9 @@ def test_rerun_continues_from_checkpoint_and_never_trains_a_step_twice(trained_s
     assert done.returncode == 0, done.stderr[-3000:]
     assert "already trained" in done.stdout and "step 60" in done.stdout
 
-    more = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=90", *SHORT)
+    more = run_main(
+        "--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=90", *SHORT
+    )
     assert more.returncode == 0, more.stderr[-3000:]
     assert "continuing from step 60" in more.stdout
     steps = [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "train"]
@@ -52,12 +55,18 @@ def test_rerun_continues_from_checkpoint_and_never_trains_a_step_twice(trained_s
 def test_killed_run_finishes_when_rerun(tmp_path):
     model_dir = str(tmp_path / "run")
     args = [
-        "--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=3000",
-        "--gin_bindings=train.checkpoint_every_steps=50", *SHORT,
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.total_steps=3000",
+        "--gin_bindings=train.checkpoint_every_steps=50",
+        *SHORT,
     ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=subprocess_env(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "trainer.main", *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 120
@@ -80,7 +89,8 @@ def test_killed_run_finishes_when_rerun(tmp_path):
 
 
 def test_user_step_function_bound_by_gin_reaches_metrics(tmp_path):
-    (tmp_path / "my_steps.py").write_text(textwrap.dedent('''
+    (tmp_path / "my_steps.py").write_text(
+        textwrap.dedent("""
         import gin
         import tensorflow as tf
 
@@ -96,14 +106,17 @@ def test_user_step_function_bound_by_gin_reaches_metrics(tmp_path):
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             confidence = tf.reduce_sum(tf.reduce_max(tf.nn.softmax(logits), -1)) / global_batch_size
             return {"loss": loss, "confidence": confidence}
-    '''))
-    (tmp_path / "my.gin").write_text(textwrap.dedent(f'''
+    """)
+    )
+    (tmp_path / "my.gin").write_text(
+        textwrap.dedent(f"""
         import my_steps
         include '{REPO}/gin/mirrored.gin'
         train.step_fn = @my_step
         my_step.label_smoothing = 0.2
         train.total_steps = 40
-    '''))
+    """)
+    )
     model_dir = str(tmp_path / "run")
     env = subprocess_env(PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
     proc = run_main(f"--gin_file={tmp_path / 'my.gin'}", f"--model_dir={model_dir}", *SHORT, env=env)
@@ -132,7 +145,8 @@ def test_user_mistakes_exit_2_with_one_line_and_leave_model_dir_alone(trained_si
     bad_gin.write_text("include 'gin/single.gin'\ntrain.total_steps = = 3\n")
 
     missing_data = run_main(
-        "--gin_file=experiments/fashion_mnist/fashion_mnist.gin", f"--model_dir={model_dir}",
+        "--gin_file=experiments/fashion_mnist/fashion_mnist.gin",
+        f"--model_dir={model_dir}",
         f"--gin_bindings=fashion_mnist.data_dir='{tmp_path / 'nowhere'}'",
     )
     _assert_user_error(missing_data, str(tmp_path / "nowhere"))
@@ -140,7 +154,9 @@ def test_user_mistakes_exit_2_with_one_line_and_leave_model_dir_alone(trained_si
     _assert_user_error(syntax, "bad.gin", ":2")
     unknown = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.totl_steps=5")
     _assert_user_error(unknown, "totl_steps")
-    no_configurable = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=trian.total_steps=5")
+    no_configurable = run_main(
+        "--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=trian.total_steps=5"
+    )
     _assert_user_error(no_configurable, "trian")
     bad_flag = run_main("--gin_file=gin/single.gin", "--no_such_flag=1")
     _assert_user_error(bad_flag, "no_such_flag")
@@ -150,9 +166,19 @@ def test_user_mistakes_exit_2_with_one_line_and_leave_model_dir_alone(trained_si
 def test_without_model_dir_a_fresh_one_is_made_and_printed(tmp_path):
     env = subprocess_env()
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.main", f"--gin_file={REPO}/gin/single.gin",
-         "--gin_bindings=train.total_steps=5", "--gin_bindings=train.eval_every_steps=5"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "trainer.main",
+            f"--gin_file={REPO}/gin/single.gin",
+            "--gin_bindings=train.total_steps=5",
+            "--gin_bindings=train.eval_every_steps=5",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     model_dir = proc.stdout.split("model_dir: ")[1].split()[0]
@@ -162,7 +188,8 @@ def test_without_model_dir_a_fresh_one_is_made_and_printed(tmp_path):
 def test_a_finished_run_leaves_after_its_threads_and_exit_handlers(tmp_path):
     # trainer.main skips the interpreter's teardown once the outcome is out (trainer/cli.py), but not
     # what a normal exit does that a user may rely on: a non-daemon thread is joined, atexit runs.
-    (tmp_path / "at_exit.py").write_text(textwrap.dedent(f'''
+    (tmp_path / "at_exit.py").write_text(
+        textwrap.dedent(f"""
         import atexit, pathlib, threading, time
 
         def late_write():  # still running when the run returns: it writes after the final checkpoint
@@ -173,10 +200,17 @@ def test_a_finished_run_leaves_after_its_threads_and_exit_handlers(tmp_path):
 
         threading.Thread(target=late_write).start()
         atexit.register(pathlib.Path({str(tmp_path / "atexit.txt")!r}).write_text, "ran")
-    '''))
+    """)
+    )
     env = subprocess_env(PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
-    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={tmp_path / 'run'}", "--gin_bindings=import at_exit",
-                    "--gin_bindings=train.total_steps=2", "--gin_bindings=train.eval_every_steps=2", env=env)
+    proc = run_main(
+        "--gin_file=gin/single.gin",
+        f"--model_dir={tmp_path / 'run'}",
+        "--gin_bindings=import at_exit",
+        "--gin_bindings=train.total_steps=2",
+        "--gin_bindings=train.eval_every_steps=2",
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "thread.txt").read_text() == "joined"
     assert (tmp_path / "atexit.txt").read_text() == "ran"
@@ -201,7 +235,13 @@ def test_a_gin_include_loop_is_one_error_line_naming_the_loop(tmp_path):
 def test_help_prints_the_flags_and_exits_0():
     for module in ("trainer.main", "trainer.launch"):
         for flag in ("--help", "--helpfull"):
-            proc = subprocess.run([sys.executable, "-m", module, flag], cwd=REPO, env=subprocess_env(),
-                                  capture_output=True, text=True, timeout=120)
+            proc = subprocess.run(
+                [sys.executable, "-m", module, flag],
+                cwd=REPO,
+                env=subprocess_env(),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert proc.returncode == 0, (module, flag, proc.returncode, proc.stderr[-2000:])
             assert "--num_workers" in proc.stdout if module == "trainer.launch" else "--model_dir" in proc.stdout

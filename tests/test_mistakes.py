@@ -7,6 +7,7 @@ exactly one `error:` line naming the problem, no traceback, and leave `model_dir
 as it was. They run through `trainer.main`'s own flag parsing and `run` in one fresh
 interpreter (one TensorFlow start for the whole table), a few also as real processes.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,13 +53,24 @@ CASES: dict[str, tuple[list[str], str]] = {
     "optimizer_name": (bind("make_optimizer.name = 'adamm'"), "unknown optimizer 'adamm'"),
     "optimizer_warmup_negative": (bind("make_optimizer.warmup_steps = -5"), "make_optimizer.warmup_steps"),
     "optimizer_decay": (bind("make_optimizer.decay = 'linear'"), "unknown decay"),
-    "optimizer_reference_batch_zero": (bind("make_optimizer.reference_batch_size = 0"),
-                                       "make_optimizer.reference_batch_size"),
+    "optimizer_reference_batch_zero": (
+        bind("make_optimizer.reference_batch_size = 0"),
+        "make_optimizer.reference_batch_size",
+    ),
     # train: integers of the wrong type and out of range
-    **{f"train_{name}_{kind}": (bind(f"train.{name} = {value}"), f"train.{name}")
-       for name in ("total_steps", "global_batch_size", "steps_per_loop", "log_every_steps",
-                    "checkpoint_every_steps", "eval_every_steps", "keep_checkpoints")
-       for kind, value in (("text", "'many'"), ("zero_or_negative", "-1"))},
+    **{
+        f"train_{name}_{kind}": (bind(f"train.{name} = {value}"), f"train.{name}")
+        for name in (
+            "total_steps",
+            "global_batch_size",
+            "steps_per_loop",
+            "log_every_steps",
+            "checkpoint_every_steps",
+            "eval_every_steps",
+            "keep_checkpoints",
+        )
+        for kind, value in (("text", "'many'"), ("zero_or_negative", "-1"))
+    },
     "train_global_batch_size_float": (bind("train.global_batch_size = 1.5"), "train.global_batch_size"),
     "train_seed_negative": (bind("train.seed = -1"), "train.seed"),
     "train_max_rollbacks_text": (bind("train.max_rollbacks = 'x'"), "train.max_rollbacks"),
@@ -72,7 +84,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     "train_cluster_resolver": (bind("train.cluster_resolver = 'k8s'"), "train.cluster_resolver"),
     "train_mixed_precision": (bind("train.mixed_precision = 'fp16'"), "train.mixed_precision"),
     "train_mixed_precision_number": (bind("train.mixed_precision = 16"), "train.mixed_precision"),
-    "train_collective_timeout_negative": (bind("train.collective_timeout_secs = -1.0"), "train.collective_timeout_secs"),
+    "train_collective_timeout_negative": (
+        bind("train.collective_timeout_secs = -1.0"),
+        "train.collective_timeout_secs",
+    ),
     "train_check_loss_scaling_text": (bind("train.check_loss_scaling = 'yes'"), "train.check_loss_scaling"),
     "train_jit_compile_text": (bind("train.jit_compile = 'yes'"), "train.jit_compile"),
     "train_allow_resume_changes_number": (bind("train.allow_resume_changes = 1"), "train.allow_resume_changes"),
@@ -85,116 +100,170 @@ CASES: dict[str, tuple[list[str], str]] = {
     "train_optimizer_fn_text": (bind("train.optimizer_fn = 'adam'"), "train.optimizer_fn"),
     "train_eval_metrics_fn_number": (bind("train.eval_metrics_fn = 3"), "train.eval_metrics_fn"),
     "train_input_fn_text": (bind("train.input_fn = 'digits'"), "train.input_fn"),
-    "train_input_and_data_source": (bind("train.input_fn = @digits()", "train.data_source = @synthetic()"),
-                                    "both train.input_fn and train.data_source"),
+    "train_input_and_data_source": (
+        bind("train.input_fn = @digits()", "train.data_source = @synthetic()"),
+        "both train.input_fn and train.data_source",
+    ),
     "train_hooks_text": (bind("train.hooks = 'x'"), "train.hooks"),
     "train_parameter_server_text": (bind("train.parameter_server = 'x'"), "train.parameter_server"),
     "train_device_config_text": (bind("train.device_config = 'gpu'"), "train.device_config"),
-    "train_cluster_resolver_options_text": (bind("train.cluster_resolver_options = 'x'"),
-                                            "train.cluster_resolver_options"),
+    "train_cluster_resolver_options_text": (
+        bind("train.cluster_resolver_options = 'x'"),
+        "train.cluster_resolver_options",
+    ),
     "train_eval_splits_text": (bind("train.eval_splits = 'eval'"), "train.eval_splits"),
     "train_eval_splits_unknown": (bind("train.eval_splits = ['test']"), "test"),
     # other configurables
     "devices_logical_cpus_negative": (bind("devices.logical_cpus = -1"), "devices.logical_cpus"),
     "devices_visible_gpus_text": (bind("devices.visible_gpus = 'all'"), "devices.visible_gpus"),
-    "digits_eval_fraction": (bind("train.input_fn = @digits()", "digits.eval_fraction = 1.5"),
-                             "digits.eval_fraction"),
-    "synthetic_num_train_negative": (bind("train.input_fn = @synthetic()", "synthetic.num_train = -3"),
-                                     "synthetic.num_train"),
-    "fashion_mnist_missing_files": (bind("train.input_fn = @fashion_mnist()",
-                                         "fashion_mnist.data_dir = '/nonexistent/fashion'"), "Fashion-MNIST file"),
-    "fashion_mnist_standardize_old_switch": (bind("train.input_fn = @fashion_mnist()",
-                                                  "fashion_mnist.standardize = True"),
-                                             "'per_pixel' (each pixel its own, what True did)"),
-    "fashion_mnist_validation_size_alone": (bind("train.input_fn = @fashion_mnist()",
-                                                 "fashion_mnist.validation_size = 5000"),
-                                            "fashion_mnist.validation_from"),
-    "fashion_mnist_validation_from_unknown": (bind("train.input_fn = @fashion_mnist()",
-                                                   "fashion_mnist.validation_size = 9",
-                                                   "fashion_mnist.validation_from = 'start'"),
-                                              "unknown fashion_mnist.validation_from 'start'"),
+    "digits_eval_fraction": (bind("train.input_fn = @digits()", "digits.eval_fraction = 1.5"), "digits.eval_fraction"),
+    "synthetic_num_train_negative": (
+        bind("train.input_fn = @synthetic()", "synthetic.num_train = -3"),
+        "synthetic.num_train",
+    ),
+    "fashion_mnist_missing_files": (
+        bind("train.input_fn = @fashion_mnist()", "fashion_mnist.data_dir = '/nonexistent/fashion'"),
+        "Fashion-MNIST file",
+    ),
+    "fashion_mnist_standardize_old_switch": (
+        bind("train.input_fn = @fashion_mnist()", "fashion_mnist.standardize = True"),
+        "'per_pixel' (each pixel its own, what True did)",
+    ),
+    "fashion_mnist_validation_size_alone": (
+        bind("train.input_fn = @fashion_mnist()", "fashion_mnist.validation_size = 5000"),
+        "fashion_mnist.validation_from",
+    ),
+    "fashion_mnist_validation_from_unknown": (
+        bind(
+            "train.input_fn = @fashion_mnist()",
+            "fashion_mnist.validation_size = 9",
+            "fashion_mnist.validation_from = 'start'",
+        ),
+        "unknown fashion_mnist.validation_from 'start'",
+    ),
     "progress_logger_refresh_text": (bind("progress_logger.refresh_secs = 'often'"), "progress_logger.refresh_secs"),
-    "profiler_hook_steps_reversed": (bind("train.hooks = [@profiler_hook()]", "profiler_hook.steps = (20, 10)"),
-                                     "profiler_hook.steps"),
+    "profiler_hook_steps_reversed": (
+        bind("train.hooks = [@profiler_hook()]", "profiler_hook.steps = (20, 10)"),
+        "profiler_hook.steps",
+    ),
     "cnn_dropout_above_one": (bind("cnn.dropout = 1.5"), "cnn.dropout"),
     "cnn_filters_text": (bind("cnn.filters = 'abc'"), "cnn.filters"),
     "cnn_dense_units_zero": (bind("cnn.dense_units = 0"), "cnn.dense_units"),
     "cnn_pool_padding_unknown": (bind("cnn.pool_padding = 'full'"), "unknown cnn.pool_padding 'full'"),
-    "cnn_valid_pooling_too_small": (bind("cnn.pool_padding = 'valid'", "cnn.filters = (8, 8, 8, 8)"),
-                                    "pools the 8x8 images to nothing in 4 blocks"),
+    "cnn_valid_pooling_too_small": (
+        bind("cnn.pool_padding = 'valid'", "cnn.filters = (8, 8, 8, 8)"),
+        "pools the 8x8 images to nothing in 4 blocks",
+    ),
     # the user's own functions
     "step_returns_list": ([IMPORT, *bind("train.step_fn = @list_step")], "returned list"),
     "step_returns_vector": ([IMPORT, *bind("train.step_fn = @vector_step")], "scalar"),
     "step_returns_string": ([IMPORT, *bind("train.step_fn = @string_step")], "scalar"),
-    "eval_step_without_num_examples": ([IMPORT, *bind("train.eval_step_fn = @no_count_eval_step")],
-                                       "no 'num_examples'"),
+    "eval_step_without_num_examples": (
+        [IMPORT, *bind("train.eval_step_fn = @no_count_eval_step")],
+        "no 'num_examples'",
+    ),
     "eval_step_returns_list": ([IMPORT, *bind("train.eval_step_fn = @list_eval_step")], "returned list"),
-    "model_fn_parameter_unsuppliable": ([IMPORT, *bind("train.model_fn = @model_with_unknown_parameter")],
-                                        "'vocabulary'"),
+    "model_fn_parameter_unsuppliable": (
+        [IMPORT, *bind("train.model_fn = @model_with_unknown_parameter")],
+        "'vocabulary'",
+    ),
     "model_fn_returns_no_model": ([IMPORT, *bind("train.model_fn = @not_a_model")], "not a Keras model"),
-    "model_cannot_take_the_batch": ([IMPORT, *bind("train.model_fn = @model_of_wrong_input")],
-                                    "cannot run on the batches"),
-    "optimizers_keyed_unlike_models": ([IMPORT, *bind("train.optimizer_fn = @two_optimizers")],
-                                       "key each optimizer like the model"),
+    "model_cannot_take_the_batch": (
+        [IMPORT, *bind("train.model_fn = @model_of_wrong_input")],
+        "cannot run on the batches",
+    ),
+    "optimizers_keyed_unlike_models": (
+        [IMPORT, *bind("train.optimizer_fn = @two_optimizers")],
+        "key each optimizer like the model",
+    ),
     "input_fn_batched": ([IMPORT, *bind("train.input_fn = @batched_input")], "batched_input"),
-    "rollback_with_nondeterministic_input": ([IMPORT, *bind("train.input_fn = @random_input",
-                                                             "train.nonfinite = 'rollback'")], "deterministic = False"),
+    "rollback_with_nondeterministic_input": (
+        [IMPORT, *bind("train.input_fn = @random_input", "train.nonfinite = 'rollback'")],
+        "deterministic = False",
+    ),
     "input_fn_not_a_dataset": ([IMPORT, *bind("train.input_fn = @list_input")], "list_input"),
     # what every bound function returns, checked for kind and structure
-    "optimizer_fn_returns_none": ([IMPORT, *bind("train.optimizer_fn = @none_optimizer")],
-                                  "none_optimizer returned NoneType, not an optimizer"),
+    "optimizer_fn_returns_none": (
+        [IMPORT, *bind("train.optimizer_fn = @none_optimizer")],
+        "none_optimizer returned NoneType, not an optimizer",
+    ),
     "model_fn_returns_none": ([IMPORT, *bind("train.model_fn = @none_model")], "none_model returned NoneType"),
     "step_returns_none": ([IMPORT, *bind("train.step_fn = @none_step")], "returned NoneType"),
-    "eval_metrics_fn_returns_list": ([IMPORT, *bind("train.eval_metrics_fn = @list_metrics")],
-                                     "list_metrics returned list; return a dict of names to Keras metrics"),
-    "eval_metrics_fn_returns_numbers": ([IMPORT, *bind("train.eval_metrics_fn = @number_metrics")],
-                                        "number_metrics returned {'auc': int}"),
+    "eval_metrics_fn_returns_list": (
+        [IMPORT, *bind("train.eval_metrics_fn = @list_metrics")],
+        "list_metrics returned list; return a dict of names to Keras metrics",
+    ),
+    "eval_metrics_fn_returns_numbers": (
+        [IMPORT, *bind("train.eval_metrics_fn = @number_metrics")],
+        "number_metrics returned {'auc': int}",
+    ),
     "hooks_not_hooks": (bind("train.hooks = [3]"), "train.hooks must be a list of hooks"),
     "extensions_not_extensions": (bind("train.extensions = ['swa']"), "train.extensions must be a list of extensions"),
-    "keras_callbacks_not_callbacks": (bind("train.keras_callbacks = [3]"),
-                                      "train.keras_callbacks must be a list of keras.callbacks.Callback"),
+    "keras_callbacks_not_callbacks": (
+        bind("train.keras_callbacks = [3]"),
+        "train.keras_callbacks must be a list of keras.callbacks.Callback",
+    ),
     # models that build on their first call, and those that cannot
-    "model_without_weights": (["--gin_bindings=import tests.unbuilt_models", *bind("train.model_fn = @weightless")],
-                              "has no trainable variables even after a call on a batch of the train features"),
-    "model_not_buildable_from_the_features": (["--gin_bindings=import tests.unbuilt_models",
-                                               *bind("train.model_fn = @noise_generator")],
-                                              "is not built, and calling it on a batch of the train features"),
+    "model_without_weights": (
+        ["--gin_bindings=import tests.unbuilt_models", *bind("train.model_fn = @weightless")],
+        "has no trainable variables even after a call on a batch of the train features",
+    ),
+    "model_not_buildable_from_the_features": (
+        ["--gin_bindings=import tests.unbuilt_models", *bind("train.model_fn = @noise_generator")],
+        "is not built, and calling it on a batch of the train features",
+    ),
     # extensions refused once the traced outputs are known, before the first write
-    "best_metric_not_an_output": (bind("train.keep_best = 2", "train.best_metric = 'top5'"),
-                                  "train.best_metric 'top5' is not an output of eval split 'eval'"),
-    "early_stopping_metric_not_an_output": (bind("train.early_stopping = @early_stopping()",
-                                                 "early_stopping.metric = 'auc'"),
-                                            "early_stopping.metric 'auc' is not an output"),
+    "best_metric_not_an_output": (
+        bind("train.keep_best = 2", "train.best_metric = 'top5'"),
+        "train.best_metric 'top5' is not an output of eval split 'eval'",
+    ),
+    "early_stopping_metric_not_an_output": (
+        bind("train.early_stopping = @early_stopping()", "early_stopping.metric = 'auc'"),
+        "early_stopping.metric 'auc' is not an output",
+    ),
     "ema_decay_out_of_range": (bind("train.ema_decay = 2.0"), "train.ema_decay must be a number > 0 and < 1"),
     # the user's own code raising: one line naming it and its binding, its own frames above
-    "input_fn_raises": ([IMPORT, *bind("train.input_fn = @missing_file_input")],
-                        "train.input_fn = @missing_file_input raised FileNotFoundError"),
-    "input_fn_without_split": ([IMPORT, *bind("train.input_fn = @input_without_split")],
-                               "takes no split"),
-    "eval_split_missing_from_the_users_dict": ([IMPORT, *bind("train.input_fn = @dict_input",
-                                                              "train.eval_splits = ['test']")],
-                                               "train.input_fn = @dict_input raised KeyError: 'test' for split 'test'"),
-    "keras_callback_raises": ([IMPORT, *bind("train.keras_callbacks = [@raising_callback()]")],
-                              "RaisingCallback.on_train_begin (train.keras_callbacks) raised KeyError"),
-    "extension_method_typo": ([IMPORT, *bind("train.extensions = [@misspelt_extension()]")],
-                              "MisspeltExtension.atach is not a method of the hook and extension protocol, and the "
-                              "run never calls it; did you mean attach?"),
-    "model_fn_raises": ([IMPORT, *bind("train.model_fn = @raising_model")],
-                        "train.model_fn = @raising_model raised IndexError: list index out of range"),
+    "input_fn_raises": (
+        [IMPORT, *bind("train.input_fn = @missing_file_input")],
+        "train.input_fn = @missing_file_input raised FileNotFoundError",
+    ),
+    "input_fn_without_split": ([IMPORT, *bind("train.input_fn = @input_without_split")], "takes no split"),
+    "eval_split_missing_from_the_users_dict": (
+        [IMPORT, *bind("train.input_fn = @dict_input", "train.eval_splits = ['test']")],
+        "train.input_fn = @dict_input raised KeyError: 'test' for split 'test'",
+    ),
+    "keras_callback_raises": (
+        [IMPORT, *bind("train.keras_callbacks = [@raising_callback()]")],
+        "RaisingCallback.on_train_begin (train.keras_callbacks) raised KeyError",
+    ),
+    "extension_method_typo": (
+        [IMPORT, *bind("train.extensions = [@misspelt_extension()]")],
+        "MisspeltExtension.atach is not a method of the hook and extension protocol, and the "
+        "run never calls it; did you mean attach?",
+    ),
+    "model_fn_raises": (
+        [IMPORT, *bind("train.model_fn = @raising_model")],
+        "train.model_fn = @raising_model raised IndexError: list index out of range",
+    ),
     # the model's own call has a bug: named by its method, the user's frames only
-    "model_call_raises": ([IMPORT, *bind("train.model_fn = @model_whose_call_raises")],
-                          "_CallRaises.call, called on a batch of the train features [None, 8, 8, 1] to build the "
-                          "model of train.model_fn model_whose_call_raises, raised AttributeError: "
-                          "'_CallRaises' object has no attribute 'missing_index'"),
+    "model_call_raises": (
+        [IMPORT, *bind("train.model_fn = @model_whose_call_raises")],
+        "_CallRaises.call, called on a batch of the train features [None, 8, 8, 1] to build the "
+        "model of train.model_fn model_whose_call_raises, raised AttributeError: "
+        "'_CallRaises' object has no attribute 'missing_index'",
+    ),
     # an endless dataset (unknown cardinality): counted for a bounded time, then refused
-    "input_fn_endless_generator": ([IMPORT, *bind("train.input_fn = @endless_generator_input")],
-                                   "an endless dataset?"),
+    "input_fn_endless_generator": ([IMPORT, *bind("train.input_fn = @endless_generator_input")], "an endless dataset?"),
     # the data an op cannot take, found by the first step: the input and the op named
-    "labels_are_strings": ([IMPORT, *bind("train.input_fn = @string_label_input", "cnn.num_classes = 4")],
-                           "op Cast failed on a batch after step 0 (UnimplementedError: Cast string to int32"),
-    "labels_one_based": ([IMPORT, *bind("train.input_fn = @one_based_label_input")],
-                         "op SparseSoftmaxCrossEntropyWithLogits failed on a batch after step 20 "
-                         "(InvalidArgumentError: Received a label value of 10"),
+    "labels_are_strings": (
+        [IMPORT, *bind("train.input_fn = @string_label_input", "cnn.num_classes = 4")],
+        "op Cast failed on a batch after step 0 (UnimplementedError: Cast string to int32",
+    ),
+    "labels_one_based": (
+        [IMPORT, *bind("train.input_fn = @one_based_label_input")],
+        "op SparseSoftmaxCrossEntropyWithLogits failed on a batch after step 20 "
+        "(InvalidArgumentError: Received a label value of 10",
+    ),
 }
 # Cases run in an empty model_dir (holding only a user's file) rather than a copy of an existing
 # run's, where the resume check (a changed model) would speak first, also in one line.
@@ -244,8 +313,13 @@ def outcomes(tmp_path_factory) -> dict:
     for name, text in (("unclosed", UNCLOSED), ("include", MISSING_INCLUDE), ("syntax", SYNTAX)):
         (root / f"{name}.gin").write_text(text)
     existing = root / "existing"
-    proc = run_main(GIN, f"--model_dir={existing}", "--gin_bindings=train.total_steps=20",
-                    "--gin_bindings=train.checkpoint_every_steps=10", "--gin_bindings=train.eval_every_steps=10")
+    proc = run_main(
+        GIN,
+        f"--model_dir={existing}",
+        "--gin_bindings=train.total_steps=20",
+        "--gin_bindings=train.checkpoint_every_steps=10",
+        "--gin_bindings=train.eval_every_steps=10",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = {}
     for name, (args, _) in CASES.items():
@@ -276,8 +350,16 @@ def test_mistake_is_one_line_exit_2_and_model_dir_unchanged(outcomes, name):
     assert outcome["seconds"] < 60
 
 
-@pytest.mark.parametrize("name", ["input_fn_raises", "eval_split_missing_from_the_users_dict", "keras_callback_raises",
-                                  "model_fn_raises", "model_call_raises"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "input_fn_raises",
+        "eval_split_missing_from_the_users_dict",
+        "keras_callback_raises",
+        "model_fn_raises",
+        "model_call_raises",
+    ],
+)
 def test_what_user_code_raises_shows_only_its_frames(outcomes, name):
     stderr = outcomes[name]["stderr"]
     frames = [line for line in stderr.splitlines() if line.lstrip().startswith("File ")]
@@ -310,23 +392,41 @@ def test_a_run_that_dies_of_its_data_at_the_first_step_leaves_no_model_dir(tmp_p
     model_dir = tmp_path / "new"
     proc = run_main(*CASES["labels_one_based"][0], f"--model_dir={model_dir}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: op SparseSoftmaxCrossEntropyWithLogits failed on "
-                                                           "a batch after step 0")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: op SparseSoftmaxCrossEntropyWithLogits failed on a batch after step 0")
+    )
     assert not model_dir.exists()
 
 
 @pytest.mark.parametrize("gin_file", ["gin/mirrored.gin", "gin/mwms.gin"])
 def test_a_model_built_at_import_is_named(tmp_path, gin_file):
-    line = refused_run(tmp_path, f"--gin_file={gin_file}", "--gin_bindings=import tests.import_time_model",
-                       "--gin_bindings=train.model_fn = @import_time_model")
-    assert line.startswith("error: tests.import_time_model.MODEL was built when its module was imported, outside "
-                           "the strategy's scope"), line
+    line = refused_run(
+        tmp_path,
+        f"--gin_file={gin_file}",
+        "--gin_bindings=import tests.import_time_model",
+        "--gin_bindings=train.model_fn = @import_time_model",
+    )
+    assert line.startswith(
+        "error: tests.import_time_model.MODEL was built when its module was imported, outside the strategy's scope"
+    ), line
     assert line.endswith("build models inside train.model_fn, which the run calls under the strategy's scope"), line
 
 
-@pytest.mark.parametrize("name, suggestion", [("atach", "attach"), ("after_lop", "after_loop"), ("verfy", "verify"),
-                                              ("state_dic", "state_dict"), ("begn", "begin"), ("send", None),
-                                              ("log_weights", None), ("ende", None)])
+@pytest.mark.parametrize(
+    "name, suggestion",
+    [
+        ("atach", "attach"),
+        ("after_lop", "after_loop"),
+        ("verfy", "verify"),
+        ("state_dic", "state_dict"),
+        ("begn", "begin"),
+        ("send", None),
+        ("log_weights", None),
+        ("ende", None),
+    ],
+)
 def test_a_near_miss_of_a_protocol_method_is_refused_with_the_suggestion(name, suggestion):
     from trainer.errors import UserError
     from trainer.extensions.protocol import Extension, check_method_names

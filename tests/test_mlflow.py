@@ -5,6 +5,7 @@ metric history exactly as metrics.jsonl has it (train at each log step, eval at 
 operative_config.gin and run_record.json as artifacts. Two MultiWorkerMirrored workers log once.
 Without mlflow installed, `@mlflow_hook()` is one error line naming the extra.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,11 @@ from tests.support import read_jsonl, run_main, run_module, subprocess_env
 
 mlflow = pytest.importorskip("mlflow")
 HOOK = "--gin_bindings=train.hooks=[@mlflow_hook()]"
-SHORT = ["--gin_bindings=train.log_every_steps=20", "--gin_bindings=train.eval_every_steps=30",
-         "--gin_bindings=train.steps_per_loop=10"]
+SHORT = [
+    "--gin_bindings=train.log_every_steps=20",
+    "--gin_bindings=train.eval_every_steps=30",
+    "--gin_bindings=train.steps_per_loop=10",
+]
 
 
 def store_runs(model_dir):
@@ -38,11 +42,23 @@ def from_jsonl(model_dir, split: str, key: str) -> list[tuple[int, float]]:
 
 def test_the_store_holds_params_metric_history_and_artifacts_of_a_resumed_run(tmp_path):
     model_dir = tmp_path / "run"
-    first = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", HOOK,
-                     "--gin_bindings=train.total_steps=60", *SHORT, timeout=120)
+    first = run_main(
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        HOOK,
+        "--gin_bindings=train.total_steps=60",
+        *SHORT,
+        timeout=120,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", HOOK,
-                       "--gin_bindings=train.total_steps=90", *SHORT, timeout=120)
+    resumed = run_main(
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        HOOK,
+        "--gin_bindings=train.total_steps=90",
+        *SHORT,
+        timeout=120,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "continuing from step 60" in resumed.stdout
     assert "mlflow: params train.total_steps differ from the resumed run's" in resumed.stdout
@@ -71,8 +87,17 @@ def test_the_store_holds_params_metric_history_and_artifacts_of_a_resumed_run(tm
 @pytest.mark.timeout(240)
 def test_two_multiworker_workers_log_one_run_from_the_chief(tmp_path):
     model_dir = tmp_path / "run"
-    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin",
-                      f"--model_dir={model_dir}", HOOK, "--gin_bindings=train.total_steps=40", *SHORT, timeout=200)
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={model_dir}",
+        HOOK,
+        "--gin_bindings=train.total_steps=40",
+        *SHORT,
+        timeout=200,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     client, runs = store_runs(model_dir)
     assert len(runs) == 1
@@ -80,10 +105,16 @@ def test_two_multiworker_workers_log_one_run_from_the_chief(tmp_path):
     assert [s for s, _ in history(client, runs[0].info.run_id, "eval/loss")] == [30, 40]
 
 
-@pytest.mark.parametrize("binding, needle", [
-    (None, "mlflow_hook needs MLflow, which is not installed: pip install -e '.[mlflow]' (or pip install mlflow-skinny)"),
-    ("mlflow_hook.experiment_name=''", "mlflow_hook.experiment_name must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "binding, needle",
+    [
+        (
+            None,
+            "mlflow_hook needs MLflow, which is not installed: pip install -e '.[mlflow]' (or pip install mlflow-skinny)",
+        ),
+        ("mlflow_hook.experiment_name=''", "mlflow_hook.experiment_name must be a non-empty string"),
+    ],
+)
 def test_no_mlflow_or_a_bad_name_is_one_error_line_and_writes_nothing(tmp_path, binding, needle):
     hidden = tmp_path / "no_mlflow"
     hidden.mkdir()

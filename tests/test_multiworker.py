@@ -1,4 +1,5 @@
 """MultiWorkerMirrored with real worker processes on localhost: output, parity, preemption, failures."""
+
 from __future__ import annotations
 
 import json
@@ -105,9 +106,13 @@ def test_two_launched_workers_train_and_only_the_chief_writes(launched_mwms_run)
 def test_two_workers_match_one_process_at_the_same_global_batch(tmp_path, method):
     # Few steps: Adam turns reduction-order differences (1e-8) into chaos after ~6 steps here
     # (1e-2 by step 20, with SGD they stay at 1e-8); a scaling mistake shows at step 1.
-    common = [f"--gin_bindings=train.distribute_method='{method}'", "--gin_bindings=train.total_steps=5",
-              "--gin_bindings=train.steps_per_loop=2", "--gin_bindings=cnn.l2=0.001",
-              "--gin_bindings=train.log_every_steps=1"]
+    common = [
+        f"--gin_bindings=train.distribute_method='{method}'",
+        "--gin_bindings=train.total_steps=5",
+        "--gin_bindings=train.steps_per_loop=2",
+        "--gin_bindings=cnn.l2=0.001",
+        "--gin_bindings=train.log_every_steps=1",
+    ]
     single_dir, multi_dir = str(tmp_path / "single"), str(tmp_path / "multi")
     single = run_main("--gin_file=gin/single.gin", f"--model_dir={single_dir}", *common)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -122,11 +127,25 @@ def test_two_workers_match_one_process_at_the_same_global_batch(tmp_path, method
 @pytest.mark.timeout(400)
 def test_sigterm_to_one_worker_saves_on_all_and_the_restart_finishes(tmp_path):
     model_dir = str(tmp_path / "run")
-    args = ["--num_workers=2", "--max_restarts=1", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
-            "--gin_bindings=train.total_steps=500", "--gin_bindings=train.checkpoint_every_steps=400",
-            "--gin_bindings=train.eval_every_steps=1000", *QUIET]
-    launcher = subprocess.Popen([sys.executable, "-m", "trainer.launch", *args], cwd=REPO, env=subprocess_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [
+        "--num_workers=2",
+        "--max_restarts=1",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.total_steps=500",
+        "--gin_bindings=train.checkpoint_every_steps=400",
+        "--gin_bindings=train.eval_every_steps=1000",
+        *QUIET,
+    ]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         metrics = os.path.join(model_dir, "metrics.jsonl")
         wait_for(lambda: os.path.exists(metrics) and read_jsonl(metrics), 150, "the first train record")
@@ -151,13 +170,23 @@ def test_sigterm_to_one_worker_saves_on_all_and_the_restart_finishes(tmp_path):
 def test_a_killed_worker_makes_its_peer_fail_with_the_step_and_the_launcher_exit(tmp_path):
     model_dir = str(tmp_path / "run")
     cluster = {"worker": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(2)]}
-    flags = ["-m", "trainer.main", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
-             "--gin_bindings=train.total_steps=100000", "--gin_bindings=train.collective_timeout_secs=20.0", *QUIET]
+    flags = [
+        "-m",
+        "trainer.main",
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.total_steps=100000",
+        "--gin_bindings=train.collective_timeout_secs=20.0",
+        *QUIET,
+    ]
     workers = []
     for index in range(2):
         env = subprocess_env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
-        workers.append(subprocess.Popen([sys.executable, *flags], cwd=REPO, env=env, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, *flags], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        )
     try:
         metrics = os.path.join(model_dir, "metrics.jsonl")
         wait_for(lambda: os.path.exists(metrics) and read_jsonl(metrics), 150, "the first train record")
@@ -175,9 +204,22 @@ def test_a_killed_worker_makes_its_peer_fail_with_the_step_and_the_launcher_exit
 
     launched_dir = str(tmp_path / "launched")
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "trainer.launch", "--num_workers=2", "--", *flags[2:3], f"--model_dir={launched_dir}",
-         "--gin_bindings=train.total_steps=100000", *QUIET],
-        cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "trainer.launch",
+            "--num_workers=2",
+            "--",
+            *flags[2:3],
+            f"--model_dir={launched_dir}",
+            "--gin_bindings=train.total_steps=100000",
+            *QUIET,
+        ],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         metrics = os.path.join(launched_dir, "metrics.jsonl")
         wait_for(lambda: os.path.exists(metrics) and read_jsonl(metrics), 150, "the first train record")
@@ -191,17 +233,30 @@ def test_a_killed_worker_makes_its_peer_fail_with_the_step_and_the_launcher_exit
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("tf_config,needle", [
-    ('{"cluster": {"worker": ["localhost:1"]', "not valid JSON"),
-    ('{"cluster": {"worker": ["localhost:1", "localhost:2"]}}', "task"),
-    ('{"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 2}}', "task.index"),
-    ('{"cluster": {"worker": ["localhost:1"], "ps": ["localhost:2"]}, "task": {"type": "ps", "index": 0}}', "ps"),
-    ('{"cluster": {"worker": ["localhost:1", "localhost:1"]}, "task": {"type": "worker", "index": 0}}', "localhost:1"),
-])
+@pytest.mark.parametrize(
+    "tf_config,needle",
+    [
+        ('{"cluster": {"worker": ["localhost:1"]', "not valid JSON"),
+        ('{"cluster": {"worker": ["localhost:1", "localhost:2"]}}', "task"),
+        (
+            '{"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 2}}',
+            "task.index",
+        ),
+        ('{"cluster": {"worker": ["localhost:1"], "ps": ["localhost:2"]}, "task": {"type": "ps", "index": 0}}', "ps"),
+        (
+            '{"cluster": {"worker": ["localhost:1", "localhost:1"]}, "task": {"type": "worker", "index": 0}}',
+            "localhost:1",
+        ),
+    ],
+)
 def test_bad_tf_config_exits_2_with_one_line_quickly(tmp_path, tf_config, needle):
     started = time.monotonic()
-    proc = run_main("--gin_file=gin/mwms.gin", f"--model_dir={tmp_path / 'run'}", timeout=60,
-                    env=subprocess_env(TF_CONFIG=tf_config))
+    proc = run_main(
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={tmp_path / 'run'}",
+        timeout=60,
+        env=subprocess_env(TF_CONFIG=tf_config),
+    )
     assert time.monotonic() - started < 30
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
@@ -215,15 +270,33 @@ def test_two_slurm_tasks_find_each_other_without_tf_config(tmp_path):
     """srun sets these variables per task; TensorFlow's SlurmClusterResolver builds the cluster."""
     model_dir = str(tmp_path / "run")
     port_base = portpicker.pick_unused_port()
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost",
-             "SLURM_STEP_TASKS_PER_NODE": "2"}
-    flags = ["-m", "trainer.main", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}",
-             "--gin_bindings=train.cluster_resolver='slurm'",
-             f"--gin_bindings=train.cluster_resolver_options={{'port_base': {port_base}}}",
-             "--gin_bindings=train.total_steps=20", *QUIET]
-    tasks = [subprocess.Popen([sys.executable, *flags], cwd=REPO, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env=subprocess_env(SLURM_PROCID=str(i), **slurm))
-             for i in range(2)]
+    slurm = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+    }
+    flags = [
+        "-m",
+        "trainer.main",
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.cluster_resolver='slurm'",
+        f"--gin_bindings=train.cluster_resolver_options={{'port_base': {port_base}}}",
+        "--gin_bindings=train.total_steps=20",
+        *QUIET,
+    ]
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, *flags],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=subprocess_env(SLURM_PROCID=str(i), **slurm),
+        )
+        for i in range(2)
+    ]
     try:
         outputs = [t.communicate(timeout=150)[0] for t in tasks]
     finally:

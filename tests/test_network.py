@@ -6,6 +6,7 @@ host's network namespace (this test's) there must be none; in the run's own name
 servers do listen (so the samples were taken while the cluster was up). Each run has a
 hard timeout, and every process it started is killed in a `finally`.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ from trainer.distribution import netns
 
 _WHY_NOT = netns.can_enter()
 needs_namespaces = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no private network namespace: {_WHY_NOT}")
+
 
 def assert_closed(result: subprocess.CompletedProcess, sampler: Sampler, model_dir: Path) -> None:
     assert result.returncode == 0, result.stdout[-4000:]
@@ -40,7 +42,9 @@ def test_embedded_ps_cluster_listens_only_in_its_own_namespace(embedded_ps_run):
     assert_closed(embedded_ps_run.result, embedded_ps_run.sampler, embedded_ps_run.model_dir)
     assert "local cluster: ps 0 pid" in embedded_ps_run.result.stdout
     assert "step 600/600" in embedded_ps_run.result.stdout
-    assert len(embedded_ps_run.sampler.in_run_namespace) >= 4, embedded_ps_run.sampler.in_run_namespace  # chief, ps, 2 workers
+    assert len(embedded_ps_run.sampler.in_run_namespace) >= 4, (
+        embedded_ps_run.sampler.in_run_namespace
+    )  # chief, ps, 2 workers
 
 
 @needs_namespaces
@@ -51,9 +55,15 @@ def test_a_ps_run_its_flags_do_not_reveal_is_reexecuted_into_the_namespace(tmp_p
     flagfile = tmp_path / "ps.flags"
     flagfile.write_text("--gin_file=gin/ps.gin\n--gin_bindings=train.total_steps=100\n")
     model_dir = tmp_path / "ps"
-    result, sampler = run_sampled([
-        sys.executable, "-m", "trainer.main", f"--flagfile={flagfile}", f"--model_dir={model_dir}",
-    ])
+    result, sampler = run_sampled(
+        [
+            sys.executable,
+            "-m",
+            "trainer.main",
+            f"--flagfile={flagfile}",
+            f"--model_dir={model_dir}",
+        ]
+    )
     assert_closed(result, sampler, model_dir)
     assert result.stdout.count("local cluster: ps 0 pid") == 1
 
@@ -64,7 +74,9 @@ def test_launched_workers_listen_only_in_their_own_namespace(launched_mwms_run):
     # The run is tests/conftest.py's (400 steps), shared with tests/test_multiworker.py.
     assert_closed(launched_mwms_run.result, launched_mwms_run.sampler, launched_mwms_run.model_dir)
     assert "finished at step 400/400" in launched_mwms_run.result.stdout
-    assert len(launched_mwms_run.sampler.in_run_namespace) >= 2, launched_mwms_run.sampler.in_run_namespace  # one server per worker
+    assert len(launched_mwms_run.sampler.in_run_namespace) >= 2, (
+        launched_mwms_run.sampler.in_run_namespace
+    )  # one server per worker
 
 
 def test_a_process_that_cannot_enter_warns_once_and_goes_on():
@@ -75,8 +87,9 @@ def test_a_process_that_cannot_enter_warns_once_and_goes_on():
         threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
         print(netns.isolate("the test cluster"), netns.isolate("the test cluster"))
     """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", "False"]
     lines = proc.stderr.strip().splitlines()

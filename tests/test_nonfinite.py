@@ -1,6 +1,7 @@
 """A NaN in the data at a known step: 'stop' exits naming that step, 'rollback' skips it and finishes;
 also where the loss stays finite (the CNN's fused conv+ReLU drops NaN pixels) and only the
 gradients are not, and where only the weights are."""
+
 from __future__ import annotations
 
 import os
@@ -42,13 +43,18 @@ def poisoned(tmp_path_factory) -> list[str]:
     gin_file = out / "nan.gin"
     gin_file.write_text("import tests.nan_steps\ninclude 'gin/single.gin'\ntrain.step_fn = @input_energy_step\n")
     return [
-        f"--gin_file={gin_file}", "--gin_bindings=train.data_source=@tfrecord_files()",
+        f"--gin_file={gin_file}",
+        "--gin_bindings=train.data_source=@tfrecord_files()",
         f"--gin_bindings=tfrecord_files.train_pattern='{out}/train-*.tfrecord'",
         f"--gin_bindings=tfrecord_files.eval_pattern='{out}/eval-*.tfrecord'",
-        "--gin_bindings=tfrecord_files.input_shape=(8, 8, 1)", "--gin_bindings=tfrecord_files.num_classes=10",
-        f"--gin_bindings=train.global_batch_size={BATCH}", f"--gin_bindings=train.seed={SEED}",
-        "--gin_bindings=train.total_steps=30", "--gin_bindings=train.checkpoint_every_steps=5",
-        "--gin_bindings=train.eval_every_steps=1000", "--gin_bindings=train.log_every_steps=10",
+        "--gin_bindings=tfrecord_files.input_shape=(8, 8, 1)",
+        "--gin_bindings=tfrecord_files.num_classes=10",
+        f"--gin_bindings=train.global_batch_size={BATCH}",
+        f"--gin_bindings=train.seed={SEED}",
+        "--gin_bindings=train.total_steps=30",
+        "--gin_bindings=train.checkpoint_every_steps=5",
+        "--gin_bindings=train.eval_every_steps=1000",
+        "--gin_bindings=train.log_every_steps=10",
         "--gin_bindings=train.steps_per_loop=4",
     ]
 
@@ -66,8 +72,12 @@ def test_stop_mode_exits_naming_the_step_and_the_last_good_checkpoint(poisoned, 
 
 def test_rollback_mode_skips_the_batch_and_finishes(poisoned, tmp_path):
     model_dir = str(tmp_path / "run")
-    proc = run_main(*poisoned, f"--model_dir={model_dir}", "--gin_bindings=train.nonfinite='rollback'",
-                    "--gin_bindings=train.max_rollbacks=2")
+    proc = run_main(
+        *poisoned,
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.nonfinite='rollback'",
+        "--gin_bindings=train.max_rollbacks=2",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"step {BAD_STEP} gave a non-finite output or gradient" in proc.stdout
     assert f"rolled back to {model_dir}/ckpt-5 (step 5) and skipping batch {BAD_STEP - 1}" in proc.stdout
@@ -86,14 +96,21 @@ def test_nan_pixels_that_leave_the_loss_finite_stop_at_their_step_by_their_gradi
     assert "Traceback" not in proc.stderr
     assert sorted(n for n in os.listdir(model_dir) if n.endswith(".index")) == ["ckpt-5.index"]
     reader = tf.train.load_checkpoint(str(model_dir / "ckpt-5"))
-    assert all(np.all(np.isfinite(reader.get_tensor(k))) for k in reader.get_variable_to_shape_map()
-               if reader.get_variable_to_dtype_map()[k].is_floating)
+    assert all(
+        np.all(np.isfinite(reader.get_tensor(k)))
+        for k in reader.get_variable_to_shape_map()
+        if reader.get_variable_to_dtype_map()[k].is_floating
+    )
 
 
 def test_nan_pixels_that_leave_the_loss_finite_are_skipped_by_rollback(poisoned, tmp_path):
     model_dir = tmp_path / "run"
-    proc = run_main("--gin_file=gin/single.gin", *poisoned[1:], f"--model_dir={model_dir}",
-                    "--gin_bindings=train.nonfinite='rollback'")
+    proc = run_main(
+        "--gin_file=gin/single.gin",
+        *poisoned[1:],
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.nonfinite='rollback'",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"skipping batch {BAD_STEP - 1}" in proc.stdout
     accuracy = read_jsonl(str(model_dir / "metrics.jsonl"))[-1]["accuracy"]
@@ -101,8 +118,12 @@ def test_nan_pixels_that_leave_the_loss_finite_are_skipped_by_rollback(poisoned,
 
 
 def test_rollback_mode_gives_up_after_max_rollbacks(poisoned, tmp_path):
-    proc = run_main(*poisoned, f"--model_dir={tmp_path / 'run'}", "--gin_bindings=train.nonfinite='rollback'",
-                    "--gin_bindings=train.max_rollbacks=0")
+    proc = run_main(
+        *poisoned,
+        f"--model_dir={tmp_path / 'run'}",
+        "--gin_bindings=train.nonfinite='rollback'",
+        "--gin_bindings=train.max_rollbacks=0",
+    )
     assert proc.returncode == 1
     assert "more than train.max_rollbacks 0" in proc.stderr.strip().splitlines()[-1]
 
@@ -152,10 +173,15 @@ def test_the_first_nonfinite_step_of_a_call_is_found_on_any_replica(replicas):
 def test_weights_that_go_non_finite_behind_finite_outputs_are_never_saved(tmp_path):
     # The step sets the first kernel to NaN after step 7; the fused conv+ReLU keeps the outputs finite.
     model_dir = tmp_path / "run"
-    proc = run_main("--gin_file=gin/single.gin", "--gin_bindings=import tests.nan_steps",
-                    "--gin_bindings=train.step_fn=@weight_poisoning_step", "--gin_bindings=train.total_steps=10",
-                    "--gin_bindings=train.checkpoint_every_steps=5", "--gin_bindings=train.steps_per_loop=5",
-                    f"--model_dir={model_dir}")
+    proc = run_main(
+        "--gin_file=gin/single.gin",
+        "--gin_bindings=import tests.nan_steps",
+        "--gin_bindings=train.step_fn=@weight_poisoning_step",
+        "--gin_bindings=train.total_steps=10",
+        "--gin_bindings=train.checkpoint_every_steps=5",
+        "--gin_bindings=train.steps_per_loop=5",
+        f"--model_dir={model_dir}",
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the weights are non-finite (cnn/conv2d/kernel) after steps 6-10"), last

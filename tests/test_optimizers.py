@@ -1,12 +1,13 @@
 """Learning-rate schedules: the linear scaling rule, warm-up, cosine decay, and plain floats."""
+
 from __future__ import annotations
 
 import keras
 import numpy as np
 import pytest
 
-from trainer.task import optimizers
 from trainer.errors import UserError
+from trainer.task import optimizers
 
 
 def rates(schedule, steps):
@@ -19,9 +20,7 @@ def test_nothing_to_scale_gives_the_plain_float_keras_fit_would_get():
 
 
 def test_linear_scaling_rule_with_warmup():
-    schedule = optimizers.learning_rate_schedule(
-        0.01, global_batch_size=256, reference_batch_size=64, warmup_steps=4
-    )
+    schedule = optimizers.learning_rate_schedule(0.01, global_batch_size=256, reference_batch_size=64, warmup_steps=4)
     np.testing.assert_allclose(rates(schedule, [0, 1, 3, 4, 100]), [0.01, 0.02, 0.04, 0.04, 0.04], rtol=1e-6)
 
 
@@ -54,8 +53,9 @@ def test_unknown_names_are_user_errors():
 @pytest.mark.parametrize("weight_decay", [0.0, None, 0.1])
 def test_weight_decay_is_applied_as_keras_applies_it_and_zero_means_none(name, weight_decay):
     """With zero gradients every optimizer's own update is 0, so one step leaves w = 1 - lr * decay."""
-    optimizer = optimizers.make_optimizer(global_batch_size=32, total_steps=10, name=name, learning_rate=0.5,
-                                          weight_decay=weight_decay)
+    optimizer = optimizers.make_optimizer(
+        global_batch_size=32, total_steps=10, name=name, learning_rate=0.5, weight_decay=weight_decay
+    )
     variable = keras.Variable(np.ones(3, np.float32))
     optimizer.apply_gradients([(np.zeros(3, np.float32), variable)])
     expected = {0.0: 0.0, 0.1: 0.1, None: 0.004 if name == "adamw" else 0.0}[weight_decay]

@@ -3,6 +3,7 @@
 Real runs of the tool in fresh processes on small models (the CNN with 8 filters, the worked
 examples of a dict-input model and of a regression), a few steps each; the full-size runs of every mode are in experiments/parity/.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,10 +35,17 @@ def step_losses(proc, column: int) -> list[float]:
 @pytest.mark.timeout(120)
 def test_parity_with_l2_adam_and_schedule_under_mirrored_2_replicas():
     # Adam with warm-up and cosine decay: the rate changes at every step.
-    proc = run_parity("--gin_file=gin/mirrored.gin", "--steps=8", "--gin_bindings=cnn.l2=1e-3",
-                      "--gin_bindings=train.total_steps=10", "--gin_bindings=make_optimizer.name='adam'",
-                      "--gin_bindings=make_optimizer.learning_rate=0.01", "--gin_bindings=make_optimizer.warmup_steps=3",
-                      "--gin_bindings=make_optimizer.decay='cosine'", timeout=110)
+    proc = run_parity(
+        "--gin_file=gin/mirrored.gin",
+        "--steps=8",
+        "--gin_bindings=cnn.l2=1e-3",
+        "--gin_bindings=train.total_steps=10",
+        "--gin_bindings=make_optimizer.name='adam'",
+        "--gin_bindings=make_optimizer.learning_rate=0.01",
+        "--gin_bindings=make_optimizer.warmup_steps=3",
+        "--gin_bindings=make_optimizer.decay='cosine'",
+        timeout=110,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mirrored, 2 replica(s), global batch 64: TrainLoop vs Keras 3 fit" in proc.stdout
     word, dw, dloss = verdict(proc)
@@ -50,10 +58,15 @@ def test_parity_with_l2_adam_and_schedule_under_mirrored_2_replicas():
 @pytest.mark.timeout(120)
 def test_a_difference_the_guard_cannot_see_fails_parity():
     """Twice the learning rate in the step: scaled right on any replica count, but not fit's training."""
-    proc = run_parity("--gin_file=gin/mirrored.gin", "--steps=4", "--gin_bindings=import tests.guard_steps",
-                      "--gin_bindings=train.step_fn=@double_learning_rate_step",
-                      "--gin_bindings=make_optimizer.name='sgd'", "--gin_bindings=make_optimizer.learning_rate=0.05",
-                      timeout=110)
+    proc = run_parity(
+        "--gin_file=gin/mirrored.gin",
+        "--steps=4",
+        "--gin_bindings=import tests.guard_steps",
+        "--gin_bindings=train.step_fn=@double_learning_rate_step",
+        "--gin_bindings=make_optimizer.name='sgd'",
+        "--gin_bindings=make_optimizer.learning_rate=0.05",
+        timeout=110,
+    )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     word, dw, _ = verdict(proc)
     assert word == "FAIL" and dw > 1e-4
@@ -62,8 +75,9 @@ def test_a_difference_the_guard_cannot_see_fails_parity():
 
 @pytest.mark.timeout(200)
 def test_replica_counts_train_the_same():
-    proc = run_parity("--gin_file=gin/mirrored.gin", "--steps=4", "--replicas=1,2", "--gin_bindings=cnn.l2=1e-3",
-                      timeout=190)
+    proc = run_parity(
+        "--gin_file=gin/mirrored.gin", "--steps=4", "--replicas=1,2", "--gin_bindings=cnn.l2=1e-3", timeout=190
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "on 1, 2 logical-CPU replicas" in proc.stdout
     word, dw, dloss = verdict(proc)
@@ -73,11 +87,18 @@ def test_replica_counts_train_the_same():
 @pytest.mark.timeout(200)
 def test_multi_worker_parity_against_tf_keras_fit_in_two_worker_processes():
     # SGD with momentum and the linear scaling rule (rate x 64/32) with warm-up, and an L2 regulariser.
-    proc = run_parity("--gin_file=gin/mwms.gin", "--steps=4", "--num_workers=2", "--gin_bindings=cnn.l2=1e-3",
-                      "--gin_bindings=make_optimizer.name='sgd'", "--gin_bindings=make_optimizer.momentum=0.9",
-                      "--gin_bindings=make_optimizer.learning_rate=0.05",
-                      "--gin_bindings=make_optimizer.reference_batch_size=32",
-                      "--gin_bindings=make_optimizer.warmup_steps=2", timeout=190)
+    proc = run_parity(
+        "--gin_file=gin/mwms.gin",
+        "--steps=4",
+        "--num_workers=2",
+        "--gin_bindings=cnn.l2=1e-3",
+        "--gin_bindings=make_optimizer.name='sgd'",
+        "--gin_bindings=make_optimizer.momentum=0.9",
+        "--gin_bindings=make_optimizer.learning_rate=0.05",
+        "--gin_bindings=make_optimizer.reference_batch_size=32",
+        "--gin_bindings=make_optimizer.warmup_steps=2",
+        timeout=190,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "in 2 worker processes: TrainLoop vs tf_keras fit" in proc.stdout
     word, dw, dloss = verdict(proc)
@@ -87,8 +108,13 @@ def test_multi_worker_parity_against_tf_keras_fit_in_two_worker_processes():
 @pytest.mark.timeout(90)
 def test_dict_input_model_matches_keras_3_fit_under_mirrored():
     """fit gets our batches as they are: ({'image', 'stats'}, label) into a two-input functional model."""
-    proc = run_module("trainer.parity", "--gin_file=gin/mirrored.gin",
-                      "--gin_file=experiments/two_inputs/two_inputs.gin", "--steps=3", timeout=85)
+    proc = run_module(
+        "trainer.parity",
+        "--gin_file=gin/mirrored.gin",
+        "--gin_file=experiments/two_inputs/two_inputs.gin",
+        "--steps=3",
+        timeout=85,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mirrored, 2 replica(s), global batch 64: TrainLoop vs Keras 3 fit" in proc.stdout
     word, dw, dloss = verdict(proc)
@@ -100,9 +126,14 @@ def test_dict_input_model_matches_keras_3_fit_under_mirrored():
 @pytest.mark.timeout(90)
 def test_regression_with_fit_loss_from_gin_matches_keras_3_fit_under_mirrored():
     """parity.loss names the step's loss for fit; the regression step's MSE trains like fit's."""
-    proc = run_module("trainer.parity", "--gin_file=gin/mirrored.gin",
-                      "--gin_file=experiments/regression/regression.gin",
-                      "--gin_bindings=parity.loss='mean_squared_error'", "--steps=3", timeout=85)
+    proc = run_module(
+        "trainer.parity",
+        "--gin_file=gin/mirrored.gin",
+        "--gin_file=experiments/regression/regression.gin",
+        "--gin_bindings=parity.loss='mean_squared_error'",
+        "--steps=3",
+        timeout=85,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mirrored, 2 replica(s), global batch 32: TrainLoop vs Keras 3 fit" in proc.stdout
     word, dw, dloss = verdict(proc)
@@ -119,8 +150,13 @@ def test_user_mistake_exits_2_with_one_line():
 
 @pytest.mark.timeout(200)
 def test_parameter_server_with_one_worker_matches_tf_keras_fit_step_by_step():
-    proc = run_parity("--gin_file=gin/ps.gin", "--steps=3", "--gin_bindings=local_cluster.num_workers=1",
-                      "--gin_bindings=cnn.l2=1e-3", timeout=190)
+    proc = run_parity(
+        "--gin_file=gin/ps.gin",
+        "--steps=3",
+        "--gin_bindings=local_cluster.num_workers=1",
+        "--gin_bindings=cnn.l2=1e-3",
+        timeout=190,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "parameter_server, 1 worker(s), global batch 64: TrainLoop vs tf_keras fit" in proc.stdout
     word, dw, dloss = verdict(proc)
@@ -128,8 +164,11 @@ def test_parameter_server_with_one_worker_matches_tf_keras_fit_step_by_step():
     assert len(step_losses(proc, 0)) == 3
 
 
-WEIGHTED = ["--gin_bindings=import tests.weighted_inputs", "--gin_bindings=train.input_fn=@weighted_digits",
-            "--gin_bindings=cnn.num_classes=10"]
+WEIGHTED = [
+    "--gin_bindings=import tests.weighted_inputs",
+    "--gin_bindings=train.input_fn=@weighted_digits",
+    "--gin_bindings=cnn.num_classes=10",
+]
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,5 @@
 """trainer.plot: learning curves of several runs in one PNG, labelled by run directory."""
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,9 @@ def test_missing_matplotlib_or_run_is_one_line_and_exit_2(tmp_path, profiled_run
     (blocker / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(blocker.parent), env["PYTHONPATH"]])
-    no_matplotlib = run_module("trainer.plot", f"--model_dir={profiled_run[0]}", f"--out={tmp_path / 'x.png'}",
-                               env=env, timeout=120)
+    no_matplotlib = run_module(
+        "trainer.plot", f"--model_dir={profiled_run[0]}", f"--out={tmp_path / 'x.png'}", env=env, timeout=120
+    )
     assert no_matplotlib.returncode == 2
     assert no_matplotlib.stderr.strip().splitlines() == [
         "error: trainer.plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"

@@ -1,6 +1,7 @@
 """Mixed precision and custom steps: the README's step (which scales its loss with
 `optimizer.scale_loss`) trains as well in mixed_float16 and mixed_bfloat16 as in float32, and a step
 that never scales its loss is refused under mixed_float16 before step 1, in one line."""
+
 from __future__ import annotations
 
 import json
@@ -24,11 +25,18 @@ def readme_step_module() -> str:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("mode", ["single", "mirrored"])
 def test_a_step_that_never_scales_its_loss_is_refused_under_mixed_float16(tmp_path, mode):
-    line = refused_run(tmp_path, f"--gin_file=gin/{mode}.gin", "--gin_bindings=import tests.precision_steps",
-                       "--gin_bindings=train.step_fn=@unscaled_step",
-                       "--gin_bindings=train.mixed_precision='mixed_float16'", timeout=180)
-    assert line.startswith("error: train.mixed_precision = 'mixed_float16': the step applies gradients of a loss "
-                           "it never passed through optimizer.scale_loss"), line
+    line = refused_run(
+        tmp_path,
+        f"--gin_file=gin/{mode}.gin",
+        "--gin_bindings=import tests.precision_steps",
+        "--gin_bindings=train.step_fn=@unscaled_step",
+        "--gin_bindings=train.mixed_precision='mixed_float16'",
+        timeout=180,
+    )
+    assert line.startswith(
+        "error: train.mixed_precision = 'mixed_float16': the step applies gradients of a loss "
+        "it never passed through optimizer.scale_loss"
+    ), line
     assert "scaled = optimizer.scale_loss(loss)" in line and "tape.gradient(scaled, variables)" in line
 
 
@@ -36,7 +44,8 @@ def test_a_step_that_never_scales_its_loss_is_refused_under_mixed_float16(tmp_pa
 def test_the_readme_step_trains_as_well_in_float16_and_bfloat16_as_in_float32(tmp_path):
     (tmp_path / "my_steps.py").write_text(readme_step_module())
     started = time.monotonic()
-    result = run_python(textwrap.dedent(f'''
+    result = run_python(
+        textwrap.dedent(f"""
         import json, sys, tempfile, time
         sys.path.insert(0, {str(tmp_path)!r})
         import my_steps
@@ -56,7 +65,9 @@ def test_the_readme_step_trains_as_well_in_float16_and_bfloat16_as_in_float32(tm
                                         print_fn=lambda line: None)
             found[policy] = {{"accuracy": final["accuracy"], "seconds": time.monotonic() - started}}
         print(json.dumps(found))
-    '''), timeout=280)
+    """),
+        timeout=280,
+    )
     print(json.dumps(result), f"{time.monotonic() - started:.1f} s in all")
     float32 = result["float32"]["accuracy"]
     assert float32 > 0.9, result

@@ -1,5 +1,6 @@
 """Config discovery: --print_config resolves every gin file without training, and
 `python -m trainer.configurables` lists every registered name."""
+
 from __future__ import annotations
 
 import glob
@@ -74,8 +75,12 @@ def test_print_config_of_every_gin_file_shows_each_bound_value_and_trains_nothin
     assert len(GIN_FILES) >= 5, GIN_FILES
     jobs = [(path, str(tmp_path / os.path.basename(path)), EXTRA.get(path, [])) for path in GIN_FILES]
     proc = subprocess.run(
-        [sys.executable, "-c", PRINT_EVERY_FILE, json.dumps(jobs)], cwd=REPO, env=subprocess_env(),
-        capture_output=True, text=True, timeout=240,
+        [sys.executable, "-c", PRINT_EVERY_FILE, json.dumps(jobs)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -99,7 +104,6 @@ def test_print_config_from_the_command_line(tmp_path):
 
 def test_configurables_lists_every_registered_name_with_parameters_and_doc(capsys):
     import gin
-
     from trainer import configurables
     from trainer.tools import gin_config
 
@@ -113,8 +117,11 @@ def test_configurables_lists_every_registered_name_with_parameters_and_doc(capsy
     names = [c.name for c in gin_config.registered_configurables()]
     # Names registered with a module (keras.callbacks.EarlyStopping) are listed by gin's shortest unique form.
     short = {name.rsplit(".", 1)[-1] for name in names}
-    assert {*(n.rsplit(".", 1)[-1] for n in configurables.REGISTERED), "progress_logger",
-            "listed_by_registry_test"} <= short
+    assert {
+        *(n.rsplit(".", 1)[-1] for n in configurables.REGISTERED),
+        "progress_logger",
+        "listed_by_registry_test",
+    } <= short
     for name in names:
         assert re.search(rf"^{re.escape(name)}\(.*\)\n    \S", listing, re.M), name
     assert "listed_by_registry_test(alpha=1.5)\n    Registered after trainer.configurables" in listing

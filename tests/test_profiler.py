@@ -1,4 +1,5 @@
 """The profiler hook traces exactly the steps asked for, where TensorBoard's profile plugin looks."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,16 +28,19 @@ def test_trace_lands_where_the_profile_plugin_reads_it(profiled_run):
     assert train_steps == [10, 20, 30, 40]  # the extra boundaries change no record
 
 
-@pytest.mark.skipif(importlib.util.find_spec("xprof") is None,
-                    reason="the profile plugin (pip install -e '.[profile]') is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("xprof") is None,
+    reason="the profile plugin (pip install -e '.[profile]') is not installed",
+)
 def test_the_profile_plugin_itself_lists_the_trace(profiled_run):
     from xprof import profile_plugin
 
     model_dir, _ = profiled_run
     parent = os.path.dirname(model_dir)
     for logdir, prefix in ((model_dir, ""), (parent, os.path.basename(model_dir) + "/")):
-        context = types.SimpleNamespace(logdir=logdir, data_provider=None,
-                                        flags=types.SimpleNamespace(master_tpu_unsecure_channel=""))
+        context = types.SimpleNamespace(
+            logdir=logdir, data_provider=None, flags=types.SimpleNamespace(master_tpu_unsecure_channel="")
+        )
         runs = list(profile_plugin.ProfilePlugin(context).generate_runs())
         assert len(runs) == 1 and runs[0].startswith(prefix), runs
 

@@ -1,4 +1,5 @@
 """Progress: a live bar that redraws in place on a terminal, plain lines everywhere else."""
+
 from __future__ import annotations
 
 import fcntl
@@ -29,8 +30,12 @@ def run_under_terminal(args: list[str], timeout: float = 240) -> tuple[int, str,
         # 80x24) would take precedence over it.
         env = {k: v for k, v in subprocess_env(TERM="xterm").items() if k not in ("COLUMNS", "LINES")}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.main", *args], cwd=REPO, env=env,
-            stdin=devnull, stdout=slave, stderr=stderr,
+            [sys.executable, "-m", "trainer.main", *args],
+            cwd=REPO,
+            env=env,
+            stdin=devnull,
+            stdout=slave,
+            stderr=stderr,
         )
         os.close(slave)
         chunks, deadline = [], time.monotonic() + timeout
@@ -60,19 +65,25 @@ def run_under_terminal(args: list[str], timeout: float = 240) -> tuple[int, str,
 
 def test_on_a_terminal_the_bar_redraws_in_place_and_eval_lines_print_above_it(tmp_path):
     model_dir = str(tmp_path / "run")
-    code, screen, stderr = run_under_terminal([
-        "--gin_file=gin/single.gin", f"--model_dir={model_dir}",
-        # One loop call of 60 steps, broken only at the eval step 30 by the other hooks: any
-        # other step the bar shows comes from the driver ending calls early for the bar.
-        "--gin_bindings=train.total_steps=60", "--gin_bindings=train.steps_per_loop=60",
-        "--gin_bindings=train.log_every_steps=60", "--gin_bindings=train.eval_every_steps=30",
-        "--gin_bindings=train.checkpoint_every_steps=60", "--gin_bindings=progress_logger.refresh_secs=0.05",
-    ])
+    code, screen, stderr = run_under_terminal(
+        [
+            "--gin_file=gin/single.gin",
+            f"--model_dir={model_dir}",
+            # One loop call of 60 steps, broken only at the eval step 30 by the other hooks: any
+            # other step the bar shows comes from the driver ending calls early for the bar.
+            "--gin_bindings=train.total_steps=60",
+            "--gin_bindings=train.steps_per_loop=60",
+            "--gin_bindings=train.log_every_steps=60",
+            "--gin_bindings=train.eval_every_steps=30",
+            "--gin_bindings=train.checkpoint_every_steps=60",
+            "--gin_bindings=progress_logger.refresh_secs=0.05",
+        ]
+    )
     assert code == 0, stderr[-3000:]
     lines = screen.replace("\r\n", "\n").split("\n")  # the terminal turns \n into \r\n
     bar_lines = [line for line in lines if BAR.search(line)]
     # The bar's redraws share a line: several \r-separated frames with no newline between them.
-    frames = [f for f in max(bar_lines, key=lambda l: l.count("\r")).split("\r") if BAR.search(f)]
+    frames = [f for f in max(bar_lines, key=lambda line: line.count("\r")).split("\r") if BAR.search(f)]
     assert len(frames) >= 3, screen
     steps = [int(BAR.search(f).group(1)) for f in frames]
     assert steps == sorted(steps) and len(set(steps)) >= 3, steps
@@ -99,6 +110,7 @@ def test_without_a_terminal_the_output_is_plain_lines(profiled_run):
 
 # --- the hook on its own, in this process ----------------------------------------------------
 
+
 class _Log:
     def __init__(self):
         self.records = []
@@ -114,8 +126,17 @@ class _Optimizer:
 def _run_context(is_chief: bool, printed: list[str]):
     from trainer.hooks.base import Console, Run
 
-    return Run(model_dir="unused", is_chief=is_chief, total_steps=30, start_step=0, global_batch_size=8,
-               model=None, optimizer=_Optimizer(), console=Console(printed.append), metrics_log=_Log())
+    return Run(
+        model_dir="unused",
+        is_chief=is_chief,
+        total_steps=30,
+        start_step=0,
+        global_batch_size=8,
+        model=None,
+        optimizer=_Optimizer(),
+        console=Console(printed.append),
+        metrics_log=_Log(),
+    )
 
 
 def _drive(logger, run, calls, eval_at=None):
@@ -147,7 +168,11 @@ def test_forced_bar_keeps_metrics_records_and_prints_other_lines_above_it():
     logger = ProgressLogger(10, live=True, refresh_secs=0.0, stream=screen)
     run = _run_context(True, printed)
     _drive(logger, run, [5, 5, 10, 10], eval_at=20)
-    assert [(step, split) for step, split, _ in run.metrics_log.records] == [(10, "train"), (20, "train"), (30, "train")]
+    assert [(step, split) for step, split, _ in run.metrics_log.records] == [
+        (10, "train"),
+        (20, "train"),
+        (30, "train"),
+    ]
     assert set(run.metrics_log.records[0][2]) == {"loss", "learning_rate", "steps_per_sec", "examples_per_sec"}
     assert printed == ["eval at step 20"]
     text = screen.getvalue()

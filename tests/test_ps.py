@@ -4,6 +4,7 @@ The embedded cluster and the launcher end to end, one worker against one device 
 a worker and the ps killed with SIGKILL mid-run, the sidecar evaluator, variable sharding.
 Every test checks that no server it started is left running.
 """
+
 from __future__ import annotations
 
 import os
@@ -92,8 +93,9 @@ def test_embedded_cluster_trains_to_accuracy_and_sidecar_evaluates_each_checkpoi
 def test_launcher_runs_chief_workers_and_ps_as_separate_processes(tmp_path):
     """Must-show 2: `trainer.launch --num_workers=2 --num_ps=1 -- --gin_file=gin/ps.gin`."""
     model_dir = tmp_path / "run"
-    proc = run_module("trainer.launch", "--num_workers=2", "--num_ps=1", "--", PS, f"--model_dir={model_dir}",
-                      timeout=180)
+    proc = run_module(
+        "trainer.launch", "--num_workers=2", "--num_ps=1", "--", PS, f"--model_dir={model_dir}", timeout=180
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[chief 0] training Sequential with strategy 'parameter_server'" in proc.stdout
     pids = server_pids(proc.stdout)
@@ -108,10 +110,15 @@ def test_one_worker_trains_exactly_like_one_device(trained_single_dir, tmp_path)
     """Must-show 3: with one worker the updates are sequential, so the weights are bit-identical."""
     model_dir = tmp_path / "run"
     proc = run_main(
-        PS, f"--model_dir={model_dir}", "--gin_bindings=local_cluster.num_workers=1",
-        "--gin_bindings=train.total_steps=60", "--gin_bindings=train.checkpoint_every_steps=30",
-        "--gin_bindings=train.eval_every_steps=30", "--gin_bindings=train.log_every_steps=20",
-        "--gin_bindings=train.steps_per_loop=25", timeout=180,
+        PS,
+        f"--model_dir={model_dir}",
+        "--gin_bindings=local_cluster.num_workers=1",
+        "--gin_bindings=train.total_steps=60",
+        "--gin_bindings=train.checkpoint_every_steps=30",
+        "--gin_bindings=train.eval_every_steps=30",
+        "--gin_bindings=train.log_every_steps=20",
+        "--gin_bindings=train.steps_per_loop=25",
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for step in (30, 60):
@@ -156,9 +163,14 @@ def test_a_worker_killed_mid_run_is_worked_around(tmp_path):
 def test_a_lost_ps_stops_the_chief_with_one_line_and_a_rerun_continues(tmp_path):
     """Must-show 5: SIGKILL the ps; exit 1 with one line; the same command resumes at the checkpoint."""
     model_dir = tmp_path / "run"
-    args = [PS, f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=300",
-            "--gin_bindings=train.checkpoint_every_steps=100", "--gin_bindings=train.eval_every_steps=300",
-            "--gin_bindings=train.log_every_steps=50"]
+    args = [
+        PS,
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.total_steps=300",
+        "--gin_bindings=train.checkpoint_every_steps=100",
+        "--gin_bindings=train.eval_every_steps=300",
+        "--gin_bindings=train.log_every_steps=50",
+    ]
     run = Main(*args)
     try:
         run.wait_for(r"^local cluster: ps 0 pid", timeout=150)
@@ -184,7 +196,7 @@ def test_a_lost_ps_stops_the_chief_with_one_line_and_a_rerun_continues(tmp_path)
     assert 100 <= restored < 300 and os.path.exists(model_dir / f"ckpt-{restored}.index")
     records = read_jsonl(model_dir / "metrics.jsonl")
     resumed = list(range(restored + 50, 301, 50))  # the rerun's train lines carry on from there
-    assert [r["step"] for r in records if r["split"] == "train"][-len(resumed):] == resumed
+    assert [r["step"] for r in records if r["split"] == "train"][-len(resumed) :] == resumed
     assert (records[-1]["split"], records[-1]["step"]) == ("eval", 300)
     assert os.path.exists(model_dir / "ckpt-300.index")
     assert_all_gone(server_pids(rerun.stderr))
@@ -195,7 +207,8 @@ def test_tf_module_variables_shard_across_ps_tasks_and_sigterm_ends_the_cluster(
     """Sharding by gin for a tf.Module model; then SIGTERM: exit 143, every server stopped.
     (One cluster start for both, to keep the suite short.)"""
     gin_file = tmp_path / "module.gin"
-    gin_file.write_text(textwrap.dedent(f"""
+    gin_file.write_text(
+        textwrap.dedent(f"""
         import tests.module_model
         include '{REPO}/gin/ps.gin'
         train.model_fn = @module_mlp
@@ -207,14 +220,16 @@ def test_tf_module_variables_shard_across_ps_tasks_and_sigterm_ends_the_cluster(
         min_size_partitioner.max_shards = 2
         local_cluster.num_ps = 2
         local_cluster.num_workers = 1
-    """))
+    """)
+    )
     model_dir = tmp_path / "module"
     run = Main(f"--gin_file={gin_file}", f"--model_dir={model_dir}")
     try:
         # w1 (64x64 floats, 16 KiB) is split across both ps tasks; the small ones stay whole.
         run.wait_for(r"variables on /job:ps/task:0, /job:ps/task:1; sharded: w1 in 2$", timeout=150)
-        first, second = (float(run.wait_for(rf"^step {n}/100000  loss ([\d.]+)", timeout=60).group(1))
-                         for n in (50, 150))
+        first, second = (
+            float(run.wait_for(rf"^step {n}/100000  loss ([\d.]+)", timeout=60).group(1)) for n in (50, 150)
+        )
         assert second < first
         run.proc.send_signal(signal.SIGTERM)
         code = run.finish(timeout=60)
@@ -265,20 +280,27 @@ def test_sharded_module_tables_train_beside_a_keras_tower_and_a_sharded_keras_la
 
     (tmp_path / "wide").mkdir()
     line = refused_run(tmp_path / "wide", f"--gin_file={gin_file}", "--gin_bindings=wide_and_deep.hidden=128")
-    assert line == ("error: parameter_server.variable_partitioner sharded tower/dense/kernel (16, 128) of the "
-                    "Keras model 'tower' (Sequential) into 2 parts, and Keras 3 layers cannot compute with sharded "
-                    "variables; keep Keras layers' variables whole (a larger min_size_partitioner.min_shard_bytes or "
-                    "a partitioner that shards only your tf.Module's tables) or hold that variable in a tf.Module")
+    assert line == (
+        "error: parameter_server.variable_partitioner sharded tower/dense/kernel (16, 128) of the "
+        "Keras model 'tower' (Sequential) into 2 parts, and Keras 3 layers cannot compute with sharded "
+        "variables; keep Keras layers' variables whole (a larger min_size_partitioner.min_shard_bytes or "
+        "a partitioner that shards only your tf.Module's tables) or hold that variable in a tf.Module"
+    )
 
 
 @pytest.mark.timeout(150)
 def test_keras_layers_held_by_a_tf_module_are_named_as_the_cause(tmp_path):
     """tf.Module collects only tf.Variables and nested tf.Modules; a Keras 3 layer is neither, so a
     tf.Module of Keras Embedding layers has no trainable variables: the line says so and how to fix it."""
-    line = refused_run(tmp_path, "--gin_file=gin/single.gin", "--gin_bindings=import tests.wide_deep_model",
-                       "--gin_bindings=train.model_fn=@wide_and_deep", "--gin_bindings=wide_and_deep.keras_tables=True",
-                       "--gin_bindings=train.step_fn=@wide_and_deep_step",
-                       "--gin_bindings=train.eval_step_fn=@wide_and_deep_eval_step")
+    line = refused_run(
+        tmp_path,
+        "--gin_file=gin/single.gin",
+        "--gin_bindings=import tests.wide_deep_model",
+        "--gin_bindings=train.model_fn=@wide_and_deep",
+        "--gin_bindings=wide_and_deep.keras_tables=True",
+        "--gin_bindings=train.step_fn=@wide_and_deep_step",
+        "--gin_bindings=train.eval_step_fn=@wide_and_deep_eval_step",
+    )
     assert "model 'tables' of train.model_fn wide_and_deep is a tf.Module holding Keras layers (embeddings[0])" in line
     assert "subclass keras.Layer or keras.Model instead of tf.Module" in line
 
@@ -286,14 +308,20 @@ def test_keras_layers_held_by_a_tf_module_are_named_as_the_cause(tmp_path):
 @pytest.mark.timeout(120)
 def test_workers_and_ps_tasks_are_refused_by_main_and_servers_check_tf_config(tmp_path):
     cluster = '{"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}'
-    as_worker = run_main(PS, f"--model_dir={tmp_path / 'w'}",
-                         env=subprocess_env(TF_CONFIG=f'{{"cluster": {cluster}, "task": {{"type": "worker", "index": 0}}}}'))
+    as_worker = run_main(
+        PS,
+        f"--model_dir={tmp_path / 'w'}",
+        env=subprocess_env(TF_CONFIG=f'{{"cluster": {cluster}, "task": {{"type": "worker", "index": 0}}}}'),
+    )
     assert as_worker.returncode == 2
     assert_one_line_error(as_worker.stderr, "trainer.server")
     no_config = run_module("trainer.server", timeout=60)
     assert no_config.returncode == 2 and no_config.stderr.strip().startswith("error: trainer.server needs TF_CONFIG")
-    as_chief = run_module("trainer.server", timeout=60, env=subprocess_env(
-        TF_CONFIG=f'{{"cluster": {cluster}, "task": {{"type": "chief", "index": 0}}}}'))
+    as_chief = run_module(
+        "trainer.server",
+        timeout=60,
+        env=subprocess_env(TF_CONFIG=f'{{"cluster": {cluster}, "task": {{"type": "chief", "index": 0}}}}'),
+    )
     assert as_chief.returncode == 2 and "runs 'worker' or 'ps' tasks" in as_chief.stderr
     bad = run_module("trainer.server", timeout=60, env=subprocess_env(TF_CONFIG='{"cluster": {"ps": ["nohost"]}}'))
     assert bad.returncode == 2 and "not host:port" in bad.stderr
@@ -328,8 +356,13 @@ def test_a_server_resolved_from_slurm_checks_its_flags_and_its_task():
     outside = run_module("trainer.server", "--cluster_resolver=slurm", timeout=60)
     assert outside.returncode == 2
     assert_one_line_error(outside.stderr, "slurm resolver chosen but SLURM_PROCID")
-    as_chief = run_module("trainer.server", "--cluster_resolver=slurm", f"--cluster_resolver_options={SLURM_JOBS}",
-                          timeout=60, env=subprocess_env(SLURM_PROCID="0", **ONE_NODE_STEP))
+    as_chief = run_module(
+        "trainer.server",
+        "--cluster_resolver=slurm",
+        f"--cluster_resolver_options={SLURM_JOBS}",
+        timeout=60,
+        env=subprocess_env(SLURM_PROCID="0", **ONE_NODE_STEP),
+    )
     assert as_chief.returncode == 2
     assert_one_line_error(as_chief.stderr, "task.type is 'chief' but trainer.server runs 'worker' or 'ps' tasks")
 
@@ -345,9 +378,11 @@ def test_split_steps_is_exact_and_even():
             assert sum(parts) == n and max(parts) <= size and max(parts) - min(parts) <= 1
 
 
-REJECTED = ("2 root error(s) found. (0) INTERNAL: Unable to parse request Additional GRPC error information from "
-            "remote target /job:worker/replica:0/task:0/device:CPU:0 while calling "
-            "/tensorflow.eager.EagerService/RunComponentFunction")
+REJECTED = (
+    "2 root error(s) found. (0) INTERNAL: Unable to parse request Additional GRPC error information from "
+    "remote target /job:worker/replica:0/task:0/device:CPU:0 while calling "
+    "/tensorflow.eager.EagerService/RunComponentFunction"
+)
 
 
 class _Result:
@@ -390,8 +425,18 @@ def _loop(coordinator, printed):
     from trainer.loops.ps import PSTrainLoop
 
     step = tf.Variable(0, dtype=tf.int64)
-    loop = PSTrainLoop(tf.distribute.get_strategy(), coordinator, None, None, None, 8, [], step,
-                       steps_per_closure=10, print_fn=printed.append)
+    loop = PSTrainLoop(
+        tf.distribute.get_strategy(),
+        coordinator,
+        None,
+        None,
+        None,
+        8,
+        [],
+        step,
+        steps_per_closure=10,
+        print_fn=printed.append,
+    )
     return loop, step
 
 
@@ -401,8 +446,9 @@ def test_a_closure_a_worker_rejected_unread_runs_again_with_the_ones_cancelled_w
     loop, step = _loop(coordinator, printed)
     assert loop.run(30) == {"loss": 2.0}  # every step counted once
     assert coordinator.rounds[:3] == [[10, 10, 10]] * 3 and int(step.numpy()) == 30
-    assert len(printed) == 2 and all(line.startswith("warning: a worker's server rejected a closure in steps 1-30")
-                                     for line in printed), printed
+    assert len(printed) == 2 and all(
+        line.startswith("warning: a worker's server rejected a closure in steps 1-30") for line in printed
+    ), printed
 
 
 def test_other_closure_errors_and_a_fourth_rejection_still_end_the_call():

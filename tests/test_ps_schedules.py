@@ -3,6 +3,7 @@
 Keras 3's counter lost steps under 2 async workers (177 of 200 counted here before the fix,
 so a cosine schedule ended at 7.9e-5 instead of 0); now it equals the global step.
 """
+
 from __future__ import annotations
 
 import keras
@@ -10,8 +11,8 @@ import numpy as np
 import tensorflow as tf
 
 from tests.support import read_jsonl, run_main
-from trainer.task.optimizers import ScaledWarmupSchedule
 from trainer.loops.ps_schedules import count_steps_atomically
+from trainer.task.optimizers import ScaledWarmupSchedule
 
 TOTAL, WARMUP, LR = 200, 20, 0.002
 
@@ -19,11 +20,17 @@ TOTAL, WARMUP, LR = 200, 20, 0.002
 def test_schedule_reaches_its_final_value_at_total_steps_under_two_async_workers(tmp_path):
     model_dir = tmp_path / "run"
     proc = run_main(
-        "--gin_file=gin/ps.gin", f"--model_dir={model_dir}", "--gin_bindings=local_cluster.num_workers=2",
-        f"--gin_bindings=train.total_steps={TOTAL}", "--gin_bindings=train.log_every_steps=50",
-        f"--gin_bindings=train.eval_every_steps={TOTAL}", f"--gin_bindings=train.checkpoint_every_steps={TOTAL}",
-        f"--gin_bindings=make_optimizer.learning_rate={LR}", f"--gin_bindings=make_optimizer.warmup_steps={WARMUP}",
-        "--gin_bindings=make_optimizer.decay='cosine'", timeout=180,
+        "--gin_file=gin/ps.gin",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=local_cluster.num_workers=2",
+        f"--gin_bindings=train.total_steps={TOTAL}",
+        "--gin_bindings=train.log_every_steps=50",
+        f"--gin_bindings=train.eval_every_steps={TOTAL}",
+        f"--gin_bindings=train.checkpoint_every_steps={TOTAL}",
+        f"--gin_bindings=make_optimizer.learning_rate={LR}",
+        f"--gin_bindings=make_optimizer.warmup_steps={WARMUP}",
+        "--gin_bindings=make_optimizer.decay='cosine'",
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     schedule = ScaledWarmupSchedule(LR, 1.0, WARMUP, "cosine", TOTAL)

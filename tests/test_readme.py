@@ -8,6 +8,7 @@ The commands are found in the page's `sh` blocks, in the "Every mode" table and 
 not run here says why in `NOT_RUN`, and any other command the page gains is run, so nothing is
 skipped silently. Relative `--model_dir`s land in the temporary directories, never in the repository.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,13 @@ NOT_RUN = {
     "python -m pytest -q": "the suite this test is part of",
 }
 # Shorter runs: the commands' own configs, fewer steps (appended, so they win).
-SHORT = ("train.total_steps=40", "train.steps_per_loop=20", "train.log_every_steps=20",
-         "train.checkpoint_every_steps=20", "train.eval_every_steps=20")
+SHORT = (
+    "train.total_steps=40",
+    "train.steps_per_loop=20",
+    "train.log_every_steps=20",
+    "train.checkpoint_every_steps=20",
+    "train.eval_every_steps=20",
+)
 LONGER = "train.total_steps=60"  # the rerun that continues from step 40
 TIMEOUT = 300
 
@@ -79,8 +85,9 @@ class Page:
         elif language == "sh":
             for line in lines:
                 self.commands += [(section, part.strip()) for part in line.split("&&") if part.strip()]
-        elif not language and all(re.fullmatch(r"import [\w.]+|include '.+'|[\w.]+ = .+|#.*", line.strip())
-                                  for line in lines if line.strip()):
+        elif not language and all(
+            re.fullmatch(r"import [\w.]+|include '.+'|[\w.]+ = .+|#.*", line.strip()) for line in lines if line.strip()
+        ):
             self.gin_snippets.append("\n".join(lines))
 
     def _prose(self, section: str, text: str) -> None:
@@ -114,8 +121,15 @@ def run(command: str, cwd: str, *appended: str, install: str = REPO) -> subproce
     env["PYTHONPATH"] = install
     for name, value in assignments.items():  # PYTHONPATH=. adds to the installed project
         env[name] = value + (os.pathsep + install if name == "PYTHONPATH" else "")
-    proc = subprocess.Popen([sys.executable, *words[1:], *appended], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *words[1:], *appended],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -147,8 +161,9 @@ def assert_trained(directory: str, step: int, *, restarted_from: int | None = No
 
 
 def assert_resumed(result: subprocess.CompletedProcess, directory: str) -> None:
-    assert re.search(rf"restored {re.escape(os.path.join(directory, 'ckpt-40'))}; continuing from step 40",
-                     result.stdout), result.stdout[-2000:]
+    assert re.search(
+        rf"restored {re.escape(os.path.join(directory, 'ckpt-40'))}; continuing from step 40", result.stdout
+    ), result.stdout[-2000:]
     assert "eval at step 60:" in result.stdout
     assert_trained(directory, 60, restarted_from=40)
 
@@ -157,8 +172,9 @@ def assert_resumed(result: subprocess.CompletedProcess, directory: str) -> None:
 def root(tmp_path_factory) -> str:
     """A copy of the repository: the commands' `gin/...` and `runs/...` are relative to its root."""
     copy = str(tmp_path_factory.mktemp("readme") / "trainer")
-    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".pytest_cache",
-                                                               "*.egg-info"))
+    shutil.copytree(
+        REPO, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", ".pytest_cache", "*.egg-info")
+    )
     return copy
 
 
@@ -186,8 +202,10 @@ def test_the_page_shows_the_commands_this_test_runs():
     assert {"my_steps.py", "my.gin", "my_extensions.py"} <= set(PAGE.files)
     assert PAGE.gin_snippets and PAGE.fragments
     assert ROOT_GROUPS["Quickstart"] == ["python -m trainer.main --gin_file=gin/mwms.gin"]
-    assert ROOT_GROUPS["runs/ps"] == [PAGE.table["parameter servers, embedded local cluster"],
-                                      PAGE.table["a sidecar evaluator of a run"]]
+    assert ROOT_GROUPS["runs/ps"] == [
+        PAGE.table["parameter servers, embedded local cluster"],
+        PAGE.table["a sidecar evaluator of a run"],
+    ]
     in_groups = [c for commands in ROOT_GROUPS.values() for c in commands]
     assert set(PAGE.table.values()) <= set(in_groups)
     assert sum(1 for _, c in PAGE.commands if elsewhere(c)) == 3
@@ -260,8 +278,9 @@ def test_the_listings_from_another_directory(root, tmp_path):
     assert re.search(r"^cnn\(input_shape, num_classes", run(listing, cwd, install=root).stdout, re.M)
     (print_config,) = [c for _, c in PAGE.commands if "--print_config" in c]
     overrides = [w for fragment in PAGE.fragments for w in shlex.split(fragment)]
-    shown = run(print_config.replace("--gin_file=...", "--gin_file=gin/single.gin"), cwd, *overrides,
-                install=root).stdout
+    shown = run(
+        print_config.replace("--gin_file=...", "--gin_file=gin/single.gin"), cwd, *overrides, install=root
+    ).stdout
     assert re.search(r"train\.total_steps = 2000\b", shown) and "make_optimizer.name = 'sgd'" in shown, shown[-2000:]
     assert os.listdir(cwd) == []  # nothing written
 
@@ -274,8 +293,13 @@ def test_a_relative_and_an_absolute_model_dir_are_one_run_to_every_reader(root, 
     cwd = str(tmp_path)
     single = PAGE.table["one device"]
     relative = model_dir_of(single)
-    features = (*SHORT, "train.export_saved_model=True", "train.keep_best=1", "train.best_metric='accuracy'",
-                "train.best_mode='max'")
+    features = (
+        *SHORT,
+        "train.export_saved_model=True",
+        "train.keep_best=1",
+        "train.best_metric='accuracy'",
+        "train.best_mode='max'",
+    )
     directory = os.path.join(cwd, relative)
     absolute = single.replace(f"--model_dir={relative}", f"--model_dir={directory}")
     run(single, cwd, *bindings(*features), install=root)
@@ -287,11 +311,16 @@ def test_a_relative_and_an_absolute_model_dir_are_one_run_to_every_reader(root, 
     assert os.path.exists(os.path.join(directory, "best", os.path.basename(best) + ".index"))
     result = run(f"{absolute} --mode=eval_continuous", cwd, *bindings(*SHORT, LONGER), install=root)
     assert re.findall(r"^sidecar eval of ckpt-(\d+)", result.stdout, re.M) == ["20", "40", "60"], result.stdout
-    warm = run(single.replace(f"--model_dir={relative}", "--model_dir=runs/warm"), cwd,
-               *bindings(*SHORT, f"train.warm_start='{relative}'", "train.total_steps=20"), install=root)
+    warm = run(
+        single.replace(f"--model_dir={relative}", "--model_dir=runs/warm"),
+        cwd,
+        *bindings(*SHORT, f"train.warm_start='{relative}'", "train.total_steps=20"),
+        install=root,
+    )
     source = re.search(r"^warm start from (\S+): restored (\d+) of the model's \2 variables", warm.stdout, re.M)
-    assert source and os.path.samefile(os.path.join(cwd, source.group(1) + ".index"),
-                                       os.path.join(directory, "ckpt-60.index")), warm.stdout[-2000:]
+    assert source and os.path.samefile(
+        os.path.join(cwd, source.group(1) + ".index"), os.path.join(directory, "ckpt-60.index")
+    ), warm.stdout[-2000:]
     assert_trained(os.path.join(cwd, "runs", "warm"), 20)
     assert sorted(os.listdir(os.path.join(cwd, "runs"))) == sorted({os.path.basename(relative), "warm"})
     assert not os.path.exists(os.path.join(directory, "runs"))  # no runs/single/runs/single/...

@@ -2,6 +2,7 @@
 settings resolve it once, and the library's checkpoint readers take it as given (the state file's
 paths come joined to it already; joining again made `runs/a/runs/a/ckpt-N`). The entry points'
 commands with relative paths: tests/test_readme.py."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,9 @@ from trainer.run.settings import Settings, absolute_model_dir
 def test_a_saver_on_a_relative_dir_restores_its_newest_checkpoint(tmp_path, monkeypatch, async_checkpoint):
     monkeypatch.chdir(tmp_path)
     value = tf.Variable(0.0)
-    saver = CheckpointSaver(tf.train.Checkpoint(value=value), "runs/a", is_chief=True,
-                            async_checkpoint=async_checkpoint)
+    saver = CheckpointSaver(
+        tf.train.Checkpoint(value=value), "runs/a", is_chief=True, async_checkpoint=async_checkpoint
+    )
     for step in (1, 2):
         value.assign(float(step))
         saver.save(step)

@@ -5,6 +5,7 @@ regularisation scaled by the replica count, gradients summed): a step written to
 trains the same on any number of replicas. Each replica count runs in a fresh process
 that splits the CPU (collective groups of different sizes cannot share one process).
 """
+
 from __future__ import annotations
 
 import numpy as np

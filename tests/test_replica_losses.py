@@ -4,6 +4,7 @@ counted once per replica under every synchronous strategy (trainer/task/layer_st
 the loss-scaling guard passes such a step, and parity with Keras fit holds. Without the fix the
 activity penalty summed over 2 replicas was 1.5 times one device's, and the guard stopped the
 built-in step (1.01 times) or, with synchronized BatchNorm, could not check it."""
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,9 @@ def test_two_multiworker_mirrored_workers_match_one_device():
         for index in range(2):
             env = subprocess_env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
             command = [sys.executable, "-m", "tests.replica_loss_run", "multi_worker_mirrored"]
-            workers.append(subprocess.Popen(command, cwd=REPO, env=env, text=True,
-                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            workers.append(
+                subprocess.Popen(command, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            )
         outputs = [w.communicate(timeout=180) for w in workers]
     finally:
         for w in workers:
@@ -86,8 +88,15 @@ def test_the_guard_passes_batchnorm_with_model_call_losses(tmp_path, mode, kind)
 
 @pytest.mark.timeout(300)
 def test_the_guard_passes_the_subclassed_model_on_two_multiworker_mirrored_workers(tmp_path):
-    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin",
-                      f"--model_dir={tmp_path / 'run'}", *bindings("subclassed"), timeout=280)
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={tmp_path / 'run'}",
+        *bindings("subclassed"),
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "on 2 replica(s) (2 worker(s))" in proc.stdout and PASSED in proc.stdout, proc.stdout[-3000:]
 
@@ -96,10 +105,19 @@ def test_the_guard_passes_the_subclassed_model_on_two_multiworker_mirrored_worke
 # the replica threads take turns too) computes alike on 1 and 2 replicas over the real split of each
 # batch, so 30 SGD steps must end with the same weights. (With per-replica statistics they differ by
 # design: 5.7e-3 after these 30 steps, measured.)
-SYNCHRONIZED_30 = [f"--gin_bindings={b}" for b in (
-    "import tests.replica_loss_models", *MODELS["sequential"], "bn_activity_model.synchronized=True",
-    "make_optimizer.name='sgd'", "make_optimizer.learning_rate=0.1", "train.total_steps=30",
-    "train.checkpoint_every_steps=30", "train.eval_every_steps=30")]
+SYNCHRONIZED_30 = [
+    f"--gin_bindings={b}"
+    for b in (
+        "import tests.replica_loss_models",
+        *MODELS["sequential"],
+        "bn_activity_model.synchronized=True",
+        "make_optimizer.name='sgd'",
+        "make_optimizer.learning_rate=0.1",
+        "train.total_steps=30",
+        "train.checkpoint_every_steps=30",
+        "train.eval_every_steps=30",
+    )
+]
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +130,14 @@ def one_device(tmp_path_factory) -> str:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("mode", ["mirrored", "central_storage", "mwms"])
-def test_synchronized_batchnorm_with_an_activity_penalty_trains_the_weights_of_one_device(one_device, tmp_path,
-                                                                                           mode):
+def test_synchronized_batchnorm_with_an_activity_penalty_trains_the_weights_of_one_device(one_device, tmp_path, mode):
     model_dir = str(tmp_path / mode)
     args = [f"--gin_file=gin/{mode}.gin", f"--model_dir={model_dir}", *SYNCHRONIZED_30]
-    proc = (run_module("trainer.launch", "--num_workers=2", "--", *args, timeout=350) if mode == "mwms"
-            else run_main(*args, timeout=200))
+    proc = (
+        run_module("trainer.launch", "--num_workers=2", "--", *args, timeout=350)
+        if mode == "mwms"
+        else run_main(*args, timeout=200)
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert PASSED in proc.stdout and "on 2 replica(s)" in proc.stdout, proc.stdout[-3000:]
     assert_same_weights(one_device, model_dir)
@@ -125,9 +145,13 @@ def test_synchronized_batchnorm_with_an_activity_penalty_trains_the_weights_of_o
 
 @pytest.mark.timeout(150)
 def test_parity_with_keras_fit_under_mirrored():
-    proc = run_module("trainer.parity", "--gin_file=gin/mirrored.gin", "--steps=10",
-                      *(f"--gin_bindings={b}" for b in ("import tests.replica_loss_models", *MODELS["sequential"])),
-                      timeout=140)
+    proc = run_module(
+        "trainer.parity",
+        "--gin_file=gin/mirrored.gin",
+        "--steps=10",
+        *(f"--gin_bindings={b}" for b in ("import tests.replica_loss_models", *MODELS["sequential"])),
+        timeout=140,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("PASS: ") and "mirrored, 2 replica(s)" in last, last

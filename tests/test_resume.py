@@ -1,5 +1,6 @@
 """Exact resume: a run killed with SIGKILL and restarted logs the same per-step losses as one
 that never stopped (dropout included); a crash mid-save leaves the previous checkpoint usable."""
+
 from __future__ import annotations
 
 import os
@@ -15,9 +16,12 @@ from tests.support import REPO, read_jsonl, run_main, subprocess_env
 
 TOTAL = 60
 PER_STEP = [
-    f"--gin_bindings=train.total_steps={TOTAL}", "--gin_bindings=train.log_every_steps=1",
-    "--gin_bindings=train.checkpoint_every_steps=20", "--gin_bindings=train.eval_every_steps=1000",
-    "--gin_bindings=cnn.dropout=0.3", "--gin_bindings=cnn.filters=(16, 16, 16)",
+    f"--gin_bindings=train.total_steps={TOTAL}",
+    "--gin_bindings=train.log_every_steps=1",
+    "--gin_bindings=train.checkpoint_every_steps=20",
+    "--gin_bindings=train.eval_every_steps=1000",
+    "--gin_bindings=cnn.dropout=0.3",
+    "--gin_bindings=cnn.filters=(16, 16, 16)",
 ]
 
 
@@ -46,8 +50,14 @@ def kill_group(proc: subprocess.Popen) -> None:
 def kill_while_writing(command: list[str], model_dir: str, timeout: float = 200) -> list[str]:
     """Runs `command` in its own session and SIGKILLs it as soon as ckpt-40's files appear beside a
     complete ckpt-20 (a save in progress); returns model_dir's names at that moment."""
-    proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.poll() is None:
@@ -61,7 +71,6 @@ def kill_while_writing(command: list[str], model_dir: str, timeout: float = 200)
     raise AssertionError(f"never caught the save of ckpt-40 in progress (exit {proc.returncode})")
 
 
-
 def command(launch_workers: int, gin_file: str, model_dir: str) -> list[str]:
     main_flags = [f"--gin_file={gin_file}", f"--model_dir={model_dir}", *PER_STEP]
     if launch_workers:
@@ -70,26 +79,47 @@ def command(launch_workers: int, gin_file: str, model_dir: str) -> list[str]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("gin_file,workers,atol", [
-    ("gin/single.gin", 0, 0.0),
-    ("gin/mirrored.gin", 0, 0.0),
-    ("gin/mwms.gin", 2, 1e-6),
-])
+@pytest.mark.parametrize(
+    "gin_file,workers,atol",
+    [
+        ("gin/single.gin", 0, 0.0),
+        ("gin/mirrored.gin", 0, 0.0),
+        ("gin/mwms.gin", 2, 1e-6),
+    ],
+)
 def test_killed_and_restarted_run_matches_an_uninterrupted_one(tmp_path, gin_file, workers, atol):
     reference_dir, resumed_dir = str(tmp_path / "reference"), str(tmp_path / "resumed")
-    reference = subprocess.run(command(workers, gin_file, reference_dir), cwd=REPO, env=subprocess_env(),
-                               capture_output=True, text=True, timeout=280)
+    reference = subprocess.run(
+        command(workers, gin_file, reference_dir),
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert reference.returncode == 0, reference.stderr[-3000:] + reference.stdout[-3000:]
 
     kill_at = random.Random(gin_file).randint(21, TOTAL - 8)
-    first = subprocess.Popen(command(workers, gin_file, resumed_dir), cwd=REPO, env=subprocess_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first = subprocess.Popen(
+        command(workers, gin_file, resumed_dir),
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_for_step(resumed_dir, kill_at, first)
     finally:
         kill_group(first)
-    restart = subprocess.run(command(workers, gin_file, resumed_dir), cwd=REPO, env=subprocess_env(),
-                             capture_output=True, text=True, timeout=280)
+    restart = subprocess.run(
+        command(workers, gin_file, resumed_dir),
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert restart.returncode == 0, restart.stderr[-3000:] + restart.stdout[-3000:]
     restored = int(restart.stdout.split("continuing from step ")[1].split()[0])
     assert 20 <= restored <= kill_at
@@ -108,9 +138,13 @@ def test_crash_during_a_checkpoint_save_restores_the_previous_one(tmp_path):
     """A model large enough that a save takes a while; SIGKILL as soon as its files start to appear."""
     model_dir = str(tmp_path / "run")
     flags = [
-        "--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.model_fn=@mlp",
-        "--gin_bindings=mlp.hidden=(3072, 3072)", "--gin_bindings=train.total_steps=40",
-        "--gin_bindings=train.checkpoint_every_steps=20", "--gin_bindings=train.eval_every_steps=1000",
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        "--gin_bindings=train.model_fn=@mlp",
+        "--gin_bindings=mlp.hidden=(3072, 3072)",
+        "--gin_bindings=train.total_steps=40",
+        "--gin_bindings=train.checkpoint_every_steps=20",
+        "--gin_bindings=train.eval_every_steps=1000",
         "--gin_bindings=train.log_every_steps=10",
     ]
     kill_while_writing([sys.executable, "-m", "trainer.main", *flags], model_dir)

@@ -9,6 +9,7 @@ it may still run in the cluster's namespace; after the module the cluster itself
 and nothing of it is left. Runs where slurm-wlm and munge are installed, as root (slurmd runs
 jobs as their user); skipped with the reason elsewhere.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +24,8 @@ import time
 
 import pytest
 
-from tests.support import REPO, read_jsonl, run_module, subprocess_env
 from tests.listening import listening
+from tests.support import REPO, read_jsonl, run_module, subprocess_env
 from tests.test_resume import per_step_losses
 
 SCRIPT = os.path.join(REPO, "experiments", "cluster", "slurm", "local_slurm.py")
@@ -38,26 +39,47 @@ def _why_not() -> str | None:
         return f"SLURM's daemons run on Linux (this is {sys.platform})"
     missing = [tool for tool in (*local_slurm.TOOLS, "sbatch", "scontrol") if shutil.which(tool) is None]
     if missing:
-        return f"slurm-wlm and munge are not installed ({', '.join(missing)} missing): apt-get install -y slurm-wlm munge"
+        return (
+            f"slurm-wlm and munge are not installed ({', '.join(missing)} missing): apt-get install -y slurm-wlm munge"
+        )
     if os.geteuid() != 0:
         return "the local SLURM cluster must be started as root"
     return None
 
 
 # One worker runs this file: its tests share one SLURM cluster (a module-scoped fixture).
-pytestmark = [pytest.mark.skipif(_why_not() is not None, reason=f"no local SLURM cluster: {_why_not()}"),
-              pytest.mark.xdist_group("slurm")]
+pytestmark = [
+    pytest.mark.skipif(_why_not() is not None, reason=f"no local SLURM cluster: {_why_not()}"),
+    pytest.mark.xdist_group("slurm"),
+]
 
 STEPS = 150
 FIRST_CHECKPOINT = 25
 # Logged every step, so that the preempted job's per-step losses can be compared with these.
-MWMS_BINDINGS = [f"train.total_steps={STEPS}", f"train.checkpoint_every_steps={FIRST_CHECKPOINT}",
-                 f"train.eval_every_steps={STEPS}", "train.log_every_steps=1"]
+MWMS_BINDINGS = [
+    f"train.total_steps={STEPS}",
+    f"train.checkpoint_every_steps={FIRST_CHECKPOINT}",
+    f"train.eval_every_steps={STEPS}",
+    "train.log_every_steps=1",
+]
 PS_STEPS = 60
-PS_BINDINGS = [f"train.total_steps={PS_STEPS}", f"train.checkpoint_every_steps={PS_STEPS}",
-               f"train.eval_every_steps={PS_STEPS}", "train.log_every_steps=20"]
-DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-               "DEADLINE", "PREEMPTED"}
+PS_BINDINGS = [
+    f"train.total_steps={PS_STEPS}",
+    f"train.checkpoint_every_steps={PS_STEPS}",
+    f"train.eval_every_steps={PS_STEPS}",
+    "train.log_every_steps=20",
+]
+DONE_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 JOB_TIMEOUT_SECS = 400  # a loaded machine (other jobs on its 2 cores) takes twice the usual 100 s
 EVENT_FILE_PID = re.compile(r"events\.out\.tfevents\.\d+\.localhost\.(\d+)\.")  # TensorFlow names them so
 # A base port with `count` free ports above it, found in the cluster's own network namespace.
@@ -88,8 +110,14 @@ class Cluster:
 
     def run(self, *command: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
         """`command` in the cluster's network namespace (sbatch, scontrol, ... reach slurmctld there)."""
-        return subprocess.run([sys.executable, SCRIPT, "run", self.directory, "--", *command], cwd=REPO,
-                              env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, SCRIPT, "run", self.directory, "--", *command],
+            cwd=REPO,
+            env=env or subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def free_port_base(self, count: int) -> int:
         proc = self.run(sys.executable, "-c", _FREE_PORTS, str(count))
@@ -101,10 +129,22 @@ class Cluster:
         job_dir = os.path.join(self.jobs_dir, name)
         os.makedirs(os.path.join(job_dir, "tmp"))
         port_base = self.free_port_base(ports)
-        env = subprocess_env(PYTHON=sys.executable, MODEL_DIR=os.path.join(job_dir, "model"),
-                             PORT_BASE=str(port_base), TMPDIR=os.path.join(job_dir, "tmp"))
-        proc = self.run("sbatch", "--parsable", f"--chdir={REPO}", f"--output={job_dir}/%j.out", *sbatch,
-                        f"experiments/cluster/slurm/{script}", *args, env=env)
+        env = subprocess_env(
+            PYTHON=sys.executable,
+            MODEL_DIR=os.path.join(job_dir, "model"),
+            PORT_BASE=str(port_base),
+            TMPDIR=os.path.join(job_dir, "tmp"),
+        )
+        proc = self.run(
+            "sbatch",
+            "--parsable",
+            f"--chdir={REPO}",
+            f"--output={job_dir}/%j.out",
+            *sbatch,
+            f"experiments/cluster/slurm/{script}",
+            *args,
+            env=env,
+        )
         assert proc.returncode == 0, proc.stderr
         return Job(self, proc.stdout.strip().split(";")[0], job_dir, range(port_base, port_base + ports))
 
@@ -114,7 +154,8 @@ class Cluster:
         ours = {self.state["pid"], *self.state["daemons"].values()}
         deadline = time.monotonic() + grace_secs
         while (left := [p for p in local_slurm.processes_in(self.state["netns"]) if p not in ours]) and (
-                time.monotonic() < deadline):
+            time.monotonic() < deadline
+        ):
             time.sleep(0.2)
         return [_command_line(pid) for pid in left]
 
@@ -167,8 +208,10 @@ class Job:
             if len(pids) == count:
                 return pids
             time.sleep(0.2)
-        raise AssertionError(f"job {self.id}: {count} tasks not running after {timeout} s: {proc.stdout} "
-                             f"{self.info()['JobState']} {self.output()[-2000:]}")
+        raise AssertionError(
+            f"job {self.id}: {count} tasks not running after {timeout} s: {proc.stdout} "
+            f"{self.info()['JobState']} {self.output()[-2000:]}"
+        )
 
     def output(self) -> str:
         with open(os.path.join(self.dir, f"{self.id}.out"), errors="replace") as f:
@@ -182,9 +225,16 @@ class Job:
 def cluster(tmp_path_factory):
     """One cluster for the module; stopped by PID at the end, and nothing of it may be left."""
     directory = str(tmp_path_factory.mktemp("slurm") / "cluster")
-    process = subprocess.Popen([sys.executable, SCRIPT, "up", directory], cwd=REPO, env=subprocess_env(),
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, "up", directory],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     output: list[str] = []
     ready = threading.Event()
 
@@ -224,8 +274,10 @@ def mwms_job(cluster):
     # The tasks' TensorFlow servers listen on all addresses, but only in the cluster's namespace.
     deadline = time.monotonic() + 120
     while not set(job.ports) <= (seen := listening_ports(f"/proc/{pids[0]}/net")):
-        assert time.monotonic() < deadline, (f"no TensorFlow servers on {list(job.ports)} (listening: {seen}; "
-                                             f"{job.info()['JobState']}) {job.output()[-2000:]}")
+        assert time.monotonic() < deadline, (
+            f"no TensorFlow servers on {list(job.ports)} (listening: {seen}; "
+            f"{job.info()['JobState']}) {job.output()[-2000:]}"
+        )
         time.sleep(0.1)
     assert not set(job.ports) & listening_ports("/proc/self/net")
     info = job.wait()
@@ -239,7 +291,9 @@ def test_mwms_job_trains_on_both_tasks_only_task_0_writes_and_matches_trainer_la
     job, pids, info = mwms_job
     output = job.output()
     for task in (0, 1):
-        assert f"{task}: training Sequential with strategy 'multi_worker_mirrored' on 2 replica(s) (2 worker(s))" in output
+        assert (
+            f"{task}: training Sequential with strategy 'multi_worker_mirrored' on 2 replica(s) (2 worker(s))" in output
+        )
     assert re.search(rf"^0: eval at step {STEPS}: ", output, re.M) and not re.search(r"^1: eval at", output, re.M)
     assert info["Restarts"] == "0"
     # Only task 0 (worker 0, the chief) wrote model_dir: every event file there carries its pid,
@@ -252,8 +306,15 @@ def test_mwms_job_trains_on_both_tasks_only_task_0_writes_and_matches_trainer_la
     assert not os.listdir(os.path.join(job.dir, "tmp"))
 
     launched_dir = str(tmp_path / "launched")
-    launched = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin",
-                          f"--model_dir={launched_dir}", *(f"--gin_bindings={b}" for b in MWMS_BINDINGS), timeout=300)
+    launched = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={launched_dir}",
+        *(f"--gin_bindings={b}" for b in MWMS_BINDINGS),
+        timeout=300,
+    )
     assert launched.returncode == 0, launched.stderr[-3000:]
     expected = [r for r in read_jsonl(os.path.join(launched_dir, "metrics.jsonl")) if r["split"] == "eval"][-1]
     got = job.records("eval")[-1]
@@ -295,8 +356,9 @@ def test_a_job_preempted_with_sigterm_is_requeued_and_continues_exactly(cluster,
 
 @pytest.mark.timeout(600)
 def test_parameter_server_job_splits_its_tasks_by_the_resolvers_jobs_and_completes(cluster):
-    job = cluster.submit("ps.sbatch", "ps", [f"--gin_bindings={b}" for b in PS_BINDINGS], ports=4,
-                         sbatch=("--overcommit",))  # 4 tasks on a node of 2 CPUs
+    job = cluster.submit(
+        "ps.sbatch", "ps", [f"--gin_bindings={b}" for b in PS_BINDINGS], ports=4, sbatch=("--overcommit",)
+    )  # 4 tasks on a node of 2 CPUs
     info = job.wait()
     output = job.output()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, output[-4000:])

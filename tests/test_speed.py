@@ -1,5 +1,6 @@
 """The speed options (train.jit_compile, train.mixed_precision) train correctly, and the loop
 compiles once. Speed itself is only reported by `python -m trainer.bench`, never asserted."""
+
 from __future__ import annotations
 
 import textwrap
@@ -39,7 +40,9 @@ RUN = textwrap.dedent('''
 
 
 def test_jit_compile_trains_on_one_and_two_replicas_and_the_loop_compiles_once():
-    result = run_python(RUN + textwrap.dedent('''
+    result = run_python(
+        RUN
+        + textwrap.dedent("""
         short = dict(model_fn=models.mlp, total_steps=13, steps_per_loop=3,
                      log_every_steps=4, checkpoint_every_steps=5, eval_every_steps=100, global_batch_size=32)
         mirrored = run(strategy="mirrored", device_config=devices.DeviceConfig(logical_cpus=2), jit_compile=True,
@@ -47,7 +50,8 @@ def test_jit_compile_trains_on_one_and_two_replicas_and_the_loop_compiles_once()
         single = run(strategy="default", jit_compile=True, **short)
         plain = run(strategy="mirrored", **short)
         print(json.dumps({"mirrored": mirrored, "single": single, "plain": plain}))
-    '''))
+    """)
+    )
     for name, run in result.items():
         # Calls of 1, 2 and 3 steps (steps_per_loop 3, boundaries every 4 and 5): one trace for all.
         assert len(set(run["lengths"])) >= 3, (name, run["lengths"])
@@ -61,12 +65,16 @@ def test_jit_compile_trains_on_one_and_two_replicas_and_the_loop_compiles_once()
 
 def test_mixed_bfloat16_reaches_float32_accuracy_on_digits():
     """The CNN of gin/base.gin (600 steps, batch 64, Adam 0.002) on digits, float32 and bfloat16."""
-    result = run_python(RUN + textwrap.dedent('''
+    result = run_python(
+        RUN
+        + textwrap.dedent("""
         base = dict(total_steps=600, global_batch_size=64, steps_per_loop=50, log_every_steps=200,
                     checkpoint_every_steps=600, eval_every_steps=600,
                     optimizer_fn=lambda **kw: optimizers.make_optimizer(learning_rate=0.002, **kw))
         print(json.dumps({p: run(mixed_precision=p, **base) for p in ("float32", "mixed_bfloat16")}))
-    '''), timeout=300)
+    """),
+        timeout=300,
+    )
     float32, bfloat16 = result["float32"]["eval"]["accuracy"], result["mixed_bfloat16"]["eval"]["accuracy"]
     assert float32 > 0.95, result
     assert abs(bfloat16 - float32) <= 0.01, (float32, bfloat16)
@@ -75,12 +83,15 @@ def test_mixed_bfloat16_reaches_float32_accuracy_on_digits():
 def test_mixed_float16_scales_the_loss_correctly():
     """With plain SGD a missing scale (or unscale) changes each update 32768-fold; with correct
     loss scaling the float16 run follows the float32 one."""
-    result = run_python(RUN + textwrap.dedent('''
+    result = run_python(
+        RUN
+        + textwrap.dedent("""
         sgd = lambda **kw: optimizers.make_optimizer(name="sgd", learning_rate=0.1, **kw)
         short = dict(model_fn=models.mlp, total_steps=30, steps_per_loop=10,
                      log_every_steps=10, checkpoint_every_steps=100, eval_every_steps=100, optimizer_fn=sgd)
         print(json.dumps({p: run(mixed_precision=p, **short) for p in ("float32", "mixed_float16")}))
-    '''))
+    """)
+    )
     float32, float16 = result["float32"], result["mixed_float16"]
     assert float16["optimizer"].endswith("LossScaleOptimizer") and float32["optimizer"] == "SGD"
     assert all(loss == loss and abs(loss) < 1e6 for loss in float16["losses"]), float16["losses"]

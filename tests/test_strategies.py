@@ -1,4 +1,5 @@
 """Strategies by name on logical devices carved out of the CPU, and the devices config."""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 runs it: under one device, mirrored and 2 MultiWorkerMirrored workers; killed with SIGKILL at a
 random step after its first checkpoint and restarted, its averaged weights end bit for bit as an
 uninterrupted run's; refused in one line under parameter_server; exported when asked."""
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,18 @@ from tests.test_multiworker import model_weights
 from tests.test_resume import kill_group, wait_for_step
 
 SWA = "--gin_file=experiments/swa/swa.gin"
-SHORT = [f"--gin_bindings={b}" for b in (
-    "train.total_steps=120", "train.eval_every_steps=40", "train.checkpoint_every_steps=40",
-    "train.log_every_steps=1", "train.steps_per_loop=20", "swa.start_step=40", "swa.every_steps=10")]
+SHORT = [
+    f"--gin_bindings={b}"
+    for b in (
+        "train.total_steps=120",
+        "train.eval_every_steps=40",
+        "train.checkpoint_every_steps=40",
+        "train.log_every_steps=1",
+        "train.steps_per_loop=20",
+        "swa.start_step=40",
+        "swa.every_steps=10",
+    )
+]
 
 
 def averages(model_dir: str) -> dict[str, np.ndarray]:
@@ -51,8 +61,17 @@ def test_swa_trains_and_evaluates_beside_the_raw_weights(tmp_path, mode):
 @pytest.mark.timeout(500)
 def test_swa_under_two_multiworker_mirrored_workers(tmp_path):
     model_dir = str(tmp_path / "run")
-    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", SWA,
-                      f"--model_dir={model_dir}", *SHORT, timeout=450, env=subprocess_env())
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        SWA,
+        f"--model_dir={model_dir}",
+        *SHORT,
+        timeout=450,
+        env=subprocess_env(),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert swa_evals(model_dir) == [40, 80, 120]
     assert averages(model_dir)
@@ -61,22 +80,37 @@ def test_swa_under_two_multiworker_mirrored_workers(tmp_path):
 @pytest.mark.timeout(600)
 def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bit(tmp_path):
     def command(model_dir: str) -> list[str]:
-        return [sys.executable, "-m", "trainer.main", "--gin_file=gin/mirrored.gin", SWA,
-                f"--model_dir={model_dir}", *SHORT]
+        return [
+            sys.executable,
+            "-m",
+            "trainer.main",
+            "--gin_file=gin/mirrored.gin",
+            SWA,
+            f"--model_dir={model_dir}",
+            *SHORT,
+        ]
 
     reference_dir, resumed_dir = str(tmp_path / "reference"), str(tmp_path / "resumed")
-    reference = subprocess.run(command(reference_dir), cwd=REPO, env=subprocess_env(), capture_output=True,
-                               text=True, timeout=280)
+    reference = subprocess.run(
+        command(reference_dir), cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=280
+    )
     assert reference.returncode == 0, reference.stderr[-3000:]
     kill_at = random.Random().randint(41, 110)  # after the first checkpoint (40), before the end
-    first = subprocess.Popen(command(resumed_dir), cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    first = subprocess.Popen(
+        command(resumed_dir),
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_for_step(resumed_dir, kill_at, first)
     finally:
         kill_group(first)
-    restart = subprocess.run(command(resumed_dir), cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                             timeout=280)
+    restart = subprocess.run(
+        command(resumed_dir), cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=280
+    )
     assert restart.returncode == 0, restart.stderr[-3000:]
     assert "continuing from step" in restart.stdout, (kill_at, restart.stdout[-2000:])
     expected, got = averages(reference_dir), averages(resumed_dir)
@@ -94,8 +128,15 @@ def test_swa_is_refused_under_parameter_server_in_one_line(tmp_path):
 @pytest.mark.timeout(300)
 def test_swa_weights_are_exported_when_asked(tmp_path):
     model_dir = str(tmp_path / "run")
-    proc = run_main("--gin_file=gin/single.gin", SWA, f"--model_dir={model_dir}", *SHORT,
-                    "--gin_bindings=swa.export=True", "--gin_bindings=train.export_saved_model=True", timeout=250)
+    proc = run_main(
+        "--gin_file=gin/single.gin",
+        SWA,
+        f"--model_dir={model_dir}",
+        *SHORT,
+        "--gin_bindings=swa.export=True",
+        "--gin_bindings=train.export_saved_model=True",
+        timeout=250,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exported SavedModel (SWA weights)" in proc.stdout
     assert os.path.exists(os.path.join(model_dir, "export", "120", "saved_model.pb"))

@@ -1,4 +1,5 @@
 """What TensorBoard reads from a run: train and eval scalars, the operative config, the hparams."""
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,10 @@ def test_hparams_summary_holds_the_bindings_beside_the_eval_metrics(profiled_run
     plugin_data = root.SummaryMetadata(metadata.SESSION_START_INFO_TAG).plugin_data
     assert plugin_data.plugin_name == metadata.PLUGIN_NAME
     info = metadata.parse_session_start_info_plugin_data(plugin_data.content)
-    hparams = {name: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind"))
-               for name, value in info.hparams.items()}
+    hparams = {
+        name: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind"))
+        for name, value in info.hparams.items()
+    }
     assert info.group_name == os.path.basename(model_dir)
     assert hparams["train.total_steps"] == 40
     assert hparams["train.steps_per_loop"] == 25
@@ -69,9 +72,13 @@ def test_hparams_summary_holds_the_bindings_beside_the_eval_metrics(profiled_run
 
 
 SUMMARY_STEP = ("--gin_bindings=import tests.summary_steps", "--gin_bindings=train.step_fn=@summary_step")
-SHORT_RUN = ("--gin_bindings=train.total_steps=40", "--gin_bindings=train.steps_per_loop=25",
-             "--gin_bindings=train.log_every_steps=10", "--gin_bindings=train.eval_every_steps=40",
-             "--gin_bindings=train.checkpoint_every_steps=40")
+SHORT_RUN = (
+    "--gin_bindings=train.total_steps=40",
+    "--gin_bindings=train.steps_per_loop=25",
+    "--gin_bindings=train.log_every_steps=10",
+    "--gin_bindings=train.eval_every_steps=40",
+    "--gin_bindings=train.checkpoint_every_steps=40",
+)
 
 
 def _assert_step_summaries(model_dir) -> None:
@@ -85,8 +92,11 @@ def _assert_step_summaries(model_dir) -> None:
     assert len(os.listdir(os.path.join(model_dir, "train"))) == 1  # one writer: TensorBoard reads the newest file
     train = _accumulator(os.path.join(model_dir, "train"))
     assert {"optimizer_iterations", "first_weights", "first_image", "loss"} <= set(train.Tags()["tensors"])
-    for tag, plugin in (("optimizer_iterations", "scalars"), ("first_weights", "histograms"),
-                        ("first_image", "images")):
+    for tag, plugin in (
+        ("optimizer_iterations", "scalars"),
+        ("first_weights", "histograms"),
+        ("first_image", "images"),
+    ):
         assert [e.step for e in train.Tensors(tag)] == [10, 20, 30, 40], tag  # one replica records, once per step
         assert train.SummaryMetadata(tag).plugin_data.plugin_name == plugin
     assert _series(train, "optimizer_iterations") == {10: 10.0, 20: 20.0, 30: 30.0, 40: 40.0}
@@ -120,8 +130,16 @@ def test_summaries_inside_the_step_are_the_chiefs_alone_under_multi_worker(tmp_p
     from tests.support import run_module
 
     model_dir = tmp_path / "run"
-    proc = run_module("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", *SUMMARY_STEP, *SHORT_RUN,
-                      f"--model_dir={model_dir}", timeout=280)
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        *SUMMARY_STEP,
+        *SHORT_RUN,
+        f"--model_dir={model_dir}",
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _assert_step_summaries(model_dir)
 
@@ -136,14 +154,20 @@ def test_summaries_inside_the_step_are_one_line_under_parameter_servers_and_xla(
 
     for name in ("ps", "xla", "eval"):
         (tmp_path / name).mkdir()
-    line = refused_run(tmp_path / "ps", "--gin_file=gin/ps.gin", *SUMMARY_STEP,
-                       "--gin_bindings=local_cluster.num_workers=1")
+    line = refused_run(
+        tmp_path / "ps", "--gin_file=gin/ps.gin", *SUMMARY_STEP, "--gin_bindings=local_cluster.num_workers=1"
+    )
     assert "summary_step writes tf.summary inside the step, which parameter_server cannot record" in line
     assert "return the value from the step" in line
-    line = refused_run(tmp_path / "xla", "--gin_file=gin/single.gin", *SUMMARY_STEP,
-                       "--gin_bindings=train.jit_compile=True")
+    line = refused_run(
+        tmp_path / "xla", "--gin_file=gin/single.gin", *SUMMARY_STEP, "--gin_bindings=train.jit_compile=True"
+    )
     assert "which XLA cannot compile (train.jit_compile)" in line
-    line = refused_run(tmp_path / "eval", "--gin_file=gin/single.gin", *SUMMARY_STEP,
-                       "--gin_bindings=import tests.broken_functions",
-                       "--gin_bindings=train.eval_step_fn=@no_count_eval_step")
+    line = refused_run(
+        tmp_path / "eval",
+        "--gin_file=gin/single.gin",
+        *SUMMARY_STEP,
+        "--gin_bindings=import tests.broken_functions",
+        "--gin_bindings=train.eval_step_fn=@no_count_eval_step",
+    )
     assert "no_count_eval_step" in line

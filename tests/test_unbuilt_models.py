@@ -2,6 +2,7 @@
 train under one device, mirrored and 2 MultiWorkerMirrored workers, resume exactly after SIGKILL,
 and pass trainer.parity against Keras fit under mirrored: the loop builds them by a call on a
 batch of zeros of the train features before the optimizer and the checkpoint exist."""
+
 from __future__ import annotations
 
 import random
@@ -14,9 +15,16 @@ from tests.support import REPO, run_main, run_module, subprocess_env
 from tests.test_resume import kill_group, per_step_losses, wait_for_step
 
 IMPORT = "--gin_bindings=import tests.unbuilt_models"
-SHORT = [f"--gin_bindings={b}" for b in ("train.total_steps=40", "train.eval_every_steps=20",
-                                         "train.checkpoint_every_steps=20", "train.log_every_steps=1",
-                                         "train.steps_per_loop=10")]
+SHORT = [
+    f"--gin_bindings={b}"
+    for b in (
+        "train.total_steps=40",
+        "train.eval_every_steps=20",
+        "train.checkpoint_every_steps=20",
+        "train.log_every_steps=1",
+        "train.steps_per_loop=10",
+    )
+]
 MODELS = ["residual_mlp", "sequential_without_input"]
 
 
@@ -37,8 +45,15 @@ def test_unbuilt_models_train_on_one_and_two_replicas(tmp_path, model, mode):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("model", MODELS)
 def test_unbuilt_models_train_on_two_multiworker_mirrored_workers(tmp_path, model):
-    proc = run_module("trainer.launch", "--num_workers=2", "--", *flags("gin/mwms.gin", model),
-                      f"--model_dir={tmp_path / 'run'}", timeout=350, env=subprocess_env())
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        *flags("gin/mwms.gin", model),
+        f"--model_dir={tmp_path / 'run'}",
+        timeout=350,
+        env=subprocess_env(),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[worker 0] eval at step 40" in proc.stdout
 
@@ -46,18 +61,36 @@ def test_unbuilt_models_train_on_two_multiworker_mirrored_workers(tmp_path, mode
 @pytest.mark.timeout(500)
 def test_a_killed_run_of_an_unbuilt_model_resumes_bit_for_bit(tmp_path):
     command = [sys.executable, "-m", "trainer.main", *flags("gin/mirrored.gin", "residual_mlp")]
-    reference = subprocess.run([*command, f"--model_dir={tmp_path / 'reference'}"], cwd=REPO, env=subprocess_env(),
-                               capture_output=True, text=True, timeout=250)
+    reference = subprocess.run(
+        [*command, f"--model_dir={tmp_path / 'reference'}"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=250,
+    )
     assert reference.returncode == 0, reference.stderr[-3000:]
     resumed = str(tmp_path / "resumed")
-    first = subprocess.Popen([*command, f"--model_dir={resumed}"], cwd=REPO, env=subprocess_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first = subprocess.Popen(
+        [*command, f"--model_dir={resumed}"],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_for_step(resumed, random.Random().randint(21, 36), first)
     finally:
         kill_group(first)
-    restart = subprocess.run([*command, f"--model_dir={resumed}"], cwd=REPO, env=subprocess_env(),
-                             capture_output=True, text=True, timeout=250)
+    restart = subprocess.run(
+        [*command, f"--model_dir={resumed}"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=250,
+    )
     assert restart.returncode == 0 and "continuing from step 20" in restart.stdout, restart.stderr[-3000:]
     expected, got = per_step_losses(str(tmp_path / "reference")), per_step_losses(resumed)
     assert [got[s] for s in range(21, 41)] == [expected[s] for s in range(21, 41)]  # bit for bit, dropout included
@@ -66,7 +99,13 @@ def test_a_killed_run_of_an_unbuilt_model_resumes_bit_for_bit(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", MODELS)
 def test_unbuilt_models_match_keras_fit_under_mirrored(model):
-    proc = run_module("trainer.parity", "--gin_file=gin/mirrored.gin", IMPORT, f"--gin_bindings=train.model_fn=@{model}",
-                      "--steps=5", timeout=250)
+    proc = run_module(
+        "trainer.parity",
+        "--gin_file=gin/mirrored.gin",
+        IMPORT,
+        f"--gin_bindings=train.model_fn=@{model}",
+        "--steps=5",
+        timeout=250,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS" in proc.stdout, proc.stdout[-2000:]

@@ -1,5 +1,6 @@
 """train.warm_start: from another run's model_dir, a checkpoint prefix or a .weights.h5 file; a
 partial restore that names what matched and what did not; a shape mismatch is one error line."""
+
 from __future__ import annotations
 
 import os
@@ -10,11 +11,11 @@ import pytest
 import tensorflow as tf
 
 from tests.support import run_main, tree_digest
-from trainer.task import models
+from trainer.errors import UserError
 from trainer.extensions import warm_start
 from trainer.extensions.registry import Registry
 from trainer.run.settings import Settings
-from trainer.errors import UserError
+from trainer.task import models
 
 SMALL = ["--gin_file=gin/single.gin", "--gin_bindings=cnn.filters=(8,)", "--gin_bindings=train.steps_per_loop=10"]
 
@@ -102,8 +103,13 @@ def test_a_run_warm_starts_fresh_only_and_a_mismatch_exits_2(tmp_path):
 
     os.makedirs(wrong)
     before = tree_digest(wrong)
-    proc = run_main(*SMALL, f"--model_dir={wrong}", f"--gin_bindings=train.warm_start='{source}'",
-                    "--gin_bindings=cnn.dense_units=32", timeout=120)
+    proc = run_main(
+        *SMALL,
+        f"--model_dir={wrong}",
+        f"--gin_bindings=train.warm_start='{source}'",
+        "--gin_bindings=cnn.dense_units=32",
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "has shape" in errors[0], errors
@@ -132,8 +138,9 @@ def test_one_model_of_a_dict_by_its_key(tmp_path):
         warm_start.warm_start(target, {"generator": path}, lines.append)
         assert same_weights(source["generator"], target["generator"]), path
         assert all(np.array_equal(a, b.numpy()) for a, b in zip(initial, target["discriminator"].weights))
-        assert f"warm start of model 'generator' from {path}: restored 4 of model 'generator''s 4 variables" \
-            in lines[0], lines
+        assert (
+            f"warm start of model 'generator' from {path}: restored 4 of model 'generator''s 4 variables" in lines[0]
+        ), lines
         assert lines[1].endswith("(0): -")
         if path == gan_prefix:  # the source's discriminator is neither restored nor listed as unused
             assert lines[2].endswith("(0): -"), lines
@@ -156,14 +163,26 @@ def test_one_model_of_a_dict_by_its_key(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_a_gan_run_warm_starts_its_generator_only(tmp_path):
-    gan_gin = ["--gin_file=gin/single.gin", "--gin_file=experiments/gan/gan.gin", "--gin_bindings=gan_models.hidden=16",
-               "--gin_bindings=train.steps_per_loop=10", "--gin_bindings=train.eval_every_steps=10",
-               "--gin_bindings=train.checkpoint_every_steps=10", "--gin_bindings=train.total_steps=10"]
+    gan_gin = [
+        "--gin_file=gin/single.gin",
+        "--gin_file=experiments/gan/gan.gin",
+        "--gin_bindings=gan_models.hidden=16",
+        "--gin_bindings=train.steps_per_loop=10",
+        "--gin_bindings=train.eval_every_steps=10",
+        "--gin_bindings=train.checkpoint_every_steps=10",
+        "--gin_bindings=train.total_steps=10",
+    ]
     source, target = str(tmp_path / "source"), str(tmp_path / "target")
     proc = run_main(*gan_gin, f"--model_dir={source}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_main(*gan_gin, f"--model_dir={target}", f"--gin_bindings=train.warm_start={{'generator': '{source}'}}",
-                    "--gin_bindings=train.total_steps=10")
+    proc = run_main(
+        *gan_gin,
+        f"--model_dir={target}",
+        f"--gin_bindings=train.warm_start={{'generator': '{source}'}}",
+        "--gin_bindings=train.total_steps=10",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (f"warm start of model 'generator' from {source}/ckpt-10: restored 4 of model 'generator''s 4 variables"
-            in proc.stdout), proc.stdout[-3000:]
+    assert (
+        f"warm start of model 'generator' from {source}/ckpt-10: restored 4 of model 'generator''s 4 variables"
+        in proc.stdout
+    ), proc.stdout[-3000:]

@@ -2,13 +2,14 @@
 counts them: loss sum(l_i w_i) / number of examples, accuracy the weighted accuracy
 sum(correct_i w_i) / sum(w_i) (Keras' `weighted_metrics`), on one device and on two replicas,
 padding included. (Training with them is checked against fit in tests/test_parity.py.)"""
+
 from __future__ import annotations
 
 import pytest
 
 from tests.support import run_python
 
-CODE = '''
+CODE = """
 import json
 import numpy as np
 import tensorflow as tf
@@ -35,7 +36,7 @@ for name, strategy in (("one", tf.distribute.get_strategy()), ("two", mirrored))
     ours[name] = Evaluator(strategy, model, steps.classification_eval_step, dataset, -(-count // gb)).evaluate()
 print(json.dumps({"keras": [keras_loss, keras_accuracy], "ours": ours, "count": count,
                   "unweighted": float(np.mean(np.argmax(model.predict(x, verbose=0), -1) == y))}))
-'''
+"""
 
 
 @pytest.mark.timeout(120)
@@ -45,6 +46,9 @@ def test_weighted_eval_counts_as_keras_evaluate_on_one_and_two_replicas():
     assert abs(keras_accuracy - result["unweighted"]) > 1e-3, "the weights must change the accuracy to prove anything"
     for name, ours in result["ours"].items():
         assert ours["num_examples"] == result["count"], (name, ours)
-        assert abs(ours["loss"] - keras_loss) < 1e-5 and abs(ours["accuracy"] - keras_accuracy) < 1e-6, (name, ours,
-                                                                                                        result["keras"])
+        assert abs(ours["loss"] - keras_loss) < 1e-5 and abs(ours["accuracy"] - keras_accuracy) < 1e-6, (
+            name,
+            ours,
+            result["keras"],
+        )
         assert "accuracy/denominator" not in ours

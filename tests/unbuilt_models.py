@@ -1,8 +1,10 @@
 """Models that have no variables until their first call, as most research code writes them."""
+
 from __future__ import annotations
 
-import gin
 import keras
+
+import gin
 
 
 class ResidualMLP(keras.Model):
@@ -29,8 +31,9 @@ def residual_mlp(num_classes: int) -> keras.Model:
 
 @gin.configurable
 def sequential_without_input(num_classes: int) -> keras.Model:
-    return keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(32, activation="relu"),
-                             keras.layers.Dense(num_classes)])
+    return keras.Sequential(
+        [keras.layers.Flatten(), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(num_classes)]
+    )
 
 
 @gin.configurable

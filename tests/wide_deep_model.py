@@ -8,13 +8,15 @@ tables map ids to vectors; their mean over the image's pixels goes through the t
 Gin: `import tests.wide_deep_model`, then `train.model_fn = @wide_and_deep`,
 `train.step_fn = @wide_and_deep_step`, `train.eval_step_fn = @wide_and_deep_eval_step`.
 """
+
 from __future__ import annotations
 
 import math
 
-import gin
 import keras
 import tensorflow as tf
+
+import gin
 
 LEVELS = 17
 
@@ -43,13 +45,16 @@ class KerasEmbeddingsInModule(tf.Module):
 
 
 @gin.configurable
-def wide_and_deep(input_shape, num_classes, dim: int = 16, hidden: int = 32, keras_tables: bool = False
-                  ) -> dict[str, tf.Module]:
+def wide_and_deep(
+    input_shape, num_classes, dim: int = 16, hidden: int = 32, keras_tables: bool = False
+) -> dict[str, tf.Module]:
     """`{"tables": EmbeddingTables, "tower": keras.Sequential}` (`keras_tables`: the mistake above)."""
     num_ids = math.prod(input_shape) * LEVELS
     tables = KerasEmbeddingsInModule(num_ids, dim) if keras_tables else EmbeddingTables(num_ids, dim)
-    tower = keras.Sequential([keras.Input((dim,)), keras.layers.Dense(hidden, activation="relu"),
-                              keras.layers.Dense(num_classes)], name="tower")
+    tower = keras.Sequential(
+        [keras.Input((dim,)), keras.layers.Dense(hidden, activation="relu"), keras.layers.Dense(num_classes)],
+        name="tower",
+    )
     return {"tables": tables, "tower": tower}
 
 
@@ -66,7 +71,8 @@ def wide_and_deep_step(model, optimizer, batch, global_batch_size):
     variables = list(model["tables"].trainable_variables) + list(model["tower"].trainable_variables)
     with tf.GradientTape() as tape:
         per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=tf.cast(labels, tf.int32), logits=_logits(model, images, training=True))
+            labels=tf.cast(labels, tf.int32), logits=_logits(model, images, training=True)
+        )
         loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
     optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
     return {"loss": loss}
@@ -80,5 +86,8 @@ def wide_and_deep_eval_step(model, batch):
     logits = _logits(model, images, training=False)
     per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
     correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), tf.float32)
-    return {"loss": tf.reduce_sum(per_example * weights), "accuracy": tf.reduce_sum(correct * weights),
-            "num_examples": tf.reduce_sum(weights)}
+    return {
+        "loss": tf.reduce_sum(per_example * weights),
+        "accuracy": tf.reduce_sum(correct * weights),
+        "num_examples": tf.reduce_sum(weights),
+    }

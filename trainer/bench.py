@@ -69,6 +69,7 @@ what those modes return too.
 
 This module parses the flags; the parts are in trainer/tools/bench/ (its __init__ lists them).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -86,11 +87,12 @@ from trainer.cli import exit_without_teardown  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.tools.bench.compare import compare  # noqa: E402
 from trainer.tools.bench.orbit import INSTALL as ORBIT_INSTALL  # noqa: E402
-from trainer.tools.bench.protocol import KEEP_FREED_MEMORY  # noqa: E402
-from trainer.tools.bench.worker import run_worker  # noqa: E402
+
 # The report's API where the tests have always found it:
 from trainer.tools.bench.plan import VARIANTS, plan_variants  # noqa: E402, F401
+from trainer.tools.bench.protocol import KEEP_FREED_MEMORY  # noqa: E402
 from trainer.tools.bench.report import markdown, results, text_table  # noqa: E402, F401
+from trainer.tools.bench.worker import run_worker  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -99,43 +101,90 @@ def define_flags() -> None:
     """Only when run as a program: importing this module must not claim flag names
     (`--steps` is trainer.parity's too; `--mode` is trainer.main's, with other values, so it is replaced)."""
     delattr(FLAGS, "mode")
-    flags.DEFINE_enum("mode", "train", ["train", "input", "save_stall"],
-                      "train: our loop against limit, Orbit and fit; input: the input pipeline alone; save_stall: "
-                      "the training stall per checkpoint save.")
+    flags.DEFINE_enum(
+        "mode",
+        "train",
+        ["train", "input", "save_stall"],
+        "train: our loop against limit, Orbit and fit; input: the input pipeline alone; save_stall: "
+        "the training stall per checkpoint save.",
+    )
     flags.DEFINE_float("input_seconds", 5, "--mode=input: seconds each input source is read.")
     flags.DEFINE_integer("save_stall_params", 100_000_000, "--mode=save_stall: parameters of the saved model.")
     flags.DEFINE_integer("saves", 5, "--mode=save_stall: checkpoint saves measured.")
-    flags.DEFINE_integer("save_stall_step_threads", 0, "--mode=save_stall: threads of TensorFlow's op pools for the "
-                         "step (0: TensorFlow's default, every core); fewer leave cores free for the writer, as a step "
-                         "on an accelerator does.")
-    flags.DEFINE_bool("install_orbit", False, f"First install Orbit into this Python: pip install --no-deps "
-                      f"{ORBIT_INSTALL} (its metadata pins another TensorFlow; it works with this one).")
-    flags.DEFINE_integer("steps", 0, "Steps per measured chunk, rounded up to a multiple of every call length (0: "
-                         "the least multiple of log_every_steps and checkpoint_every_steps, so that every chunk holds "
-                         "the same hook work: one checkpoint and chunk/log_every_steps progress records).")
-    flags.DEFINE_integer("repeats", 12, "Measured rounds at least: each runs one chunk of every variant, in turns; "
-                         "the 95% intervals of the ratios are over the rounds.")
-    flags.DEFINE_integer("max_repeats", 24, "Measured rounds at most: after --repeats, one more round at a time while "
-                         "the interval of ours/limit, ours/orbit or ours/fit best is wider than --max_width (at most "
-                         "--repeats: exactly --repeats rounds).")
-    flags.DEFINE_float("max_width", 0.06, "The widest 95% interval of ours/limit, ours/orbit and ours/fit best that "
-                       "ends the rounds before --max_repeats.")
-    flags.DEFINE_integer("turn_steps", 0, "Steps a variant runs per turn, a multiple of every call length that "
-                         "divides the chunk (0: the least multiple of steps_per_loop and fit's steps_per_execution "
-                         "values).")
-    flags.DEFINE_integer("warmup_steps", 0, "Steps each variant runs after its first call before measuring "
-                         "(0: one chunk).")
-    flags.DEFINE_list("variants", list(VARIANTS), "Which variants to run, in the order of a forward round: " +
-                      ", ".join(VARIANTS) + " (orbit is reported as not runnable where it is not installed).")
-    flags.DEFINE_list("fit_steps_per_execution", [], "fit's steps_per_execution values (default: 1 and "
-                      "steps_per_loop).")
+    flags.DEFINE_integer(
+        "save_stall_step_threads",
+        0,
+        "--mode=save_stall: threads of TensorFlow's op pools for the "
+        "step (0: TensorFlow's default, every core); fewer leave cores free for the writer, as a step "
+        "on an accelerator does.",
+    )
+    flags.DEFINE_bool(
+        "install_orbit",
+        False,
+        f"First install Orbit into this Python: pip install --no-deps "
+        f"{ORBIT_INSTALL} (its metadata pins another TensorFlow; it works with this one).",
+    )
+    flags.DEFINE_integer(
+        "steps",
+        0,
+        "Steps per measured chunk, rounded up to a multiple of every call length (0: "
+        "the least multiple of log_every_steps and checkpoint_every_steps, so that every chunk holds "
+        "the same hook work: one checkpoint and chunk/log_every_steps progress records).",
+    )
+    flags.DEFINE_integer(
+        "repeats",
+        12,
+        "Measured rounds at least: each runs one chunk of every variant, in turns; "
+        "the 95% intervals of the ratios are over the rounds.",
+    )
+    flags.DEFINE_integer(
+        "max_repeats",
+        24,
+        "Measured rounds at most: after --repeats, one more round at a time while "
+        "the interval of ours/limit, ours/orbit or ours/fit best is wider than --max_width (at most "
+        "--repeats: exactly --repeats rounds).",
+    )
+    flags.DEFINE_float(
+        "max_width",
+        0.06,
+        "The widest 95% interval of ours/limit, ours/orbit and ours/fit best that "
+        "ends the rounds before --max_repeats.",
+    )
+    flags.DEFINE_integer(
+        "turn_steps",
+        0,
+        "Steps a variant runs per turn, a multiple of every call length that "
+        "divides the chunk (0: the least multiple of steps_per_loop and fit's steps_per_execution "
+        "values).",
+    )
+    flags.DEFINE_integer(
+        "warmup_steps", 0, "Steps each variant runs after its first call before measuring (0: one chunk)."
+    )
+    flags.DEFINE_list(
+        "variants",
+        list(VARIANTS),
+        "Which variants to run, in the order of a forward round: "
+        + ", ".join(VARIANTS)
+        + " (orbit is reported as not runnable where it is not installed).",
+    )
+    flags.DEFINE_list(
+        "fit_steps_per_execution", [], "fit's steps_per_execution values (default: 1 and steps_per_loop)."
+    )
     flags.DEFINE_list("cpus", [], "Cores every variant is pinned to (default: every core this process may use).")
-    flags.DEFINE_bool("pause_waiting", True, "Stop (SIGSTOP) every worker but the one being measured; "
-                      "--nopause_waiting leaves them running, blocked on their input, to measure what that costs.")
-    flags.DEFINE_string("malloc_tunables", KEEP_FREED_MEMORY, "glibc malloc settings added to every worker's "
-                        "GLIBC_TUNABLES (default: keep freed memory in the process, so that no variant faults its "
-                        "tensors' pages in again every step, more in one process than in another); empty: glibc's "
-                        "defaults, as a user's process runs.")
+    flags.DEFINE_bool(
+        "pause_waiting",
+        True,
+        "Stop (SIGSTOP) every worker but the one being measured; "
+        "--nopause_waiting leaves them running, blocked on their input, to measure what that costs.",
+    )
+    flags.DEFINE_string(
+        "malloc_tunables",
+        KEEP_FREED_MEMORY,
+        "glibc malloc settings added to every worker's "
+        "GLIBC_TUNABLES (default: keep freed memory in the process, so that no variant faults its "
+        "tensors' pages in again every step, more in one process than in another); empty: glibc's "
+        "defaults, as a user's process runs.",
+    )
     flags.DEFINE_string("json", None, "Write all results as JSON here.")
     flags.DEFINE_string("report", None, "Append a markdown table to this file.")
     flags.DEFINE_integer("timeout_secs", 3600, "Longest a variant may take to answer one request.")
@@ -150,8 +199,9 @@ def install_orbit() -> None:
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-        main_lib.fail(f"{' '.join(command[2:])} failed: {lines[-1] if lines else f'exit {proc.returncode}'}",
-                      exit_code=1)
+        main_lib.fail(
+            f"{' '.join(command[2:])} failed: {lines[-1] if lines else f'exit {proc.returncode}'}", exit_code=1
+        )
     importlib.invalidate_caches()
     print(f"installed {ORBIT_INSTALL} (orbit) into {sys.prefix} without its dependencies", flush=True)
 
@@ -162,20 +212,35 @@ def dispatch(mode: str) -> tuple[int, dict | None]:
     if mode == "input":
         from trainer.tools.bench.input_only import run_input_bench
 
-        return 0, run_input_bench(FLAGS.gin_file, FLAGS.gin_bindings, seconds=FLAGS.input_seconds,
-                                  print_fn=print_fn)
+        return 0, run_input_bench(FLAGS.gin_file, FLAGS.gin_bindings, seconds=FLAGS.input_seconds, print_fn=print_fn)
     if mode == "save_stall":
         from trainer.tools.bench.save_stall import run_save_stall
 
-        return 0, run_save_stall(params=FLAGS.save_stall_params, saves=FLAGS.saves,
-                                 step_threads=FLAGS.save_stall_step_threads, print_fn=print_fn)
-    return compare(FLAGS.gin_file, FLAGS.gin_bindings, variants=FLAGS.variants, steps=FLAGS.steps,
-                   repeats=FLAGS.repeats, max_repeats=FLAGS.max_repeats, max_width=FLAGS.max_width,
-                   warmup_steps=FLAGS.warmup_steps, turn_steps=FLAGS.turn_steps,
-                   fit_steps_per_execution=FLAGS.fit_steps_per_execution, cpus=FLAGS.cpus,
-                   pause_waiting=FLAGS.pause_waiting, malloc_tunables=FLAGS.malloc_tunables,
-                   timeout_secs=FLAGS.timeout_secs,
-                   json_path=FLAGS.json, report_path=FLAGS.report, argv=sys.argv[1:]), None
+        return 0, run_save_stall(
+            params=FLAGS.save_stall_params,
+            saves=FLAGS.saves,
+            step_threads=FLAGS.save_stall_step_threads,
+            print_fn=print_fn,
+        )
+    return compare(
+        FLAGS.gin_file,
+        FLAGS.gin_bindings,
+        variants=FLAGS.variants,
+        steps=FLAGS.steps,
+        repeats=FLAGS.repeats,
+        max_repeats=FLAGS.max_repeats,
+        max_width=FLAGS.max_width,
+        warmup_steps=FLAGS.warmup_steps,
+        turn_steps=FLAGS.turn_steps,
+        fit_steps_per_execution=FLAGS.fit_steps_per_execution,
+        cpus=FLAGS.cpus,
+        pause_waiting=FLAGS.pause_waiting,
+        malloc_tunables=FLAGS.malloc_tunables,
+        timeout_secs=FLAGS.timeout_secs,
+        json_path=FLAGS.json,
+        report_path=FLAGS.report,
+        argv=sys.argv[1:],
+    ), None
 
 
 def run(argv: list[str]) -> None:
@@ -183,8 +248,7 @@ def run(argv: list[str]) -> None:
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     if FLAGS.role != "compare":
-        run_worker(FLAGS.role, FLAGS.gin_file, FLAGS.gin_bindings, fit_spe=FLAGS.fit_spe,
-                   total_steps=FLAGS.total_steps)
+        run_worker(FLAGS.role, FLAGS.gin_file, FLAGS.gin_bindings, fit_spe=FLAGS.fit_spe, total_steps=FLAGS.total_steps)
         return
     if FLAGS.install_orbit:
         install_orbit()

@@ -4,6 +4,7 @@ and how its process ends (without the interpreter's teardown once the outcome is
 Exit codes (docs/design.md): 2 a user mistake (bad flag, gin, TF_CONFIG, data path), 1 a run
 that could not go on, 130 Ctrl-C; absl alone would print usage and exit 1 for a bad flag.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -48,8 +49,9 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.exit(0 if e.code == 1 else e.code)
 
 
-def exit_without_teardown(run: Callable[[list[str]], None],
-                          coordinates_ps_cluster: Callable[[], bool]) -> Callable[[list[str]], None]:
+def exit_without_teardown(
+    run: Callable[[list[str]], None], coordinates_ps_cluster: Callable[[], bool]
+) -> Callable[[list[str]], None]:
     """Wraps an entry point's `run` so that its process ends, once the outcome is decided and
     printed, without the interpreter's teardown of TensorFlow and Keras.
 
@@ -102,6 +104,7 @@ def flush_and_exit(code: int) -> NoReturn:
 def sigterm_unwinds() -> Iterator[None]:
     """SIGTERM raises SystemExit(143) inside the block, so its `finally` blocks end the processes it
     started (servers, bench workers) instead of leaving them behind."""
+
     def handler(signum, frame):
         raise SystemExit(128 + signum)
 

@@ -3,6 +3,7 @@
 The library stays plain Python; this module gives its functions and classes gin names.
 `python -m trainer.configurables` lists them with their parameters and one-line docs.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,10 +15,10 @@ if __name__ == "__main__":  # the listing: without TensorFlow's load-time notice
 
     quiet_start.import_tensorflow()
 
-import gin  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import gin  # noqa: E402
 from trainer import data  # noqa: E402
 from trainer.distribution import devices  # noqa: E402
 from trainer.distribution import local_cluster as local_cluster_lib  # noqa: E402
@@ -37,8 +38,15 @@ from trainer.tools.parity import config as parity_config  # noqa: E402
 # itself (trainer/task/contract.py): a gin binding of one of those is refused, every other
 # binding reaches the function whatever its position. model_fn and optimizer_fn get what they
 # declare of the loop's offers (input_shape, total_steps, ...), and a binding wins over the offer.
-FUNCTIONS = {"step_fn": contract.STEP, "eval_step_fn": contract.EVAL_STEP, "input_fn": contract.INPUT,
-             "data_source": contract.INPUT, "model_fn": None, "optimizer_fn": None, "eval_metrics_fn": None}
+FUNCTIONS = {
+    "step_fn": contract.STEP,
+    "eval_step_fn": contract.EVAL_STEP,
+    "input_fn": contract.INPUT,
+    "data_source": contract.INPUT,
+    "model_fn": None,
+    "optimizer_fn": None,
+    "eval_metrics_fn": None,
+}
 
 
 def resolve_functions(arguments: dict) -> dict:
@@ -48,10 +56,16 @@ def resolve_functions(arguments: dict) -> dict:
     resolved = dict(arguments)
     for name, supplied in FUNCTIONS.items():
         reference = raw.get(name)
-        if isinstance(reference, gin.config.ConfigurableReference) and \
-                arguments.get(name) is reference.scoped_configurable_fn:
-            resolved[name] = gin_functions.plain_function(
-                reference, supplied=supplied.names if supplied else (), what=f"train.{name}") or arguments[name]
+        if (
+            isinstance(reference, gin.config.ConfigurableReference)
+            and arguments.get(name) is reference.scoped_configurable_fn
+        ):
+            resolved[name] = (
+                gin_functions.plain_function(
+                    reference, supplied=supplied.names if supplied else (), what=f"train.{name}"
+                )
+                or arguments[name]
+            )
     return resolved
 
 
@@ -99,8 +113,15 @@ REGISTERED = {
     "eval_hook": EvalHook,
     "early_stopping": early_stopping.EarlyStopping,
     # Keras callbacks for train.keras_callbacks, under their Keras names
-    **{f"keras.callbacks.{c.__name__}": c for c in (keras.callbacks.EarlyStopping, keras.callbacks.ReduceLROnPlateau,
-                                                    keras.callbacks.CSVLogger, keras.callbacks.TerminateOnNaN)},
+    **{
+        f"keras.callbacks.{c.__name__}": c
+        for c in (
+            keras.callbacks.EarlyStopping,
+            keras.callbacks.ReduceLROnPlateau,
+            keras.callbacks.CSVLogger,
+            keras.callbacks.TerminateOnNaN,
+        )
+    },
     "profiler_hook": profiler.ProfilerHook,
     "mlflow_hook": mlflow_tracking.MlflowHook,
     "parameter_server": loop_options.ParameterServerConfig,
@@ -118,11 +139,13 @@ TFRecord features as `@png_feature()` etc. inside `tfrecord_files.features = {..
 CONFIGURABLES = {name: gin.external_configurable(target, name) for name, target in REGISTERED.items()}
 # The sidecar's own options; the rest of its setup is the run's (`settings_from_gin`).
 CONFIGURABLES["eval_continuous"] = gin.external_configurable(
-    sidecar.evaluate_continuously, "eval_continuous", denylist=["settings", "print_fn"])
+    sidecar.evaluate_continuously, "eval_continuous", denylist=["settings", "print_fn"]
+)
 # `train` builds its progress logger itself, so that class is registered in place: the class
 # reads its own bindings (`progress_logger.live = False`); every_steps is train.log_every_steps.
-CONFIGURABLES["progress_logger"] = gin.configurable(
-    "progress_logger", denylist=["every_steps", "stream"])(ProgressLogger)
+CONFIGURABLES["progress_logger"] = gin.configurable("progress_logger", denylist=["every_steps", "stream"])(
+    ProgressLogger
+)
 train = CONFIGURABLES["train"]
 local_cluster = CONFIGURABLES["local_cluster"]
 

@@ -106,9 +106,7 @@ def launch(
 
 def _check_options(num_workers: int, num_ps: int, max_restarts: int, grace_secs: float) -> None:
     if num_workers < 1:
-        raise UserError(
-            f"--num_workers must be at least 1, got {num_workers}; pass --num_workers=N"
-        )
+        raise UserError(f"--num_workers must be at least 1, got {num_workers}; pass --num_workers=N")
     if num_ps < 0:
         raise UserError(f"--num_ps must be 0 or more, got {num_ps}; pass --num_ps=0 for no ps")
     if max_restarts < 0:
@@ -164,9 +162,7 @@ class _Task:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self._copier = threading.Thread(
-            target=_copy_lines, args=(self.process.stdout, f"[{self.name}] "), daemon=True
-        )
+        self._copier = threading.Thread(target=_copy_lines, args=(self.process.stdout, f"[{self.name}] "), daemon=True)
         self._copier.start()
 
     def poll(self) -> int | None:
@@ -183,9 +179,7 @@ class _Task:
         self._copier.join(timeout=5)
 
 
-def _run_group(
-    cluster: dict, args: Sequence[str], options: Options, signals: _SignalCatcher
-) -> int:
+def _run_group(cluster: dict, args: Sequence[str], options: Options, signals: _SignalCatcher) -> int:
     _log(f"starting {sum(map(len, cluster.values()))} tasks: {json.dumps(cluster)}")
     tasks: list[_Task] = []
     try:
@@ -200,9 +194,7 @@ def _run_group(
         _kill(tasks)
 
 
-def _supervise(
-    tasks: list[_Task], watched: list[_Task], signals: _SignalCatcher, grace_secs: float
-) -> int:
+def _supervise(tasks: list[_Task], watched: list[_Task], signals: _SignalCatcher, grace_secs: float) -> int:
     """Waits until the watched tasks all succeed, any task fails, or a signal arrives."""
     while True:
         if signals.received == signal.SIGINT:
@@ -230,8 +222,7 @@ def _supervise(
         time.sleep(_POLL_SECS)
 
 
-def _stop(tasks: list[_Task], signum: int, grace_secs: float | None,
-          signals: _SignalCatcher | None = None) -> None:
+def _stop(tasks: list[_Task], signum: int, grace_secs: float | None, signals: _SignalCatcher | None = None) -> None:
     """Sends `signum` to every running task, waits up to grace_secs (None: as long as they take)
     or until another signal reaches the launcher, then kills the rest."""
     for task in tasks:
@@ -273,7 +264,7 @@ def _log(message: str) -> None:
 def _parse_flags(argv: list[str]) -> list[str]:
     """Parses the launcher's flags (before `--`); returns the module's flags (after it)."""
     split = argv.index("--") if "--" in argv else len(argv)
-    own, passthrough = argv[:split], argv[split + 1:]
+    own, passthrough = argv[:split], argv[split + 1 :]
     unparsed = parse_flags(own)
     if unparsed[1:]:
         _exit_user_error(f"unexpected argument(s) {unparsed[1:]}; put the module's flags after --")
@@ -287,15 +278,17 @@ def _exit_user_error(message: str) -> NoReturn:
 
 def _define_flags() -> None:
     """Defined only when run as a program, so importing `launch` leaves absl's FLAGS alone."""
-    flags.DEFINE_integer(
-        "num_workers", None, "Worker tasks (without ps, worker 0 is the chief).", required=True
-    )
+    flags.DEFINE_integer("num_workers", None, "Worker tasks (without ps, worker 0 is the chief).", required=True)
     flags.DEFINE_integer("num_ps", 0, "Parameter servers; > 0 adds a chief that runs --module.")
     flags.DEFINE_integer("max_restarts", 0, "Times the group is restarted after a task fails.")
     flags.DEFINE_string("module", "trainer.main", "Module run with the flags after `--`.")
     flags.DEFINE_string("server_module", "trainer.server", "Module of ps and workers in ps mode.")
-    flags.DEFINE_float("grace_secs", 10.0, "Seconds tasks get after SIGTERM before SIGKILL (after Ctrl-C the "
-                       "training tasks get as long as their save takes; a second Ctrl-C kills them).")
+    flags.DEFINE_float(
+        "grace_secs",
+        10.0,
+        "Seconds tasks get after SIGTERM before SIGKILL (after Ctrl-C the "
+        "training tasks get as long as their save takes; a second Ctrl-C kills them).",
+    )
 
 
 def main(passthrough: list[str]) -> int:

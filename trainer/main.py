@@ -2,6 +2,7 @@
 
 Exit codes (docs/design.md): 0 done; 2 a user mistake, with one line on stderr; 130 Ctrl-C; 1 anything else.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -19,7 +20,12 @@ early_isolation.isolate_early(sys.argv[1:])  # an embedded cluster's private net
 
 from trainer import quiet_start  # noqa: E402
 from trainer.cli import (  # noqa: E402  (absl only)
-    INTERRUPTED_EXIT_CODE, exit_without_teardown, fail, flush_and_exit, parse_flags, say_interrupted,
+    INTERRUPTED_EXIT_CODE,
+    exit_without_teardown,
+    fail,
+    flush_and_exit,
+    parse_flags,
+    say_interrupted,
 )
 
 try:
@@ -36,15 +42,22 @@ from trainer.errors import RunFailure, UserError  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("gin_file", [], "Gin config file(s), applied in order.")
 flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings applied after the files, e.g. 'train.total_steps=100'.")
-flags.DEFINE_string("model_dir", None, "Where checkpoints, summaries and metrics.jsonl go (default: a fresh "
-                    "runs/<time>-<pid> in the working directory, whose path is printed).")
+flags.DEFINE_string(
+    "model_dir",
+    None,
+    "Where checkpoints, summaries and metrics.jsonl go (default: a fresh "
+    "runs/<time>-<pid> in the working directory, whose path is printed).",
+)
 flags.DEFINE_enum(
-    "mode", "train", ["train", "eval_continuous"],
+    "mode",
+    "train",
+    ["train", "eval_continuous"],
     "train: train and evaluate inline. eval_continuous: a sidecar evaluator that evaluates every new "
     "checkpoint in --model_dir as it appears, until the one at train.total_steps.",
 )
 flags.DEFINE_bool(
-    "print_config", False,
+    "print_config",
+    False,
     "Print the resolved config (every configurable, each value and where it came from: gin "
     "file:line, --gin_bindings or default) and exit without training.",
 )
@@ -58,7 +71,6 @@ _GIN_LOCATION = re.compile(r'In file "([^"]+)", line (\d+)')
 def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
     """Parses gin files and bindings; any gin mistake becomes one UserError line with file:line."""
     import gin
-
     from trainer import configurables  # noqa: F401  (registers the gin names)
 
     if not gin_files:
@@ -85,9 +97,10 @@ def include_cycle_line(error: RecursionError) -> str | None:
     chain: list[tuple[str, str]] = []
     for where in reversed(_GIN_LOCATION.findall(str(error))):  # from the file given, inwards
         if where in chain:
-            loop = " -> ".join(f"{path}:{line}" for path, line in chain[chain.index(where):])
-            return (f"gin file {where[0]} includes itself ({loop} -> {where[0]}); remove the include "
-                    "that closes the loop")
+            loop = " -> ".join(f"{path}:{line}" for path, line in chain[chain.index(where) :])
+            return (
+                f"gin file {where[0]} includes itself ({loop} -> {where[0]}); remove the include that closes the loop"
+            )
         chain.append(where)
     return None
 
@@ -145,11 +158,14 @@ def run(argv: list[str]) -> None:
         strategy, resolver = bindings.get("strategy", "default"), bindings.get("cluster_resolver", "tf_config")
         if local_cluster.needs_local_cluster(strategy, resolver):
             configurables.check_settings(model_dir)  # a mistake in the settings starts no server
-        with local_cluster.cluster_for(strategy, configurables.local_cluster, print_fn=print_fn,
-                                       cluster_resolver=resolver):
+        with local_cluster.cluster_for(
+            strategy, configurables.local_cluster, print_fn=print_fn, cluster_resolver=resolver
+        ):
             configurables.train(
-                model_dir=model_dir, describe_config=gin.operative_config_str,
-                hparams=gin_config.hparams(FLAGS.gin_file, FLAGS.gin_bindings, [REPO_ROOT]), print_fn=print_fn,
+                model_dir=model_dir,
+                describe_config=gin.operative_config_str,
+                hparams=gin_config.hparams(FLAGS.gin_file, FLAGS.gin_bindings, [REPO_ROOT]),
+                print_fn=print_fn,
             )
     except UserError as e:
         print(e.details, end="", file=sys.stderr)  # the user's own frames, where their code raised
@@ -159,8 +175,10 @@ def run(argv: list[str]) -> None:
             raise
         configurable = re.findall(r"In call to configurable '(\w+)'", str(e))
         name = configurable[0] if configurable else "a configurable"
-        fail(f"gin called {name} with missing arguments ({str(e).splitlines()[0]}): bind them "
-             f"({name}.<parameter> = ...), or write @{name} without parentheses where the loop calls it itself")
+        fail(
+            f"gin called {name} with missing arguments ({str(e).splitlines()[0]}): bind them "
+            f"({name}.<parameter> = ...), or write @{name} without parentheses where the loop calls it itself"
+        )
     except RunFailure as e:
         fail(str(e), exit_code=1)
     except KeyboardInterrupt:  # Ctrl-C while no loop runs; in training it saves (trainer/extensions/preemption.py)

@@ -42,6 +42,7 @@ tf_keras, mixed precision is refused: tf_keras computes the loss in the compute 
 `--report=FILE` appends the table and verdict to a markdown file
 (experiments/parity/run.sh regenerates experiments/parity/README.md that way).
 """
+
 from __future__ import annotations
 
 import os
@@ -66,13 +67,21 @@ flags.DEFINE_integer("steps", 20, "Train steps on each side.")
 flags.DEFINE_float("atol", 1e-6, "Largest allowed absolute difference of any weight and of any step's loss.")
 flags.DEFINE_list("replicas", [], "Replica counts for the replica-invariance check instead of fit, e.g. 1,2,4.")
 flags.DEFINE_integer("num_workers", 2, "multi_worker_mirrored: worker processes on each side.")
-flags.DEFINE_integer("metric_steps", 300, "parameter_server with several workers: steps on each side before "
-                     "the final eval metrics are compared.")
-flags.DEFINE_float("metric_atol", 0.03, "parameter_server with several workers: largest allowed difference of the "
-                   "final eval accuracy.")
+flags.DEFINE_integer(
+    "metric_steps",
+    300,
+    "parameter_server with several workers: steps on each side before the final eval metrics are compared.",
+)
+flags.DEFINE_float(
+    "metric_atol", 0.03, "parameter_server with several workers: largest allowed difference of the final eval accuracy."
+)
 flags.DEFINE_string("report", None, "Append the table and verdict to this markdown file.")
-flags.DEFINE_enum("role", "compare", ["compare", "ours", "tf_keras_fit", "replicas"],
-                  "Internal: what this process does (compare runs the others as needed).")
+flags.DEFINE_enum(
+    "role",
+    "compare",
+    ["compare", "ours", "tf_keras_fit", "replicas"],
+    "Internal: what this process does (compare runs the others as needed).",
+)
 flags.DEFINE_string("work_dir", None, "Internal: where worker processes leave their results.")
 flags.DEFINE_integer("num_replicas", 0, "Internal: the replica count of a --role=replicas process.")
 
@@ -109,23 +118,29 @@ def compare(settings, config, steps: int, atol: float):
             raise UserError(f"--replicas takes replica counts like 1,2,4, got {','.join(FLAGS.replicas)}") from None
         for count in counts:
             if count < 1 or settings.global_batch_size % count:
-                raise UserError(f"--replicas: {count} does not divide train.global_batch_size "
-                                f"{settings.global_batch_size}")
+                raise UserError(
+                    f"--replicas: {count} does not divide train.global_batch_size {settings.global_batch_size}"
+                )
         return comparisons.compare_replicas(settings, steps, atol, counts, gin_args())
     mode, precision = settings.mode, settings.mixed_precision
     if not mode.multi_worker:
         return comparisons.compare_in_process(settings, config, steps, atol)
     if precision not in (None, "float32"):
-        raise UserError(f"parity against tf_keras under {precision} compares different losses: tf_keras "
-                        "computes the loss in the compute dtype, Keras 3 and our step in float32; check this config "
-                        "with gin/mirrored.gin (against Keras 3 fit) or without train.mixed_precision")
+        raise UserError(
+            f"parity against tf_keras under {precision} compares different losses: tf_keras "
+            "computes the loss in the compute dtype, Keras 3 and our step in float32; check this config "
+            "with gin/mirrored.gin (against Keras 3 fit) or without train.mixed_precision"
+        )
     if mode.multi_worker and mode.synchronous:
         return comparisons.compare_multi_worker(settings, steps, atol, FLAGS.num_workers, gin_args())
     if mode.multi_worker:
-        return comparisons.compare_parameter_server(settings, config, steps, atol, gin_args(),
-                                                    metric_steps=FLAGS.metric_steps, metric_atol=FLAGS.metric_atol)
-    raise UserError(f"parity does not support strategy {mode.name!r}; use a local, a multi_worker_mirrored or a "
-                    "parameter_server config")
+        return comparisons.compare_parameter_server(
+            settings, config, steps, atol, gin_args(), metric_steps=FLAGS.metric_steps, metric_atol=FLAGS.metric_atol
+        )
+    raise UserError(
+        f"parity does not support strategy {mode.name!r}; use a local, a multi_worker_mirrored or a "
+        "parameter_server config"
+    )
 
 
 def run(argv: list[str]) -> None:

@@ -8,6 +8,7 @@ run, no matplotlib), with one line on stderr.
 Each run is read as one history (`metrics_log.read_history`): a step trained again after a
 resume is drawn once, at its last value.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,14 @@ def build_figure(runs: dict[str, list[dict]], title: str | None = None):
             points = sorted((r["step"], r[metric]) for r in records if r.get("split") == split and metric in r)
             if points:
                 steps, values = zip(*points)
-                (line,) = ax.plot(steps, values, color=colour, label=label, markersize=3,
-                                  marker="o" if split == "eval" or len(points) < 50 else None)
+                (line,) = ax.plot(
+                    steps,
+                    values,
+                    color=colour,
+                    label=label,
+                    markersize=3,
+                    marker="o" if split == "eval" or len(points) < 50 else None,
+                )
                 handles.setdefault(label, line)
         ax.set_title(name)
         ax.set_xlabel("step")
@@ -65,8 +72,9 @@ def build_figure(runs: dict[str, list[dict]], title: str | None = None):
         if not ax.lines:
             ax.text(0.5, 0.5, f"no {split} records", ha="center", va="center", transform=ax.transAxes)
     labels = [label for label in runs if label in handles]
-    figure.legend([handles[label] for label in labels], labels, loc="outside lower center",
-                  ncols=min(len(labels), 4) or 1)
+    figure.legend(
+        [handles[label] for label in labels], labels, loc="outside lower center", ncols=min(len(labels), 4) or 1
+    )
     if title:
         figure.suptitle(title)
     return figure, labels

@@ -12,6 +12,7 @@ when the same lines said no CUDA driver exists (unless the level is 0: everythin
 lines, a traceback) is written to stderr as it came. TF_ENABLE_ONEDNN_OPTS is left alone
 (it changes numerics).
 """
+
 from __future__ import annotations
 
 import os

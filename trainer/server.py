@@ -72,10 +72,17 @@ class _ArgumentParser(argparse.ArgumentParser):
 def parse_args(argv: list[str]) -> tuple[str, dict[str, Any]]:
     """The resolver kind and its options, spelled like the chief's gin parameters."""
     parser = _ArgumentParser(prog="python -m trainer.server", description="A worker or ps task.")
-    parser.add_argument("--cluster_resolver", choices=cluster.RESOLVER_KINDS, default="tf_config",
-                        help="where the cluster comes from, as train.cluster_resolver")
-    parser.add_argument("--cluster_resolver_options", default="{}",
-                        help="the resolver's options as a Python dict, as train.cluster_resolver_options")
+    parser.add_argument(
+        "--cluster_resolver",
+        choices=cluster.RESOLVER_KINDS,
+        default="tf_config",
+        help="where the cluster comes from, as train.cluster_resolver",
+    )
+    parser.add_argument(
+        "--cluster_resolver_options",
+        default="{}",
+        help="the resolver's options as a Python dict, as train.cluster_resolver_options",
+    )
     args = parser.parse_args(argv)
     try:
         options = ast.literal_eval(args.cluster_resolver_options)

@@ -4,6 +4,7 @@ Gin passes whatever a config file says (`make_optimizer.learning_rate = 'fast'`)
 type or range otherwise surfaces as a traceback deep inside Keras or TensorFlow, often after
 `model_dir` was written. Every configurable checks its arguments with these on entry.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -15,8 +16,9 @@ def _fail(name: str, value: Any, allowed: str) -> None:
     raise UserError(f"{name} must be {allowed}, got {value!r}")
 
 
-def check_int(name: str, value: Any, *, minimum: int | None = 1, maximum: int | None = None,
-              optional: bool = False) -> None:
+def check_int(
+    name: str, value: Any, *, minimum: int | None = 1, maximum: int | None = None, optional: bool = False
+) -> None:
     """An int (not a bool) within [minimum, maximum]; None too if `optional`."""
     if optional and value is None:
         return
@@ -32,8 +34,15 @@ def check_int(name: str, value: Any, *, minimum: int | None = 1, maximum: int | 
         _fail(name, value, allowed + (" or None" if optional else ""))
 
 
-def check_number(name: str, value: Any, *, minimum: float | None = 0.0, strictly: bool = True,
-                 below: float | None = None, optional: bool = False) -> None:
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = 0.0,
+    strictly: bool = True,
+    below: float | None = None,
+    optional: bool = False,
+) -> None:
     """A real number (int or float, not a bool) above `minimum` (or at it unless `strictly`), under `below`."""
     if optional and value is None:
         return

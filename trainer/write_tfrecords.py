@@ -31,7 +31,8 @@ _DATASET = flags.DEFINE_enum("dataset", "digits", ["digits", "fashion_mnist", "s
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Directory to write the shards into (created if missing).")
 _NUM_SHARDS = flags.DEFINE_integer("num_shards", 4, "Number of files per split.")
 _FASHION_MNIST_DIR = flags.DEFINE_string(
-    "fashion_mnist_dir", None, "Directory of the four Fashion-MNIST .gz files (default: Keras' cache).")
+    "fashion_mnist_dir", None, "Directory of the four Fashion-MNIST .gz files (default: Keras' cache)."
+)
 
 
 def make_source(name: str, fashion_mnist_dir: str | None = None) -> data.DataSource:
@@ -96,11 +97,13 @@ def main(argv: Sequence[str]) -> None:
 def gin_bindings(written: data.TFRecordFiles) -> str:
     """The gin lines that train on the written files: paste them into a gin file (after its
     include) or pass each as --gin_bindings."""
-    return (f"train.input_fn = @tfrecord_files()\n"
-            f"tfrecord_files.train_pattern = '{written.train_pattern}'\n"
-            f"tfrecord_files.eval_pattern = '{written.eval_pattern}'\n"
-            f"tfrecord_files.input_shape = {written.input_shape}\n"
-            f"tfrecord_files.num_classes = {written.num_classes}\n")
+    return (
+        f"train.input_fn = @tfrecord_files()\n"
+        f"tfrecord_files.train_pattern = '{written.train_pattern}'\n"
+        f"tfrecord_files.eval_pattern = '{written.eval_pattern}'\n"
+        f"tfrecord_files.input_shape = {written.input_shape}\n"
+        f"tfrecord_files.num_classes = {written.num_classes}\n"
+    )
 
 
 if __name__ == "__main__":

@@ -17,15 +17,16 @@ Gin (experiments/auc/auc.gin): `import experiments.auc.auc`, then `train.input_f
 @small_or_large_digits`, `train.model_fn = @auc_mlp`, `train.step_fn = @binary_step`,
 `train.eval_step_fn = @auc_eval_step`, `train.eval_metrics_fn = @auc_metrics`.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-import gin
 import keras
 import numpy as np
 import tensorflow as tf
 
+import gin
 from trainer import data
 from trainer.task.steps import call_model, regularization_loss, scale_loss
 

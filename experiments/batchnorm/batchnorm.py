@@ -22,17 +22,24 @@ replica 1's. With it every replica applies the same update and the copies stay e
 Gin (experiments/batchnorm/batchnorm.gin): `import experiments.batchnorm.batchnorm`,
 `train.model_fn = @batchnorm_cnn`.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
 
-import gin
 import keras
+
+import gin
 
 
 @gin.configurable
-def batchnorm_cnn(input_shape: Sequence[int], num_classes: int, filters: Sequence[int] = (16, 32),
-                  momentum: float = 0.9, synchronized: bool = True) -> keras.Model:
+def batchnorm_cnn(
+    input_shape: Sequence[int],
+    num_classes: int,
+    filters: Sequence[int] = (16, 32),
+    momentum: float = 0.9,
+    synchronized: bool = True,
+) -> keras.Model:
     """Conv -> BatchNorm -> ReLU blocks, global average pooling, a linear classifier (logits)."""
     layers = [keras.Input(tuple(input_shape))]
     for width in filters:

@@ -8,23 +8,38 @@ trains the same weights on any number of replicas; the gradient flows back throu
 the replica that embedded each example. Under parameter_server, where workers run on their own
 and no replica context spans them, the run refuses the step in one line.
 """
+
 from __future__ import annotations
 
-import gin
 import keras
 import tensorflow as tf
+
+import gin
 
 
 @gin.configurable
 def embedding_mlp(input_shape, *, width: int = 64, dimension: int = 32) -> keras.Model:
     """An MLP that maps an image to an embedding (not normalised)."""
-    return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(),
-                             keras.layers.Dense(width, activation="relu"), keras.layers.Dense(dimension)],
-                            name="embedding_mlp")
+    return keras.Sequential(
+        [
+            keras.Input(input_shape),
+            keras.layers.Flatten(),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(dimension),
+        ],
+        name="embedding_mlp",
+    )
 
 
-def supervised_contrastive(z: tf.Tensor, labels: tf.Tensor, z_all: tf.Tensor, labels_all: tf.Tensor,
-                           offset: tf.Tensor, temperature: float, real_all: tf.Tensor | None = None) -> tf.Tensor:
+def supervised_contrastive(
+    z: tf.Tensor,
+    labels: tf.Tensor,
+    z_all: tf.Tensor,
+    labels_all: tf.Tensor,
+    offset: tf.Tensor,
+    temperature: float,
+    real_all: tf.Tensor | None = None,
+) -> tf.Tensor:
     """Per-example loss of the examples (`z`, `labels`) against every example of the batch (`*_all`);
     `offset`: where this replica's examples sit in the gathered batch (left out as their own pair);
     `real_all`: 1 for the batch's real examples, 0 for eval padding (neither positive nor negative)."""
@@ -70,5 +85,8 @@ def contrastive_eval_step(model, batch, temperature: float = 0.1):
     similarity = tf.matmul(z, z_all, transpose_b=True) - 1e9 * tf.maximum(own, 1.0 - real_all[None, :])
     nearest = tf.gather(labels_all, tf.argmax(similarity, axis=1, output_type=tf.int32))
     hits = tf.cast(tf.equal(nearest, labels), tf.float32)
-    return {"loss": tf.reduce_sum(per_example * weights), "nearest_neighbour_accuracy": tf.reduce_sum(hits * weights),
-            "num_examples": tf.reduce_sum(weights)}
+    return {
+        "loss": tf.reduce_sum(per_example * weights),
+        "nearest_neighbour_accuracy": tf.reduce_sum(hits * weights),
+        "num_examples": tf.reduce_sum(weights),
+    }

@@ -6,6 +6,7 @@ logged steps/s, which counts training only): the first (it includes tracing) and
 the others (a median, so that an epoch slowed by other work on the machine does not carry the
 figure), and each run's wall time from run.sh.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,10 @@ def main(out: str) -> None:
             print(f"| {what} | did not finish ({type(e).__name__}: {e}) | | | |")
             continue
         rest = epochs[1:] or epochs
-        print(f"| {what} | {validation:.4f} | {test:.4f} | {epochs[0]:.0f}, {statistics.median(rest):.0f} | "
-              f"{wall.get(name, '?')} s |")
+        print(
+            f"| {what} | {validation:.4f} | {test:.4f} | {epochs[0]:.0f}, {statistics.median(rest):.0f} | "
+            f"{wall.get(name, '?')} s |"
+        )
 
 
 if __name__ == "__main__":

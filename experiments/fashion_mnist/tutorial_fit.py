@@ -18,6 +18,7 @@ Keras' cache are linked into a temporary KERAS_HOME for it, so nothing is downlo
 `--seed` (Keras' `set_random_seed`) fixes the initial weights and the shuffle; the tutorial
 sets none. `--epochs` and `--steps_per_epoch` shorten the run to estimate its time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,12 @@ import sys
 import tempfile
 import time
 
-FILES = ("train-labels-idx1-ubyte.gz", "train-images-idx3-ubyte.gz",
-         "t10k-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz")
+FILES = (
+    "train-labels-idx1-ubyte.gz",
+    "train-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+)
 SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"
 VALIDATION_SIZE = 5000
 BATCH_SIZE = 128
@@ -50,8 +55,10 @@ def point_keras_at(data_dir: str | None) -> str:
     if data_dir is None:
         data_dir = next((d for d in (keras_cache(), SYSTEM_DIR) if complete(d)), None)
         if data_dir is None:
-            sys.exit(f"error: Fashion-MNIST files are missing from {keras_cache()} and {SYSTEM_DIR}: "
-                     "run `apt-get install dataset-fashion-mnist` or pass --data_dir")
+            sys.exit(
+                f"error: Fashion-MNIST files are missing from {keras_cache()} and {SYSTEM_DIR}: "
+                "run `apt-get install dataset-fashion-mnist` or pass --data_dir"
+            )
     elif not complete(data_dir):
         sys.exit(f"error: --data_dir {data_dir} lacks some of {', '.join(FILES)}")
     if os.path.realpath(data_dir) != os.path.realpath(keras_cache()):
@@ -59,8 +66,9 @@ def point_keras_at(data_dir: str | None) -> str:
         atexit.register(shutil.rmtree, home, ignore_errors=True)
         os.makedirs(os.path.join(home, "datasets", "fashion-mnist"))
         for name in FILES:
-            os.symlink(os.path.realpath(os.path.join(data_dir, name)),
-                       os.path.join(home, "datasets", "fashion-mnist", name))
+            os.symlink(
+                os.path.realpath(os.path.join(data_dir, name)), os.path.join(home, "datasets", "fashion-mnist", name)
+            )
         os.environ["KERAS_HOME"] = home
     return data_dir
 
@@ -104,8 +112,9 @@ def main() -> None:
     train_dataset = make_dataset(x_train_scaled, y_train, args.epochs, BATCH_SIZE)
 
     model = keras.models.Sequential()
-    model.add(keras.layers.Conv2D(filters=32, kernel_size=3, padding="same", activation="relu",
-                                  input_shape=(28, 28, 1)))
+    model.add(
+        keras.layers.Conv2D(filters=32, kernel_size=3, padding="same", activation="relu", input_shape=(28, 28, 1))
+    )
     model.add(keras.layers.Conv2D(filters=32, kernel_size=3, padding="same", activation="relu"))
     model.add(keras.layers.MaxPool2D(pool_size=2))
     model.add(keras.layers.Conv2D(filters=64, kernel_size=3, padding="same", activation="relu"))
@@ -130,12 +139,16 @@ def main() -> None:
             epoch_seconds.append(time.perf_counter() - self.started)
 
     steps_per_epoch = args.steps_per_epoch or x_train_scaled.shape[0] // BATCH_SIZE
-    history = model.fit(train_dataset, steps_per_epoch=steps_per_epoch, epochs=args.epochs,
-                        callbacks=[EpochTimer()], verbose=2)
+    history = model.fit(
+        train_dataset, steps_per_epoch=steps_per_epoch, epochs=args.epochs, callbacks=[EpochTimer()], verbose=2
+    )
     results = {
-        "data_dir": data_dir, "seed": args.seed, "steps": steps_per_epoch * args.epochs,
+        "data_dir": data_dir,
+        "seed": args.seed,
+        "steps": steps_per_epoch * args.epochs,
         "parameters": model.count_params(),
-        "scaler_mean": float(scaler.mean_[0]), "scaler_std": float(scaler.scale_[0]),
+        "scaler_mean": float(scaler.mean_[0]),
+        "scaler_std": float(scaler.scale_[0]),
         "epoch_seconds": [round(s, 1) for s in epoch_seconds],
         "train_loss": [round(v, 4) for v in history.history["loss"]],
     }

@@ -17,15 +17,16 @@ Gin (experiments/gan/gan.gin): `import experiments.gan.gan`, then
 `train.model_fn = @gan_models`, `train.optimizer_fn = @gan_optimizers`,
 `train.step_fn = @gan_step`, `train.eval_step_fn = @gan_eval_step`.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-import gin
 import keras
 import numpy as np
 import tensorflow as tf
 
+import gin
 from trainer.task.steps import scale_loss
 
 
@@ -33,19 +34,25 @@ from trainer.task.steps import scale_loss
 def gan_models(input_shape: Sequence[int], noise_dim: int = 16, hidden: int = 128) -> dict[str, keras.Model]:
     """A two-layer generator (noise -> image in [-1, 1]) and a two-layer discriminator (image -> logit)."""
     pixels = int(np.prod(input_shape))
-    generator = keras.Sequential([
-        keras.Input((noise_dim,)),
-        keras.layers.Dense(hidden, activation="relu"),
-        keras.layers.Dense(pixels, activation="tanh"),
-        keras.layers.Reshape(tuple(input_shape)),
-    ], name="generator")
-    discriminator = keras.Sequential([
-        keras.Input(tuple(input_shape)),
-        keras.layers.Flatten(),
-        keras.layers.Dense(hidden),
-        keras.layers.LeakyReLU(0.2),
-        keras.layers.Dense(1),
-    ], name="discriminator")
+    generator = keras.Sequential(
+        [
+            keras.Input((noise_dim,)),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(pixels, activation="tanh"),
+            keras.layers.Reshape(tuple(input_shape)),
+        ],
+        name="generator",
+    )
+    discriminator = keras.Sequential(
+        [
+            keras.Input(tuple(input_shape)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(hidden),
+            keras.layers.LeakyReLU(0.2),
+            keras.layers.Dense(1),
+        ],
+        name="discriminator",
+    )
     return {"generator": generator, "discriminator": discriminator}
 
 
@@ -80,8 +87,9 @@ def _apply(optimizer, tape: tf.GradientTape, loss: tf.Tensor, model: keras.Model
 
 
 @gin.configurable
-def gan_step(model: Mapping[str, keras.Model], optimizer: Mapping, batch, global_batch_size: int
-             ) -> dict[str, tf.Tensor]:
+def gan_step(
+    model: Mapping[str, keras.Model], optimizer: Mapping, batch, global_batch_size: int
+) -> dict[str, tf.Tensor]:
     """One discriminator update on real and fake images, then one generator update against it.
 
     Each value is this replica's share of the global-batch mean (SUM over replicas = global).

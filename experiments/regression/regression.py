@@ -7,17 +7,18 @@ returns sums. Features and target are standardised with the train split's statis
 mean predictor (the train mean target) predicts 0 and its eval MSE is the eval split's mean of
 squared standardised targets: reported beside the model's as `baseline_mse`.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from functools import cached_property
 from typing import Mapping
 
-import gin
 import keras
 import numpy as np
 import tensorflow as tf
 
+import gin
 from trainer.task.steps import call_model, regularization_loss, scale_loss
 
 
@@ -40,8 +41,10 @@ class Diabetes:
         train, held_out = order[num_eval:], order[:num_eval]
         x_mean, x_std = x[train].mean(axis=0), x[train].std(axis=0)
         y_mean, y_std = y[train].mean(), y[train].std()
-        scale = lambda idx: (((x[idx] - x_mean) / x_std).astype(np.float32),  # noqa: E731
-                             ((y[idx] - y_mean) / y_std).astype(np.float32))
+
+        def scale(idx):
+            return ((x[idx] - x_mean) / x_std).astype(np.float32), ((y[idx] - y_mean) / y_std).astype(np.float32)
+
         return {"train": scale(train), "eval": scale(held_out)}
 
     def __call__(self, split: str) -> tf.data.Dataset:

@@ -18,14 +18,15 @@ weights. As an extension it shows every power a built-in feature has:
     swa.start_step = 300
     swa.every_steps = 20
 """
+
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Iterator
 
-import gin
 import tensorflow as tf
 
+import gin
 from trainer.errors import UserError
 from trainer.extensions import SYNCHRONOUS, Extension, Outputs, Setup
 from trainer.extensions.export import EXPORT_WEIGHTS, ExportWeights
@@ -37,9 +38,15 @@ class SwaAverages(tf.Module):
 
     def __init__(self, weights: list):
         super().__init__(name="swa")
-        self.means = [tf.Variable(tf.convert_to_tensor(w), trainable=False, name=f"swa_{i}",
-                                  aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-                      for i, w in enumerate(weights)]
+        self.means = [
+            tf.Variable(
+                tf.convert_to_tensor(w),
+                trainable=False,
+                name=f"swa_{i}",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+            for i, w in enumerate(weights)
+        ]
 
 
 @gin.configurable("swa")
@@ -69,13 +76,16 @@ class StochasticWeightAveraging(Extension):
 
     def check(self, settings: Any) -> None:
         if self.start_step > settings.total_steps:
-            raise UserError(f"swa.start_step {self.start_step} is after train.total_steps {settings.total_steps}: "
-                            "nothing would be averaged")
+            raise UserError(
+                f"swa.start_step {self.start_step} is after train.total_steps {settings.total_steps}: "
+                "nothing would be averaged"
+            )
 
     def attach(self, setup: Setup) -> None:
         models = setup.task.models
-        self._weights = [v for m in (models.values() if isinstance(models, dict) else [models])
-                         for v in m.trainable_variables]
+        self._weights = [
+            v for m in (models.values() if isinstance(models, dict) else [models]) for v in m.trainable_variables
+        ]
         with setup.scope():
             self.averages = SwaAverages(self._weights)
         setup.add_checkpoint_item("swa", self.averages)
@@ -102,7 +112,6 @@ class StochasticWeightAveraging(Extension):
 
     def end(self, run: Run, step: int) -> None:
         self.after_loop(run, step, {})  # the final eval, if it was not at a boundary
-
 
     def _snapshots_at(self, step: int) -> int:
         return (step - self.start_step) // self.every_steps + 1

@@ -6,15 +6,17 @@ keywords it contains (neither, the first, the second, both). The input function 
 sequences ragged and pads each with 0 to `max_length` itself (the loop needs fixed shapes);
 the model embeds with `mask_zero=True`, so padding is left out of the average it pools.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from functools import cached_property
 
-import gin
 import keras
 import numpy as np
 import tensorflow as tf
+
+import gin
 
 PAD = 0
 KEYWORDS = (1, 2)  # token ids whose presence decides the class; filler ids start after them
@@ -63,17 +65,26 @@ class TokenSequences:
 
 
 @gin.configurable
-def text_classifier(input_shape: tuple[int, ...], num_classes: int, *, vocab_size: int = VOCAB_SIZE, embedding_dim: int = 16,
-                    units: int = 32) -> keras.Model:
+def text_classifier(
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    *,
+    vocab_size: int = VOCAB_SIZE,
+    embedding_dim: int = 16,
+    units: int = 32,
+) -> keras.Model:
     """Embedding (0 masked), masked average pooling, a hidden layer; returns logits.
 
     `input_shape` is `(max_length,)`: the model is built here, under the strategy's scope, not on its
     first call inside the step.
     """
-    return keras.Sequential([
-        keras.Input(shape=tuple(input_shape), dtype="int32"),
-        keras.layers.Embedding(vocab_size, embedding_dim, mask_zero=True),
-        keras.layers.GlobalAveragePooling1D(),
-        keras.layers.Dense(units, activation="relu"),
-        keras.layers.Dense(num_classes),
-    ], name="text_classifier")
+    return keras.Sequential(
+        [
+            keras.Input(shape=tuple(input_shape), dtype="int32"),
+            keras.layers.Embedding(vocab_size, embedding_dim, mask_zero=True),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(units, activation="relu"),
+            keras.layers.Dense(num_classes),
+        ],
+        name="text_classifier",
+    )

@@ -5,15 +5,16 @@ Examples are `({'image': float32 [8, 8, 1], 'stats': float32 [16]}, label int32)
 input. The model reads both shapes from `element_spec`; the built-in `classification_step` and
 `classification_eval_step` work unchanged, since they pass `batch[0]` (here the dict) to the model.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import gin
 import keras
 import tensorflow as tf
 
+import gin
 from trainer import data
 
 

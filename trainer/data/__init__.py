@@ -1,20 +1,68 @@
 """Input: input functions (the user's and the built-in sources) and the pipelines that batch,
 shard and distribute any of them (see trainer.data.inputs for the input function contract)."""
 
-from trainer.data.distribute import shards_by_file, distribute_eval, distribute_train, num_workers, replica_slices
-from trainer.data.inputs import (MAX_IN_MEMORY_BYTES, SPLITS, DataSource, Input, InputFunction, Shard, as_input,
-                                 check_sizes)
-from trainer.data.pipeline import (MAX_SHUFFLE_BUFFER, SHARD_POLICIES, eval_dataset, prefetch_for_accelerators,
-                                   shuffled_index_batches, train_dataset)
+from trainer.data.distribute import distribute_eval, distribute_train, num_workers, replica_slices, shards_by_file
+from trainer.data.inputs import (
+    MAX_IN_MEMORY_BYTES,
+    SPLITS,
+    DataSource,
+    Input,
+    InputFunction,
+    Shard,
+    as_input,
+    check_sizes,
+)
+from trainer.data.pipeline import (
+    MAX_SHUFFLE_BUFFER,
+    SHARD_POLICIES,
+    eval_dataset,
+    prefetch_for_accelerators,
+    shuffled_index_batches,
+    train_dataset,
+)
 from trainer.data.sources import FASHION_MNIST_FILES, Digits, FashionMnist, Synthetic
-from trainer.data.tfrecord import (FEATURE_KINDS, Feature, TFRecordFiles, bytes_feature, float_feature,
-                                   int64_feature, int64_sequence_feature, jpeg_feature, png_feature)
+from trainer.data.tfrecord import (
+    FEATURE_KINDS,
+    Feature,
+    TFRecordFiles,
+    bytes_feature,
+    float_feature,
+    int64_feature,
+    int64_sequence_feature,
+    jpeg_feature,
+    png_feature,
+)
 
 __all__ = [
-    "DataSource", "Digits", "FASHION_MNIST_FILES", "FEATURE_KINDS", "FashionMnist", "Feature", "Input",
-    "InputFunction", "MAX_IN_MEMORY_BYTES", "MAX_SHUFFLE_BUFFER", "SHARD_POLICIES", "SPLITS", "Shard",
-    "Synthetic", "TFRecordFiles", "as_input", "bytes_feature", "check_sizes", "distribute_eval",
-    "distribute_train", "eval_dataset", "float_feature", "int64_feature", "int64_sequence_feature",
-    "jpeg_feature", "num_workers", "png_feature", "prefetch_for_accelerators", "replica_slices",
-    "shuffled_index_batches", "train_dataset",
+    "DataSource",
+    "Digits",
+    "FASHION_MNIST_FILES",
+    "FEATURE_KINDS",
+    "FashionMnist",
+    "Feature",
+    "Input",
+    "InputFunction",
+    "MAX_IN_MEMORY_BYTES",
+    "MAX_SHUFFLE_BUFFER",
+    "SHARD_POLICIES",
+    "SPLITS",
+    "Shard",
+    "Synthetic",
+    "TFRecordFiles",
+    "as_input",
+    "bytes_feature",
+    "check_sizes",
+    "distribute_eval",
+    "distribute_train",
+    "eval_dataset",
+    "float_feature",
+    "int64_feature",
+    "int64_sequence_feature",
+    "jpeg_feature",
+    "num_workers",
+    "png_feature",
+    "prefetch_for_accelerators",
+    "replica_slices",
+    "shuffled_index_batches",
+    "train_dataset",
 ]

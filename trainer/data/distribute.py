@@ -38,12 +38,19 @@ def _check(strategy: tf.distribute.Strategy, inp: Input, split: str, method: str
     if policy == "FILE" and files < workers:
         raise UserError(
             f"FILE sharding needs at least as many files ({files}) as workers ({workers}): write more shards "
-            "with `python -m trainer.write_tfrecords --num_shards=...` or set shard_policy to DATA")
+            "with `python -m trainer.write_tfrecords --num_shards=...` or set shard_policy to DATA"
+        )
     # Eval files sharded across workers give them different batch counts; their collectives then hang.
-    if split != "train" and method == "dataset" and workers > 1 and (
-            policy == "FILE" or policy == "AUTO" and files > 1):
-        raise UserError(f"{split} with shard_policy {shard_policy} may shard by file and hang {workers} workers: "
-                        f"set the {split} shard_policy to DATA")
+    if (
+        split != "train"
+        and method == "dataset"
+        and workers > 1
+        and (policy == "FILE" or policy == "AUTO" and files > 1)
+    ):
+        raise UserError(
+            f"{split} with shard_policy {shard_policy} may shard by file and hang {workers} workers: "
+            f"set the {split} shard_policy to DATA"
+        )
 
 
 def shards_by_file(source: Input | InputFunction, shard_policy: str, context: tf.distribute.InputContext) -> bool:
@@ -71,15 +78,24 @@ def replica_slices(dataset: tf.data.Dataset, context: tf.distribute.InputContext
 
     def split(batch):
         chunks = tf.nest.map_structure(
-            lambda t: tf.reshape(t, [replicas, -1, *t.shape[1:]])[first:first + per_pipeline], batch)
+            lambda t: tf.reshape(t, [replicas, -1, *t.shape[1:]])[first : first + per_pipeline], batch
+        )
         return tf.data.Dataset.from_tensor_slices(chunks)
 
     return prefetch_for_accelerators(dataset.flat_map(whole(split, dataset.element_spec)))
 
 
-def distribute_train(strategy: tf.distribute.Strategy, inp: Input | InputFunction, global_batch_size: int,
-                     seed: int, *, method: str = "dataset", shard_policy: str = "AUTO", skip_steps: int = 0,
-                     drop_batches: Sequence[int] = ()) -> tf.distribute.DistributedDataset:
+def distribute_train(
+    strategy: tf.distribute.Strategy,
+    inp: Input | InputFunction,
+    global_batch_size: int,
+    seed: int,
+    *,
+    method: str = "dataset",
+    shard_policy: str = "AUTO",
+    skip_steps: int = 0,
+    drop_batches: Sequence[int] = (),
+) -> tf.distribute.DistributedDataset:
     """The training data for `strategy`, resumed after `skip_steps` global steps.
 
     `drop_batches` are global batch indices never trained on (see `train_dataset`).
@@ -87,37 +103,58 @@ def distribute_train(strategy: tf.distribute.Strategy, inp: Input | InputFunctio
     inp = as_input(inp)
     _check(strategy, inp, "train", method, shard_policy)
     if method == "dataset":
-        dataset = train_dataset(inp, global_batch_size, seed, shard_policy=shard_policy, skip_batches=skip_steps,
-                                drop_batches=drop_batches)
+        dataset = train_dataset(
+            inp, global_batch_size, seed, shard_policy=shard_policy, skip_batches=skip_steps, drop_batches=drop_batches
+        )
         return strategy.experimental_distribute_dataset(dataset)
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         if shards_by_file(inp, shard_policy, context):
             batches_per_step = context.num_replicas_in_sync // context.num_input_pipelines
-            return train_dataset(inp, context.get_per_replica_batch_size(global_batch_size), seed,
-                                 shard_policy=shard_policy, skip_batches=skip_steps * batches_per_step,
-                                 drop_batches=[s * batches_per_step + k for s in drop_batches
-                                               for k in range(batches_per_step)],
-                                 input_context=context)
-        dataset = train_dataset(inp, global_batch_size, seed, shard_policy="OFF", skip_batches=skip_steps,
-                                drop_batches=drop_batches)
+            return train_dataset(
+                inp,
+                context.get_per_replica_batch_size(global_batch_size),
+                seed,
+                shard_policy=shard_policy,
+                skip_batches=skip_steps * batches_per_step,
+                drop_batches=[s * batches_per_step + k for s in drop_batches for k in range(batches_per_step)],
+                input_context=context,
+            )
+        dataset = train_dataset(
+            inp, global_batch_size, seed, shard_policy="OFF", skip_batches=skip_steps, drop_batches=drop_batches
+        )
         return replica_slices(dataset, context)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 
 
-def distribute_eval(strategy: tf.distribute.Strategy, inp: Input | InputFunction, global_batch_size: int, *,
-                    split: str = "eval", method: str = "dataset", shard_policy: str = "AUTO"
-                    ) -> tf.distribute.DistributedDataset:
+def distribute_eval(
+    strategy: tf.distribute.Strategy,
+    inp: Input | InputFunction,
+    global_batch_size: int,
+    *,
+    split: str = "eval",
+    method: str = "dataset",
+    shard_policy: str = "AUTO",
+) -> tf.distribute.DistributedDataset:
     """The `split` data for `strategy`, padded so every replica sees the same number of batches."""
     inp = as_input(inp)
     _check(strategy, inp, split, method, shard_policy)
     if method == "dataset":
-        return strategy.experimental_distribute_dataset(eval_dataset(
-            inp, global_batch_size, split=split, pad_to_multiple_of=global_batch_size, shard_policy=shard_policy))
+        return strategy.experimental_distribute_dataset(
+            eval_dataset(
+                inp, global_batch_size, split=split, pad_to_multiple_of=global_batch_size, shard_policy=shard_policy
+            )
+        )
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        return eval_dataset(inp, context.get_per_replica_batch_size(global_batch_size), split=split,
-                            pad_to_multiple_of=global_batch_size, shard_policy=shard_policy, input_context=context)
+        return eval_dataset(
+            inp,
+            context.get_per_replica_batch_size(global_batch_size),
+            split=split,
+            pad_to_multiple_of=global_batch_size,
+            shard_policy=shard_policy,
+            input_context=context,
+        )
 
     return strategy.distribute_datasets_from_function(dataset_fn)

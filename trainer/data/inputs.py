@@ -78,9 +78,11 @@ def _check_signature(input_fn: InputFunction) -> None:
     try:
         signature.bind("train")
     except TypeError:
-        raise UserError(f"train.input_fn {_name(input_fn)}{signature} takes no split: the loop calls it as "
-                        "input_fn(split) with 'train' and each of train.eval_splits; add a first parameter "
-                        "`split`") from None
+        raise UserError(
+            f"train.input_fn {_name(input_fn)}{signature} takes no split: the loop calls it as "
+            "input_fn(split) with 'train' and each of train.eval_splits; add a first parameter "
+            "`split`"
+        ) from None
 
 
 def _declares_input_context(input_fn: InputFunction) -> bool:
@@ -146,8 +148,10 @@ class Input:
         """The function's dataset for `split`, checked to be unbatched fixed-shape examples."""
         splits = getattr(self.input_fn, "splits", None)
         if splits is not None and split not in splits:
-            raise UserError(f"input function {_name(self.input_fn)} has no split {split!r} (it has "
-                            f"{', '.join(splits)}): use one of those")
+            raise UserError(
+                f"input function {_name(self.input_fn)} has no split {split!r} (it has "
+                f"{', '.join(splits)}): use one of those"
+            )
         doing = f"for split {split!r}" + ("" if split == "train" else " (one of train.eval_splits)")
         with user_function(self.input_fn, "train.input_fn", doing):
             if self.shards_itself:
@@ -158,8 +162,10 @@ class Input:
         return dataset
 
     def _check(self, dataset: Any, split: str) -> None:
-        fix = ("return an unbatched tf.data.Dataset of fixed-shape examples (no .batch(); pad variable-length "
-               "features, e.g. with data.Feature('int64_sequence', length=...))")
+        fix = (
+            "return an unbatched tf.data.Dataset of fixed-shape examples (no .batch(); pad variable-length "
+            "features, e.g. with data.Feature('int64_sequence', length=...))"
+        )
         where = f"input function {_name(self.input_fn)} returned"
         if not isinstance(dataset, tf.data.Dataset):
             raise UserError(f"{where} a {type(dataset).__name__}, not a tf.data.Dataset, for split {split!r}: {fix}")
@@ -167,8 +173,10 @@ class Input:
             if not isinstance(leaf, tf.TensorSpec):
                 raise UserError(f"{where} a {type(leaf).__name__} at {path} for split {split!r}: {fix}")
             if not leaf.shape.is_fully_defined():
-                raise UserError(f"{where} examples of shape {leaf.shape} at {path} for split {split!r} "
-                                f"(batched, or of variable length): {fix}")
+                raise UserError(
+                    f"{where} examples of shape {leaf.shape} at {path} for split {split!r} "
+                    f"(batched, or of variable length): {fix}"
+                )
 
     def num_examples(self, split: str) -> int:
         """How many examples `split` holds: the function's own count, the known cardinality, else counted once."""
@@ -184,8 +192,10 @@ class Input:
         dataset = self.examples(split)
         count = int(dataset.cardinality())
         if count == tf.data.INFINITE_CARDINALITY:
-            raise UserError(f"input function {_name(self.input_fn)} returned an endless dataset for split "
-                            f"{split!r}: return each example once (no .repeat()); the loop repeats it")
+            raise UserError(
+                f"input function {_name(self.input_fn)} returned an endless dataset for split "
+                f"{split!r}: return each example once (no .repeat()); the loop repeats it"
+            )
         if count < 0:
             count = self._count_by_iterating(dataset, split)
         return count
@@ -203,7 +213,8 @@ class Input:
                     f"counting split {split!r} of input function {_name(self.input_fn)} (its size is unknown to "
                     f"tf.data) took more than {COUNT_SECONDS:g} s ({count} examples so far): an endless dataset? "
                     "return each example once; if it is that big, declare its size "
-                    f"(dataset.apply(tf.data.experimental.assert_cardinality(n)), or a num_examples(split) attribute)")
+                    f"(dataset.apply(tf.data.experimental.assert_cardinality(n)), or a num_examples(split) attribute)"
+                )
             if now > next_line and self.print_fn is not None:
                 self.print_fn(f"counting split {split!r} (its size is unknown to tf.data): {count} examples so far")
                 next_line = now + COUNT_PROGRESS_SECONDS
@@ -230,12 +241,15 @@ class Input:
         """Refuses data that cannot make one training batch or has nothing to evaluate."""
         num_train = self.num_examples("train")
         if num_train < global_batch_size:
-            raise UserError(f"the train split has {num_train} examples, fewer than one global batch of "
-                            f"{global_batch_size}: add data or lower train.global_batch_size")
+            raise UserError(
+                f"the train split has {num_train} examples, fewer than one global batch of "
+                f"{global_batch_size}: add data or lower train.global_batch_size"
+            )
         for split in self.eval_splits:
             if self.num_examples(split) == 0:
-                raise UserError(f"the {split} split has no examples: add {split} data "
-                                "(e.g. the eval files of tfrecord_files)")
+                raise UserError(
+                    f"the {split} split has no examples: add {split} data (e.g. the eval files of tfrecord_files)"
+                )
 
     def train_arrays(self, input_context: tf.distribute.InputContext | None = None) -> tuple[Any, Shard | None] | None:
         """The train examples stacked as numpy arrays, and the shard still to keep from them by index.
@@ -260,8 +274,9 @@ class Input:
         if count < 0 or size is None or size * count > MAX_IN_MEMORY_BYTES:
             return None
         if count == 0:
-            return tf.nest.map_structure(lambda s: np.zeros((0, *s.shape), s.dtype.as_numpy_dtype),
-                                         dataset.element_spec)
+            return tf.nest.map_structure(
+                lambda s: np.zeros((0, *s.shape), s.dtype.as_numpy_dtype), dataset.element_spec
+            )
         return tf.nest.map_structure(lambda t: t.numpy(), dataset.batch(count).get_single_element())
 
 

@@ -46,9 +46,16 @@ def graph_code(fn: Callable) -> Callable:
     return tf.autograph.experimental.do_not_convert(fn)
 
 
-def train_dataset(inp: Input | InputFunction, batch_size: int, seed: int, *, shard_policy: str = "AUTO",
-                  skip_batches: int = 0, drop_batches: Sequence[int] = (),
-                  input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+def train_dataset(
+    inp: Input | InputFunction,
+    batch_size: int,
+    seed: int,
+    *,
+    shard_policy: str = "AUTO",
+    skip_batches: int = 0,
+    drop_batches: Sequence[int] = (),
+    input_context: tf.distribute.InputContext | None = None,
+) -> tf.data.Dataset:
     """Endless shuffled batches, deterministic by seed, starting at batch `skip_batches`.
 
     `drop_batches` are indices (in the unskipped stream) of batches never to train on, such as
@@ -65,8 +72,9 @@ def train_dataset(inp: Input | InputFunction, batch_size: int, seed: int, *, sha
     held = inp.train_arrays(input_context)
     if held is not None:
         arrays, shard = held
-        dataset = shuffled_index_batches(len(tf.nest.flatten(arrays)[0]), batch_size, seed, first_batch=first,
-                                         shard=shard)
+        dataset = shuffled_index_batches(
+            len(tf.nest.flatten(arrays)[0]), batch_size, seed, first_batch=first, shard=shard
+        )
     else:
         buffer = min(inp.num_examples("train"), MAX_SHUFFLE_BUFFER)
         dataset = inp.examples("train", input_context)
@@ -77,7 +85,8 @@ def train_dataset(inp: Input | InputFunction, batch_size: int, seed: int, *, sha
     if dropped := [b for b in drop_batches if b >= first]:
         dropped = tf.constant(dropped, tf.int64)
         dataset = dataset.enumerate(start=first).filter(
-            graph_code(lambda i, _: tf.reduce_all(tf.not_equal(i, dropped))))
+            graph_code(lambda i, _: tf.reduce_all(tf.not_equal(i, dropped)))
+        )
         dataset = dataset.map(graph_code(lambda _, batch: batch))
     if held is not None:
         dataset = gathered(dataset, held[0], batch_size)
@@ -144,8 +153,9 @@ def _raw_batch_index(skip_batches: int, drop_batches: Sequence[int]) -> int:
     return raw
 
 
-def shuffled_index_batches(num_examples: int, batch_size: int, seed: int, *, first_batch: int = 0,
-                           shard: Shard | None = None) -> tf.data.Dataset:
+def shuffled_index_batches(
+    num_examples: int, batch_size: int, seed: int, *, first_batch: int = 0, shard: Shard | None = None
+) -> tf.data.Dataset:
     """Endless `[batch_size]` int64 batches of example indices, from batch `first_batch` on.
 
     Epoch e is a permutation of the examples seeded by (seed, e); epochs follow each other
@@ -157,16 +167,18 @@ def shuffled_index_batches(num_examples: int, batch_size: int, seed: int, *, fir
     """
     ids = tf.range(num_examples, dtype=tf.int64)
     if shard:
-        ids = ids[shard[1]::shard[0]]
+        ids = ids[shard[1] :: shard[0]]
     count = int(ids.shape[0])
     if count == 0:
-        raise UserError(f"input pipeline {shard} of {num_examples} training examples holds none: "
-                        "use fewer workers or more data")
+        raise UserError(
+            f"input pipeline {shard} of {num_examples} training examples holds none: use fewer workers or more data"
+        )
     first_epoch, offset = divmod(first_batch * batch_size, count)
 
     def permutation(epoch):
         order = tf.random.experimental.stateless_shuffle(
-            tf.range(count, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), tf.cast(epoch, tf.int64)]))
+            tf.range(count, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), tf.cast(epoch, tf.int64)])
+        )
         return tf.gather(ids, order)
 
     @graph_code
@@ -185,9 +197,15 @@ def with_weight(example: Any, weight: float | tf.Tensor) -> tuple:
     return (*example, weight) if type(example) is tuple else (example, weight)
 
 
-def eval_dataset(inp: Input | InputFunction, batch_size: int, *, split: str = "eval",
-                 pad_to_multiple_of: int | None = None, shard_policy: str = "AUTO",
-                 input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
+def eval_dataset(
+    inp: Input | InputFunction,
+    batch_size: int,
+    *,
+    split: str = "eval",
+    pad_to_multiple_of: int | None = None,
+    shard_policy: str = "AUTO",
+    input_context: tf.distribute.InputContext | None = None,
+) -> tf.data.Dataset:
     """Every example of `split` once, weight 1.0 appended (see `with_weight`), batched, the last batch partial.
 
     Padding (zeros of the example's spec, weight 0) to a multiple of `pad_to_multiple_of`
@@ -199,8 +217,7 @@ def eval_dataset(inp: Input | InputFunction, batch_size: int, *, split: str = "e
     dataset_options = options(shard_policy)
     examples = inp.examples(split)
     spec = examples.element_spec
-    dataset = examples.map(whole(lambda example: with_weight(example, 1.0), spec),
-                           num_parallel_calls=tf.data.AUTOTUNE)
+    dataset = examples.map(whole(lambda example: with_weight(example, 1.0), spec), num_parallel_calls=tf.data.AUTOTUNE)
     padding = -inp.num_examples(split) % pad_to_multiple_of if pad_to_multiple_of else 0
     if padding:
         zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), spec)

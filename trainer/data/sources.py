@@ -144,18 +144,24 @@ class FashionMnist(_InMemorySource):
             raise UserError(f"fashion_mnist.data_dir must be a directory path or None, got {self.data_dir!r}")
         check_int("fashion_mnist.validation_size", self.validation_size, minimum=0)
         if self.validation_size and self.validation_from is None:
-            raise UserError(f"fashion_mnist.validation_size = {self.validation_size} needs "
-                            "fashion_mnist.validation_from: 'front' holds out the first images (the tutorial's "
-                            "split), 'back' the last ones (what validation_size alone did before)")
+            raise UserError(
+                f"fashion_mnist.validation_size = {self.validation_size} needs "
+                "fashion_mnist.validation_from: 'front' holds out the first images (the tutorial's "
+                "split), 'back' the last ones (what validation_size alone did before)"
+            )
         if self.validation_from is not None:
             check_choice("fashion_mnist.validation_from", self.validation_from, VALIDATION_FROM)
             if not self.validation_size:
-                raise UserError("fashion_mnist.validation_from needs fashion_mnist.validation_size, the number "
-                                "of training images to hold out")
+                raise UserError(
+                    "fashion_mnist.validation_from needs fashion_mnist.validation_size, the number "
+                    "of training images to hold out"
+                )
         if isinstance(self.standardize, bool):
-            raise UserError(f"fashion_mnist.standardize = {self.standardize} is no longer a switch: write 'global' "
-                            "(one mean and deviation over all training pixels, the tutorial's StandardScaler), "
-                            "'per_pixel' (each pixel its own, what True did) or None (no scaling, what False did)")
+            raise UserError(
+                f"fashion_mnist.standardize = {self.standardize} is no longer a switch: write 'global' "
+                "(one mean and deviation over all training pixels, the tutorial's StandardScaler), "
+                "'per_pixel' (each pixel its own, what True did) or None (no scaling, what False did)"
+            )
         if self.standardize is not None:
             check_choice("fashion_mnist.standardize", self.standardize, STANDARDIZE)
 
@@ -169,15 +175,17 @@ class FashionMnist(_InMemorySource):
         return fashion_mnist_files.find_directory(self.data_dir)
 
     def validate(self) -> None:
-        self._arrays  # reads and checks the files, so a bad one is reported before anything is written
+        _ = self._arrays  # reads and checks the files, so a bad one is reported before anything is written
 
     @cached_property
     def _arrays(self) -> dict[str, Arrays]:
         directory = self.directory
         (images, labels), test = (fashion_mnist_files.read_split(directory, split) for split in FASHION_MNIST_FILES)
         if self.validation_size >= len(labels):
-            raise UserError(f"fashion_mnist.validation_size {self.validation_size} leaves no training images "
-                            f"(there are {len(labels)}): use fewer")
+            raise UserError(
+                f"fashion_mnist.validation_size {self.validation_size} leaves no training images "
+                f"(there are {len(labels)}): use fewer"
+            )
         cut = self.validation_size if self.validation_from == "front" else len(labels) - self.validation_size
         first, rest = (images[:cut], labels[:cut]), (images[cut:], labels[cut:])
         train, validation = (rest, first) if self.validation_from == "front" else (first, rest)

@@ -64,7 +64,7 @@ class Feature:
     def decode(self, raw: tf.Tensor | tf.SparseTensor) -> tf.Tensor:
         """The parsed raw feature as the fixed-shape tensor the example holds."""
         if self.kind == "int64_sequence":
-            values = tf.sparse.to_dense(raw)[:self.length]
+            values = tf.sparse.to_dense(raw)[: self.length]
             values = tf.pad(values, [[0, self.length - tf.shape(values)[0]]])
             return tf.ensure_shape(tf.cast(values, tf.int32), [self.length])
         if self.kind in ("png", "jpeg"):
@@ -146,11 +146,15 @@ class TFRecordFiles:
         if self.parse_fn is not None:
             return
         if self.features is None and self.input_shape is None:
-            raise UserError("tfrecord_files needs input_shape for the built-in record format, or features "
-                            "(or parse_fn) for another one")
+            raise UserError(
+                "tfrecord_files needs input_shape for the built-in record format, or features "
+                "(or parse_fn) for another one"
+            )
         if self.features is not None and self.label_key is not None and self.label_key not in self.features:
-            raise UserError(f"tfrecord_files.label_key {self.label_key!r} is not among the features "
-                            f"({', '.join(self.features)}): add it or set label_key to None")
+            raise UserError(
+                f"tfrecord_files.label_key {self.label_key!r} is not among the features "
+                f"({', '.join(self.features)}): add it or set label_key to None"
+            )
 
     def examples(self, split: str, shard: Shard | None = None) -> tf.data.Dataset:
         """Unbatched examples; `shard` keeps one part, by file where there are enough files, else by record.
@@ -169,8 +173,9 @@ class TFRecordFiles:
             dataset = dataset.shard(*shard)
         # Round-robin over a fixed cycle: reads shards written round-robin back in order.
         parallel = parallel_calls()
-        dataset = dataset.interleave(tf.data.TFRecordDataset, cycle_length=min(len(files), MAX_OPEN_FILES),
-                                     block_length=1, **parallel)
+        dataset = dataset.interleave(
+            tf.data.TFRecordDataset, cycle_length=min(len(files), MAX_OPEN_FILES), block_length=1, **parallel
+        )
         if shard is not None and not by_file:
             dataset = dataset.shard(*shard)
         if self._parses_batches:

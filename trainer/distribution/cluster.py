@@ -19,10 +19,7 @@ from trainer.distribution import modes
 from trainer.errors import UserError
 
 RESOLVER_KINDS = ("tf_config", "slurm")
-_FIX_HINT = (
-    'write it like {"cluster": {"worker": ["host:port", ...]}, '
-    '"task": {"type": "worker", "index": 0}}'
-)
+_FIX_HINT = 'write it like {"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +64,7 @@ class ClusterInfo:
         return bool(self.cluster.get("ps"))
 
 
-def parse_tf_config(
-    text: str | None, *, allowed_task_types: set[str] | None = None
-) -> ClusterInfo:
+def parse_tf_config(text: str | None, *, allowed_task_types: set[str] | None = None) -> ClusterInfo:
     """Checks a TF_CONFIG string and returns the cluster it describes.
 
     None, an empty string or `{}` mean a single process (as in TensorFlow).
@@ -82,8 +77,7 @@ def parse_tf_config(
         config = json.loads(text)
     except json.JSONDecodeError as error:
         raise UserError(
-            f"TF_CONFIG: not valid JSON ({error.msg} at line {error.lineno} "
-            f"column {error.colno}); {_FIX_HINT}"
+            f"TF_CONFIG: not valid JSON ({error.msg} at line {error.lineno} column {error.colno}); {_FIX_HINT}"
         ) from None
     if config == {}:
         return ClusterInfo(cluster={}, task_type=None, task_id=0)
@@ -114,9 +108,7 @@ def check_single_machine(info: ClusterInfo, strategy_name: str) -> None:
         )
 
 
-def resolve(
-    strategy_name: str, resolver_kind: str = "tf_config", **slurm_kwargs: Any
-) -> ClusterInfo:
+def resolve(strategy_name: str, resolver_kind: str = "tf_config", **slurm_kwargs: Any) -> ClusterInfo:
     """Checks the cluster for a strategy and returns it with its TensorFlow resolver attached."""
     allowed = allowed_task_types_for(strategy_name)
     if resolver_kind == "tf_config":
@@ -152,9 +144,7 @@ def make_cluster_resolver(kind: str = "tf_config", **slurm_kwargs: Any) -> Any:
     raise UserError(f"unknown cluster_resolver {kind!r}; use one of {kinds}")
 
 
-def cluster_info_from_resolver(
-    resolver: Any, *, allowed_task_types: set[str] | None = None
-) -> ClusterInfo:
+def cluster_info_from_resolver(resolver: Any, *, allowed_task_types: set[str] | None = None) -> ClusterInfo:
     """The ClusterInfo of any resolver, checked like TF_CONFIG (the resolver is not attached)."""
     cluster = resolver.cluster_spec().as_dict()  # Slurm sets task_type only once this has run.
     if not cluster:
@@ -184,9 +174,7 @@ def remove_temp_dir(path: str, info: ClusterInfo) -> None:
 
 def _validated(config: Any, allowed: set[str] | None, *, source: str) -> ClusterInfo:
     if not isinstance(config, dict):
-        raise UserError(
-            f"{source}: top level must be a JSON object, got {type(config).__name__}; {_FIX_HINT}"
-        )
+        raise UserError(f"{source}: top level must be a JSON object, got {type(config).__name__}; {_FIX_HINT}")
     cluster = _checked_cluster(config.get("cluster"), source)
     task_type, task_id = _checked_task(config.get("task"), cluster, source)
     _check_allowed(cluster, task_type, allowed, source)
@@ -198,15 +186,13 @@ def _checked_cluster(raw: Any, source: str) -> dict[str, list[str]]:
         raise UserError(f"{source}: 'cluster' is missing; {_FIX_HINT}")
     if not isinstance(raw, dict) or not raw:
         raise UserError(
-            f'{source}: cluster must map each task type to a list of "host:port" strings, '
-            f"got {raw!r}; {_FIX_HINT}"
+            f'{source}: cluster must map each task type to a list of "host:port" strings, got {raw!r}; {_FIX_HINT}'
         )
     seen: dict[str, str] = {}
     for task_type, addresses in raw.items():
         if not isinstance(addresses, list) or not addresses:
             raise UserError(
-                f'{source}: cluster.{task_type} must be a non-empty list of "host:port" '
-                f"strings, got {addresses!r}"
+                f'{source}: cluster.{task_type} must be a non-empty list of "host:port" strings, got {addresses!r}'
             )
         for index, address in enumerate(addresses):
             field = f"cluster.{task_type}[{index}]"
@@ -228,29 +214,20 @@ def _checked_cluster(raw: Any, source: str) -> dict[str, list[str]]:
 def _check_address(address: Any, field: str, source: str) -> None:
     host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(
-            f"{source}: {field} is {address!r}, not host:port; write it like 'localhost:12345'"
-        )
+        raise UserError(f"{source}: {field} is {address!r}, not host:port; write it like 'localhost:12345'")
 
 
 def _checked_task(raw: Any, cluster: dict[str, list[str]], source: str) -> tuple[str, int]:
     types = ", ".join(cluster)
     if raw is None:
-        raise UserError(
-            f'{source}: \'task\' is missing; add "task": {{"type": <one of {types}>, "index": 0}}'
-        )
+        raise UserError(f'{source}: \'task\' is missing; add "task": {{"type": <one of {types}>, "index": 0}}')
     if not isinstance(raw, dict):
-        raise UserError(
-            f'{source}: task must be an object like {{"type": "worker", "index": 0}}, got {raw!r}'
-        )
+        raise UserError(f'{source}: task must be an object like {{"type": "worker", "index": 0}}, got {raw!r}')
     task_type = raw.get("type")
     if not isinstance(task_type, str):
         raise UserError(f"{source}: task.type is {task_type!r}; set it to one of {types}")
     if task_type not in cluster and task_type != "evaluator":
-        raise UserError(
-            f"{source}: task.type {task_type!r} is not in cluster (it has {types}); "
-            "set it to one of those"
-        )
+        raise UserError(f"{source}: task.type {task_type!r} is not in cluster (it has {types}); set it to one of those")
     return task_type, _checked_index(raw.get("index"), task_type, cluster, source)
 
 
@@ -260,9 +237,7 @@ def _checked_index(index: Any, task_type: str, cluster: dict[str, list[str]], so
     if index is None:
         raise UserError(f"{source}: task.index is missing; set it to 0..{count - 1}")
     if not isinstance(index, int) or isinstance(index, bool):
-        raise UserError(
-            f"{source}: task.index must be an integer, got {index!r}; set it to 0..{count - 1}"
-        )
+        raise UserError(f"{source}: task.index must be an integer, got {index!r}; set it to 0..{count - 1}")
     if not 0 <= index < count:
         raise UserError(
             f"{source}: task.index {index} is outside cluster.{task_type} ({count} tasks); "
@@ -271,9 +246,7 @@ def _checked_index(index: Any, task_type: str, cluster: dict[str, list[str]], so
     return index
 
 
-def _check_allowed(
-    cluster: dict[str, list[str]], task_type: str, allowed: set[str] | None, source: str
-) -> None:
+def _check_allowed(cluster: dict[str, list[str]], task_type: str, allowed: set[str] | None, source: str) -> None:
     if allowed is None:
         return
     for used in [*cluster, task_type]:
@@ -291,9 +264,7 @@ def _slurm_resolver(kwargs: dict[str, Any]) -> Any:
     parameters = inspect.signature(slurm_class).parameters
     unknown = sorted(set(kwargs) - set(parameters))
     if unknown:
-        raise UserError(
-            f"slurm resolver: unknown argument(s) {unknown}; use some of {', '.join(parameters)}"
-        )
+        raise UserError(f"slurm resolver: unknown argument(s) {unknown}; use some of {', '.join(parameters)}")
     _check_slurm_env(kwargs)
     gpus_per_node = kwargs.get("gpus_per_node")
     cpu_only = gpus_per_node == 0 or (gpus_per_node is None and not _gpus_visible())

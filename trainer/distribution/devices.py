@@ -3,6 +3,7 @@
 Logical devices let one CPU (or one GPU) stand in for several replicas, which is how
 `mirrored.gin` gets 2 replicas on a laptop and how the tests run multi-device code.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,9 +53,7 @@ def configure_devices(config: DeviceConfig) -> None:
     try:
         _configure(config)
     except RuntimeError as e:
-        raise UserError(
-            f"device setup failed ({e}); devices must be configured before any TensorFlow op runs"
-        ) from e
+        raise UserError(f"device setup failed ({e}); devices must be configured before any TensorFlow op runs") from e
 
 
 def _configure(config: DeviceConfig) -> None:
@@ -70,9 +69,7 @@ def _configure(config: DeviceConfig) -> None:
         tf.config.set_visible_devices(gpus, "GPU")
     if config.logical_gpus_per_gpu > 0 and gpus:
         if not config.logical_gpu_memory_mb:
-            raise UserError(
-                "logical_gpus_per_gpu needs logical_gpu_memory_mb (memory per logical GPU in MB)"
-            )
+            raise UserError("logical_gpus_per_gpu needs logical_gpu_memory_mb (memory per logical GPU in MB)")
         for gpu in gpus:
             tf.config.set_logical_device_configuration(
                 gpu,
@@ -85,9 +82,7 @@ def _configure(config: DeviceConfig) -> None:
     num_cpus = config.logical_cpus or (config.logical_cpus_without_gpu if not gpus else 0)
     if num_cpus > 1:
         cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpus
-        )
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpus)
     tf.debugging.set_log_device_placement(config.log_device_placement)
     tf.config.set_soft_device_placement(config.soft_placement)
 

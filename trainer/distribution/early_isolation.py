@@ -4,6 +4,7 @@ network namespace if this run will start an embedded cluster (trainer/distributi
 Entering needs a single-threaded process, and only the gin config says whether the run starts a
 cluster, so the flags' gin files and bindings are read here as text, without TensorFlow or gin.
 """
+
 from __future__ import annotations
 
 import os
@@ -76,6 +77,6 @@ def _gin_texts(path: str, seen: set[str]) -> list[str]:
         text = re.sub(r"#.*", "", f.read())
     texts, start = [], 0
     for include in _INCLUDE.finditer(text):
-        texts += [text[start:include.start()], *_gin_texts(include.group(1), seen)]
+        texts += [text[start : include.start()], *_gin_texts(include.group(1), seen)]
         start = include.end()
     return texts + [text[start:]]

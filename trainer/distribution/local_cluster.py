@@ -20,6 +20,7 @@ coordinator works around it meanwhile and gives it work again once it is back. A
 that dies is not restarted: its variables are gone, so the coordinator stops the run
 and a rerun continues from the last checkpoint.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -83,8 +84,12 @@ class _Server:
         # A process group of its own: a terminal's Ctrl-C reaches the coordinator only, which
         # saves (the variables live on these servers) and then ends them.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", module], env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0,
+            [sys.executable, "-m", module],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            process_group=0,
         )
         self._copier = threading.Thread(target=self._copy_output, daemon=True)
         self._copier.start()
@@ -151,16 +156,14 @@ class LocalCluster:
         ports = _free_ports(1 + self.config.num_workers + self.config.num_ps)
         self.cluster = {
             "chief": [f"localhost:{ports[0]}"],
-            "worker": [f"localhost:{p}" for p in ports[1:1 + self.config.num_workers]],
-            "ps": [f"localhost:{p}" for p in ports[1 + self.config.num_workers:]],
+            "worker": [f"localhost:{p}" for p in ports[1 : 1 + self.config.num_workers]],
+            "ps": [f"localhost:{p}" for p in ports[1 + self.config.num_workers :]],
         }
         for task_type in ("ps", "worker"):
             for task_id in range(len(self.cluster[task_type])):
                 self._servers.append(_Server(task_type, task_id, self.cluster, self._module))
         self._wait_until_ready()
-        shown = ", ".join(
-            f"{s.name} pid {s.pid} at {self.cluster[s.task_type][s.task_id]}" for s in self._servers
-        )
+        shown = ", ".join(f"{s.name} pid {s.pid} at {self.cluster[s.task_type][s.task_id]}" for s in self._servers)
         self._print(f"local cluster: {shown}; this process is the coordinator (chief)")
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="local-cluster")
         self._watcher.start()
@@ -192,9 +195,7 @@ class LocalCluster:
                     if server.task_type == "worker" and self._restarts < self.config.max_worker_restarts:
                         self._restarts += 1
                         self._retired.append(server)
-                        self._servers[index] = _Server(
-                            server.task_type, server.task_id, self.cluster, self._module
-                        )
+                        self._servers[index] = _Server(server.task_type, server.task_id, self.cluster, self._module)
                         self._print(
                             f"local cluster: {server.name} exited with code {code}; restarted it as "
                             f"pid {self._servers[index].pid} ({self._restarts}/{self.config.max_worker_restarts})"
@@ -257,14 +258,16 @@ def needs_local_cluster(strategy: str, cluster_resolver: str = "tf_config") -> b
     """A ParameterServer run with no cluster given (no TF_CONFIG, not resolved from SLURM) gets
     an embedded one."""
     mode = modes.MODES.get(strategy)
-    return (mode is not None and mode.coordinates_workers and cluster_resolver == "tf_config"
-            and not os.environ.get("TF_CONFIG", "").strip())
+    return (
+        mode is not None
+        and mode.coordinates_workers
+        and cluster_resolver == "tf_config"
+        and not os.environ.get("TF_CONFIG", "").strip()
+    )
 
 
 @contextlib.contextmanager
-def embedded_cluster(
-    config: LocalClusterConfig, *, print_fn: Callable[[str], None] = print
-) -> Iterator[LocalCluster]:
+def embedded_cluster(config: LocalClusterConfig, *, print_fn: Callable[[str], None] = print) -> Iterator[LocalCluster]:
     """Runs the body as the coordinator of a fresh local cluster, ended whatever happens."""
     with sigterm_unwinds(), LocalCluster(config, print_fn=print_fn) as cluster:
         with _environ("TF_CONFIG", cluster.coordinator_tf_config()):
@@ -272,6 +275,8 @@ def embedded_cluster(
 
 
 _coordinates_ps_cluster = False
+
+
 def cluster_for(
     strategy: str,
     make_config: Callable[[], LocalClusterConfig],

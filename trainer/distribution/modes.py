@@ -9,6 +9,7 @@ strategy names or types; `of` maps a strategy object back to its mode.
 This module imports no TensorFlow at import time: entry points read it before TensorFlow
 starts (an embedded parameter-server cluster is decided from the gin text alone).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,16 +42,25 @@ class Mode:
     coordinates_workers: bool = False
 
 
-MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("default", one_device=True),
-    Mode("one_device", one_device=True),
-    Mode("mirrored"),
-    Mode("central_storage", aggregates_variables=True),
-    Mode("multi_worker_mirrored", multi_worker=True),
-    Mode("parameter_server", synchronous=False, multi_worker=True, aggregates_variables=True,
-         coordinates_workers=True, task_types=frozenset({"chief", "worker", "ps", "evaluator"})),
-    Mode("tpu"),
-)}
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("default", one_device=True),
+        Mode("one_device", one_device=True),
+        Mode("mirrored"),
+        Mode("central_storage", aggregates_variables=True),
+        Mode("multi_worker_mirrored", multi_worker=True),
+        Mode(
+            "parameter_server",
+            synchronous=False,
+            multi_worker=True,
+            aggregates_variables=True,
+            coordinates_workers=True,
+            task_types=frozenset({"chief", "worker", "ps", "evaluator"}),
+        ),
+        Mode("tpu"),
+    )
+}
 STRATEGY_NAMES = tuple(MODES)
 
 
@@ -66,12 +76,27 @@ def of(strategy: Any) -> Mode:
     import tensorflow as tf
 
     kinds = (
-        ((tf.distribute.experimental.ParameterServerStrategy,
-          tf.compat.v1.distribute.experimental.ParameterServerStrategy), "parameter_server"),
-        ((tf.distribute.MultiWorkerMirroredStrategy,
-          tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy), "multi_worker_mirrored"),
-        ((tf.distribute.experimental.CentralStorageStrategy,
-          tf.compat.v1.distribute.experimental.CentralStorageStrategy), "central_storage"),
+        (
+            (
+                tf.distribute.experimental.ParameterServerStrategy,
+                tf.compat.v1.distribute.experimental.ParameterServerStrategy,
+            ),
+            "parameter_server",
+        ),
+        (
+            (
+                tf.distribute.MultiWorkerMirroredStrategy,
+                tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy,
+            ),
+            "multi_worker_mirrored",
+        ),
+        (
+            (
+                tf.distribute.experimental.CentralStorageStrategy,
+                tf.compat.v1.distribute.experimental.CentralStorageStrategy,
+            ),
+            "central_storage",
+        ),
         ((tf.distribute.OneDeviceStrategy,), "one_device"),
         ((tf.distribute.TPUStrategy,), "tpu"),
         ((tf.distribute.MirroredStrategy,), "mirrored"),
@@ -116,5 +141,6 @@ def require(setting: str, needs: Support, strategy: str, *, reason: str = "", fi
         return
     because = f" ({reason})" if reason else ""
     instead = fix or f"unset {setting} or use one of them"
-    raise UserError(f"{setting} is not supported with {strategy}{because}; it works with {needs.description}: "
-                    f"{instead}")
+    raise UserError(
+        f"{setting} is not supported with {strategy}{because}; it works with {needs.description}: {instead}"
+    )

@@ -19,6 +19,7 @@ TensorFlow loads (it starts threads); a process that has loaded it re-executes i
 none of this is possible (not Linux, user namespaces disabled), one `warning:` line says
 what is exposed and how to close it, and the run goes on as before.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -112,7 +113,8 @@ def warn_exposed(what: str, reason: str) -> None:
         f"addresses, unauthenticated, and run any graph sent to them (no private network "
         f"namespace: {reason}); allow unprivileged user namespaces (sysctl "
         f"user.max_user_namespaces > 0) or block these ports with a firewall",
-        file=sys.stderr, flush=True,
+        file=sys.stderr,
+        flush=True,
     )
 
 
@@ -155,8 +157,11 @@ def can_enter() -> str | None:
         return f"network namespaces are Linux-only (this is {sys.platform})"
     probe = subprocess.run(
         [sys.executable, os.path.abspath(__file__)],
-        env={**os.environ, STATE_ENV: ""}, stdin=subprocess.DEVNULL,
-        capture_output=True, text=True, timeout=60,
+        env={**os.environ, STATE_ENV: ""},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     if probe.returncode == 0:
         return None
@@ -172,8 +177,9 @@ def reexec_isolated(what: str, extra_args: Sequence[str] = ()) -> None:
     """
     if is_private() or os.environ.get(STATE_ENV) == EXPOSED:
         return
-    reason = can_enter() if _can_reexec else (
-        "this entry point does not re-execute itself into one before TensorFlow loads")
+    reason = (
+        can_enter() if _can_reexec else ("this entry point does not re-execute itself into one before TensorFlow loads")
+    )
     if reason is not None:
         warn_exposed(what, reason)
         return

@@ -6,6 +6,7 @@ cluster checked before TensorFlow reads TF_CONFIG, the strategy built on those d
 that cluster, and the Keras dtype policy set before any layer exists. `make_runtime` does
 exactly that, so `train`, the sidecar, `trainer.bench` and `trainer.parity` cannot drift apart.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,10 +14,10 @@ from typing import Any, Callable, Mapping
 
 import tensorflow as tf
 
-from trainer.task import precision
 from trainer.distribution import cluster, devices, modes, strategies
 from trainer.distribution.cluster import ClusterInfo
 from trainer.errors import UserError
+from trainer.task import precision
 from trainer.validation import check_choice, check_number
 
 

@@ -1,4 +1,5 @@
 """Build a `tf.distribute.Strategy` by name, so a gin file picks the mode with one string."""
+
 from __future__ import annotations
 
 import os
@@ -42,7 +43,9 @@ def make_strategy(
         "multi_worker_mirrored": lambda: tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=cluster_resolver,
             communication_options=tf.distribute.experimental.CommunicationOptions(
-                timeout_seconds=collective_timeout_secs)),
+                timeout_seconds=collective_timeout_secs
+            ),
+        ),
         "parameter_server": lambda: _parameter_server_strategy(cluster_resolver, variable_partitioner),
         "tpu": lambda: _tpu_strategy(tpu),
     }

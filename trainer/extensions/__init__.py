@@ -4,6 +4,7 @@ Public: `Extension` (subclass it), `Setup` (what `attach` gets), `Outputs` (what
 and the strategy declarations of trainer.distribution.modes (`ALL`, `SYNCHRONOUS`, `support`).
 Writing one: docs/extensions.md.
 """
+
 from trainer.distribution.modes import ALL, SYNCHRONOUS, support
 from trainer.extensions.protocol import Extension, Outputs, Setup
 

@@ -15,6 +15,7 @@ dropped out deleted. Files that the restored ranking does not name (a crash in b
 run that went on past the checkpoint it was resumed from) are deleted at start. The best one
 is offered to other extensions as `BEST_CHECKPOINT` (the export uses it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,8 +77,10 @@ class BestCheckpoints(Extension):
         if path is not None and not self._from_checkpoint and state:  # a checkpoint older than extension state
             self.load_state_dict(state)
         elif state and (state.get("metric"), state.get("mode")) != (self.metric.name, self.metric.mode):
-            setup.print(f"note: {os.path.join(setup.settings.model_dir, BEST_DIR)} ranks by {state.get('metric')!r} "
-                        f"({state.get('mode')}), this run by {self.metric.name!r} ({self.metric.mode}); ranking anew")
+            setup.print(
+                f"note: {os.path.join(setup.settings.model_dir, BEST_DIR)} ranks by {state.get('metric')!r} "
+                f"({state.get('mode')}), this run by {self.metric.name!r} ({self.metric.mode}); ranking anew"
+            )
 
     def verify(self, outputs: Outputs) -> None:
         self.metric.verify(outputs)
@@ -131,16 +134,20 @@ class BestCheckpoints(Extension):
     def _write_state(self) -> None:
         """`best.json` and the `checkpoint` state file, for readers of the directory (chief)."""
         write_text_atomic(os.path.join(self._dir, STATE_FILE), json.dumps(self.state_dict(), indent=1))
-        write_text_atomic(os.path.join(self._dir, "checkpoint"), "".join(  # the CheckpointState text proto
-            [f'model_checkpoint_path: "{self.kept[0]["name"]}"\n' if self.kept else ""]
-            + [f'all_model_checkpoint_paths: "{e["name"]}"\n' for e in reversed(self.kept)]))
+        write_text_atomic(
+            os.path.join(self._dir, "checkpoint"),
+            "".join(  # the CheckpointState text proto
+                [f'model_checkpoint_path: "{self.kept[0]["name"]}"\n' if self.kept else ""]
+                + [f'all_model_checkpoint_paths: "{e["name"]}"\n' for e in reversed(self.kept)]
+            ),
+        )
 
     def _rank(self, step: int, value: float) -> list[dict]:
         """Inserts the new entry in order (ties: the earlier step first); returns those that drop out."""
         entry = {"step": step, "value": value, "name": f"ckpt-{step}"}
         index = next((i for i, e in enumerate(self.kept) if self._better(value, e["value"])), len(self.kept))
         self.kept.insert(index, entry)
-        dropped, self.kept = self.kept[self.keep:], self.kept[:self.keep]
+        dropped, self.kept = self.kept[self.keep :], self.kept[: self.keep]
         return dropped
 
     def _delete_unlisted(self) -> None:

@@ -5,6 +5,7 @@
 prints the Markdown table that docs/around-the-step.md shows (a test keeps the two equal), so
 the docs cannot drift from what the registry enforces.
 """
+
 from __future__ import annotations
 
 from trainer.distribution import modes
@@ -22,8 +23,19 @@ from trainer.safety.loss_scaling import LossScalingCheck
 from trainer.safety.nonfinite import NonFiniteHandling
 from trainer.update.update_path import UpdatePath
 
-BUILT_IN = (UpdatePath, Ema, WarmStart, BestCheckpoints, EarlyStop, KerasCallbacks, Export, Preemption,
-            LossScalingCheck, MlflowHook, ProfilerHook)
+BUILT_IN = (
+    UpdatePath,
+    Ema,
+    WarmStart,
+    BestCheckpoints,
+    EarlyStop,
+    KerasCallbacks,
+    Export,
+    Preemption,
+    LossScalingCheck,
+    MlflowHook,
+    ProfilerHook,
+)
 
 
 def rows() -> list[tuple[str, modes.Support]]:

@@ -8,6 +8,7 @@ train on when it is started again. Every worker decides from the same numbers an
 is agreed across workers (trainer/extensions/monitoring.py). It ends the run cleanly (exit 0)
 with a final checkpoint at the stop step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,8 +73,10 @@ class EarlyStop(Extension):
         best_step, wait = self._standing()
         if self._history and wait >= self.patience:
             run.request_stop("early stopping")
-            run.print_fn(f"early stopping: {self.metric.name} has not improved since step {best_step} "
-                         f"({wait} evals); this run stopped at step {run.start_step}, nothing more to train")
+            run.print_fn(
+                f"early stopping: {self.metric.name} has not improved since step {best_step} "
+                f"({wait} evals); this run stopped at step {run.start_step}, nothing more to train"
+            )
 
     def _standing(self) -> tuple[int | None, int]:
         """The best eval's step and the evals since it that did not improve on it."""
@@ -99,9 +102,11 @@ class EarlyStop(Extension):
         best_step, wait = self._standing()
         if self._any_worker(wait >= self.patience) and step < run.total_steps:
             run.request_stop("early stopping")
-            run.print_fn(f"early stopping at step {step}: {self.metric.name} {self._history[-1][1]:.6g} has not "
-                         f"improved by more than {self.metric.min_delta:g} for {wait} evals (best "
-                         f"{dict(self._history)[best_step]:.6g} at step {best_step})")
+            run.print_fn(
+                f"early stopping at step {step}: {self.metric.name} {self._history[-1][1]:.6g} has not "
+                f"improved by more than {self.metric.min_delta:g} for {wait} evals (best "
+                f"{dict(self._history)[best_step]:.6g} at step {best_step})"
+            )
 
     def end(self, run: Run, step: int) -> None:
         self._record(run, step)  # the final eval counts too (the final checkpoint holds it)

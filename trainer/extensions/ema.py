@@ -18,6 +18,7 @@ EMA results are logged as their own split: `<split>_ema` (e.g. `eval_ema`) in me
 and TensorBoard, beside the raw `<split>` results. Not under parameter_server: the workers'
 asynchronous updates have no single "after the update" point to average at.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +48,13 @@ class WeightAverage(tf.Module):
         self.decay = float(decay)
         self._weights = trainable_variables(models)
         self.averages = [
-            tf.Variable(tf.convert_to_tensor(w), trainable=False, name=f"ema_{i}",
-                        aggregation=_aggregation(w), synchronization=tf.VariableSynchronization.ON_WRITE)
+            tf.Variable(
+                tf.convert_to_tensor(w),
+                trainable=False,
+                name=f"ema_{i}",
+                aggregation=_aggregation(w),
+                synchronization=tf.VariableSynchronization.ON_WRITE,
+            )
             for i, w in enumerate(self._weights)
         ]
 

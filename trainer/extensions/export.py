@@ -14,6 +14,7 @@ crashed export leaves no half SavedModel there), the others into a temporary dir
 delete. One model only: a dict of models (a GAN) is refused in one line, since the loop cannot
 know which input each of them serves on. Not under parameter_server (refused in one line).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,9 +40,11 @@ EXPORT_WEIGHTS = "export_weights"
 def check_exportable(models: Any) -> None:
     """One model, not a dict of them (checked once the models exist, before anything is written)."""
     if isinstance(models, Mapping):
-        raise UserError(f"train.export_saved_model exports one model, but train.model_fn returned models "
-                        f"{sorted(models)}; export them yourself (tf.saved_model.save) or unset "
-                        "train.export_saved_model")
+        raise UserError(
+            f"train.export_saved_model exports one model, but train.model_fn returned models "
+            f"{sorted(models)}; export them yourself (tf.saved_model.save) or unset "
+            "train.export_saved_model"
+        )
 
 
 def serving_spec(element_spec: Any) -> Any:
@@ -51,8 +54,10 @@ def serving_spec(element_spec: Any) -> Any:
         return {str(k): tf.TensorSpec([None, *v.shape], v.dtype, name=str(k)) for k, v in features.items()}
     if isinstance(features, tf.TensorSpec):
         return tf.TensorSpec([None, *features.shape], features.dtype, name="features")
-    raise UserError(f"train.export_saved_model needs the model's input to be a tensor or a dict of tensors "
-                    f"(example[0] of a tuple example); the input gives {features!r}")
+    raise UserError(
+        f"train.export_saved_model needs the model's input to be a tensor or a dict of tensors "
+        f"(example[0] of a tuple example); the input gives {features!r}"
+    )
 
 
 def save(model: Any, spec: Any, path: str) -> None:
@@ -70,8 +75,9 @@ def save(model: Any, spec: Any, path: str) -> None:
     tf.saved_model.save(module, path, signatures={"serving_default": serve.get_concrete_function()})
 
 
-def export(model: Any, spec: Any, model_dir: str, step: int, *, is_chief: bool,
-           task_name: str = "worker") -> str | None:
+def export(
+    model: Any, spec: Any, model_dir: str, step: int, *, is_chief: bool, task_name: str = "worker"
+) -> str | None:
     """Every worker calls this; the chief's SavedModel lands in `model_dir/export/<step>` (returned;
     None on the other workers)."""
     if not is_chief:

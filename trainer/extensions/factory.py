@@ -6,8 +6,10 @@ add the user's own. The list is in the default order the registry starts from: t
 that produce what others read (progress, eval, the config), the built-in extensions, the
 user's hooks and extensions, and the checkpoint (the registry moves what runs after it).
 """
+
 from __future__ import annotations
 
+from trainer.errors import UserError
 from trainer.extensions.best_checkpoints import BestCheckpoints
 from trainer.extensions.early_stopping import EarlyStop, EarlyStopping
 from trainer.extensions.ema import Ema
@@ -17,7 +19,6 @@ from trainer.extensions.monitoring import monitored
 from trainer.extensions.preemption import Preemption
 from trainer.extensions.protocol import Extension
 from trainer.extensions.warm_start import WarmStart
-from trainer.errors import UserError
 from trainer.hooks.base import Hook
 from trainer.hooks.checkpointing import CheckpointHook
 from trainer.hooks.config import ConfigWriter, HParamsWriter
@@ -36,14 +37,21 @@ def participants(settings) -> list[Hook]:
         core.append(ConfigWriter(settings.describe_config))
     if settings.hparams:
         core.append(HParamsWriter(dict(settings.hparams)))
-    return [*core, *built_in(settings), *settings.hooks, *settings.extensions,
-            CheckpointHook(settings.checkpoint_every_steps)]
+    return [
+        *core,
+        *built_in(settings),
+        *settings.hooks,
+        *settings.extensions,
+        CheckpointHook(settings.checkpoint_every_steps),
+    ]
 
 
 def built_in(settings) -> list[Extension]:
     """The built-in extensions the flat settings turn on, each checking its own options."""
-    found: list[Extension] = [NonFiniteHandling(settings.nonfinite, settings.max_rollbacks),
-                              UpdatePath(settings.grad_accum_steps, settings.clip_global_norm)]
+    found: list[Extension] = [
+        NonFiniteHandling(settings.nonfinite, settings.max_rollbacks),
+        UpdatePath(settings.grad_accum_steps, settings.clip_global_norm),
+    ]
     if settings.warm_start is not None:
         found.append(WarmStart(settings.warm_start))
     if settings.ema_decay is not None:

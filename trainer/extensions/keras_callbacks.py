@@ -18,6 +18,7 @@ worker, so that learning-rate changes stay alike; CSVLogger writes on the chief 
 into a temp file, deleted at the end). Callback state (e.g. EarlyStopping's wait) is not
 checkpointed: a resumed run starts it afresh; the learning rate itself is in the checkpoint.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,7 +48,9 @@ SETS_LEARNING_RATE = (keras.callbacks.ReduceLROnPlateau, keras.callbacks.Learnin
 def check_callbacks(callbacks: Any) -> list[keras.callbacks.Callback]:
     """`train.keras_callbacks` as a list, each a callback this loop can drive (UserError otherwise)."""
     if not isinstance(callbacks, (list, tuple)) or not all(isinstance(c, keras.callbacks.Callback) for c in callbacks):
-        raise UserError(f"train.keras_callbacks must be a list of keras.callbacks.Callback instances, got {callbacks!r}")
+        raise UserError(
+            f"train.keras_callbacks must be a list of keras.callbacks.Callback instances, got {callbacks!r}"
+        )
     for callback in callbacks:
         for refused, instead in REFUSED.items():
             if isinstance(callback, getattr(keras.callbacks, refused)):
@@ -80,15 +83,20 @@ class KerasCallbacks(Extension):
     def attach(self, setup: Setup) -> None:
         model, optimizer = setup.task.models, setup.task.optimizers
         if not isinstance(model, keras.Model) or not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise UserError("train.keras_callbacks needs one Keras model and one Keras optimizer (train.model_fn / "
-                            f"train.optimizer_fn returned {type(model).__name__} / {type(optimizer).__name__})")
-        schedule = isinstance(getattr(optimizer, "_learning_rate", None),
-                              keras.optimizers.schedules.LearningRateSchedule)
+            raise UserError(
+                "train.keras_callbacks needs one Keras model and one Keras optimizer (train.model_fn / "
+                f"train.optimizer_fn returned {type(model).__name__} / {type(optimizer).__name__})"
+            )
+        schedule = isinstance(
+            getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule
+        )
         for callback in self._callbacks:
             if schedule and isinstance(callback, SETS_LEARNING_RATE):
-                raise UserError(f"train.keras_callbacks: {type(callback).__name__} sets the learning rate, but the "
-                                "optimizer's rate is a schedule (make_optimizer's reference_batch_size, warmup_steps "
-                                "or decay); use a constant rate or leave the callback out")
+                raise UserError(
+                    f"train.keras_callbacks: {type(callback).__name__} sets the learning rate, but the "
+                    "optimizer's rate is a schedule (make_optimizer's reference_batch_size, warmup_steps "
+                    "or decay); use a constant rate or leave the callback out"
+                )
         self._model, self._optimizer = model, optimizer
 
     @contextlib.contextmanager
@@ -124,8 +132,12 @@ class KerasCallbacks(Extension):
         self._model.optimizer = self._optimizer
         self._model.stop_training = False
         self._list = keras.callbacks.CallbackList(
-            self._callbacks, model=self._model, verbose=0, steps=self._eval_every,
-            epochs=math.ceil(run.total_steps / self._eval_every))
+            self._callbacks,
+            model=self._model,
+            verbose=0,
+            steps=self._eval_every,
+            epochs=math.ceil(run.total_steps / self._eval_every),
+        )
         self._list.on_train_begin()
         self._epoch_start = run.start_step - run.start_step % self._eval_every
         self._last_step = run.start_step

@@ -14,6 +14,7 @@ Tracking URI: `mlflow_hook.tracking_uri`, else MLFLOW_TRACKING_URI, else a local
 refuses it unless MLFLOW_ALLOW_FILE_STORE is true: for a `file:` URI the hook sets that
 variable unless the user set it (`sqlite:///...` needs full mlflow, for SQLAlchemy).
 """
+
 from __future__ import annotations
 
 import os
@@ -57,16 +58,17 @@ class MlflowHook(Extension):
     name = "mlflow"
     setting = "mlflow_hook"
 
-    def __init__(self, tracking_uri: str | None = None, experiment_name: str = "trainer",
-                 run_name: str | None = None):
+    def __init__(self, tracking_uri: str | None = None, experiment_name: str = "trainer", run_name: str | None = None):
         _check_name("tracking_uri", tracking_uri, optional=True)
         _check_name("experiment_name", experiment_name, optional=False)
         _check_name("run_name", run_name, optional=True)
         try:
             import mlflow  # noqa: F401
         except ImportError:
-            raise UserError("mlflow_hook needs MLflow, which is not installed: pip install -e '.[mlflow]' "
-                            "(or pip install mlflow-skinny)") from None
+            raise UserError(
+                "mlflow_hook needs MLflow, which is not installed: pip install -e '.[mlflow]' "
+                "(or pip install mlflow-skinny)"
+            ) from None
         self.tracking_uri, self.experiment_name, self.run_name = tracking_uri, experiment_name, run_name
         self._client = None
         self.run_id: str | None = None
@@ -121,14 +123,16 @@ class MlflowHook(Extension):
             run.print_fn(f"mlflow: params {', '.join(changed)} differ from the resumed run's; it keeps the old values")
         params = [Param(k, str(v)) for k, v in sorted(run.hparams.items()) if k not in logged]
         for i in range(0, len(params), _PARAMS_PER_BATCH):
-            self._client.log_batch(self.run_id, params=params[i:i + _PARAMS_PER_BATCH])
+            self._client.log_batch(self.run_id, params=params[i : i + _PARAMS_PER_BATCH])
 
     def _log_record(self, step: int, split: str, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._client.log_batch(self.run_id, metrics=[
-            Metric(f"{split}/{name}", float(value), now, int(step)) for name, value in metrics.items()])
+        self._client.log_batch(
+            self.run_id,
+            metrics=[Metric(f"{split}/{name}", float(value), now, int(step)) for name, value in metrics.items()],
+        )
 
     def _log_artifacts(self, run: Run) -> None:
         for name in (OPERATIVE_CONFIG_FILE, RECORD_FILE):

@@ -8,6 +8,7 @@ every worker computes the same eval numbers (eval reduces across workers), so th
 the same answer; a worker that decided otherwise would leave its peers waiting in the next
 collective, so each decision is also agreed with one tiny all-reduce (`AnyWorker`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,10 @@ class Monitored:
         """Refuses a name the eval split does not produce (checked once the eval is traced)."""
         produced = outputs.eval.get(self.split, ())
         if self.key not in produced:
-            raise UserError(f"{self.setting} {self.name!r} is not an output of eval split {self.split!r}; its outputs "
-                            f"are {sorted(produced)} (write '<split>/<name>' for another split)")
+            raise UserError(
+                f"{self.setting} {self.name!r} is not an output of eval split {self.split!r}; its outputs "
+                f"are {sorted(produced)} (write '<split>/<name>' for another split)"
+            )
 
     def value(self, results: Mapping[str, Mapping[str, float]]) -> float:
         """The watched value in eval results by split."""
@@ -58,8 +61,9 @@ class Monitored:
 def monitored(prefix: str, name: Any, mode: Any, splits: tuple[str, ...], min_delta: Any = 0.0) -> Monitored:
     """Checks a metric name, a mode and a min_delta (UserError lines naming `<prefix>metric` etc.)."""
     if not isinstance(name, str) or not name or name.startswith("/") or name.endswith("/"):
-        raise UserError(f"{prefix}metric must be an eval output name such as 'accuracy' or '<split>/<name>', "
-                        f"got {name!r}")
+        raise UserError(
+            f"{prefix}metric must be an eval output name such as 'accuracy' or '<split>/<name>', got {name!r}"
+        )
     check_choice(f"{prefix}mode", mode, DIRECTIONS)
     check_number(f"{prefix}min_delta", min_delta, strictly=False)
     split, _, key = name.partition("/")

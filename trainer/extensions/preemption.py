@@ -31,6 +31,7 @@ Connection reset by peer) after a successful run. So the hook's `end` stops it t
 `__del__` does (private API: TensorFlow has no public one), then waits at a barrier until
 every worker has, so no chief leaves while a peer's watcher still reads from it.
 """
+
 from __future__ import annotations
 
 import signal
@@ -188,8 +189,9 @@ class Preemption(Extension):
                 pass  # a peer claimed first, with its signal
             self._handler._maybe_set_received_own_sigterm()  # what the handler's own SIGTERM handler does
         except tf.errors.OpError as e:  # the coordination service gone: training will fail on its own
-            self._console.print(f"could not ask the other workers to stop ({type(e).__name__}); "
-                                "Ctrl-C again exits at once")
+            self._console.print(
+                f"could not ask the other workers to stop ({type(e).__name__}); Ctrl-C again exits at once"
+            )
 
     def _stop_signal(self) -> int:
         """The signal every worker exits by: the claiming worker's. All workers read it, then meet
@@ -220,8 +222,9 @@ class Preemption(Extension):
         if signum == signal.SIGINT:
             if self._is_chief:
                 self._console.close_live()
-                self._console.print(f"interrupted at step {self._step}, saved ckpt-{self._step}; "
-                                    "rerun the same command to continue")
+                self._console.print(
+                    f"interrupted at step {self._step}, saved ckpt-{self._step}; rerun the same command to continue"
+                )
             sys.exit(INTERRUPTED_EXIT_CODE)
         self._console.print(
             f"preempted: saved ckpt-{self._step}; exiting {PREEMPTED_EXIT_CODE} so the group can "
@@ -232,6 +235,7 @@ class Preemption(Extension):
     def _leave_at_once(self) -> None:
         """(The signal thread.) A second Ctrl-C: no save, no waiting for peers."""
         self._console.close_live()
-        self._console.print("interrupted again: exiting at once without saving; a rerun continues "
-                            "from the newest checkpoint")
+        self._console.print(
+            "interrupted again: exiting at once without saving; a rerun continues from the newest checkpoint"
+        )
         flush_and_exit(INTERRUPTED_EXIT_CODE)

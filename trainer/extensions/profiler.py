@@ -5,6 +5,7 @@ end exactly at both steps (this hook's boundaries), so the trace holds steps 11.
 else. The chief writes `<model_dir>/plugins/profile/<time>/<host>.xplane.pb`, where the profile
 plugin (`pip install -e '.[profile]'`, then `tensorboard --logdir <model_dir>`) finds it.
 """
+
 from __future__ import annotations
 
 import glob
@@ -51,8 +52,10 @@ class ProfilerHook(Extension):
     def begin(self, run: Run) -> None:
         if run.start_step >= self.stop:
             if run.is_chief:
-                run.print_fn(f"profiler: the run starts at step {run.start_step}, after steps "
-                             f"{self.start}-{self.stop}; nothing to trace")
+                run.print_fn(
+                    f"profiler: the run starts at step {run.start_step}, after steps "
+                    f"{self.start}-{self.stop}; nothing to trace"
+                )
         elif run.start_step >= self.start:
             self._start(run, run.start_step)
 
@@ -80,8 +83,10 @@ class ProfilerHook(Extension):
             return
         tf.profiler.experimental.stop()
         self._active = False
-        run.print_fn(f"profiler: traced steps {self._from + 1}-{step} into "
-                     f"{os.path.join(run.model_dir, PROFILE_SUBDIR)} (TensorBoard's Profile tab)")
+        run.print_fn(
+            f"profiler: traced steps {self._from + 1}-{step} into "
+            f"{os.path.join(run.model_dir, PROFILE_SUBDIR)} (TensorBoard's Profile tab)"
+        )
 
 
 def trace_files(model_dir: str) -> list[str]:

@@ -26,6 +26,7 @@ The built-in features (EMA, export, warm start, best checkpoints, early stopping
 callbacks, MLflow, the profiler, preemption checkpointing, non-finite handling, gradient
 accumulation and clipping, the loss-scaling check) are extensions of exactly this kind.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,8 +74,9 @@ class Extension(Hook):
         """The state `state_dict` returned, read back from the checkpoint being restored."""
 
 
-PROTOCOL_METHODS = frozenset(name for name in dir(Extension)
-                             if not name.startswith("_") and callable(getattr(Extension, name)))
+PROTOCOL_METHODS = frozenset(
+    name for name in dir(Extension) if not name.startswith("_") and callable(getattr(Extension, name))
+)
 # What a near miss is: difflib's ratio at least this (`atach` 0.91, `restore` 0.93), of a method
 # name of at least 4 letters (`send` is no typo of `end`).
 NEAR_MISS_RATIO = 0.85
@@ -91,12 +93,13 @@ def check_method_names(participants: Sequence[Hook]) -> None:
         for name in sorted(own):
             if name.startswith("_") or name in PROTOCOL_METHODS or not callable(getattr(cls, name, None)):
                 continue
-            close = [m for m in difflib.get_close_matches(name, _MISSABLE, n=3, cutoff=NEAR_MISS_RATIO)
-                     if m not in own]
+            close = [m for m in difflib.get_close_matches(name, _MISSABLE, n=3, cutoff=NEAR_MISS_RATIO) if m not in own]
             if close:
-                raise UserError(f"{cls.__name__}.{name} is not a method of the hook and extension protocol, and "
-                                f"the run never calls it; did you mean {close[0]}? (rename it; a helper of its own "
-                                "starts with _)")
+                raise UserError(
+                    f"{cls.__name__}.{name} is not a method of the hook and extension protocol, and "
+                    f"the run never calls it; did you mean {close[0]}? (rename it; a helper of its own "
+                    "starts with _)"
+                )
 
 
 def setting_of(extension: Extension) -> str:
@@ -119,8 +122,15 @@ class Setup:
     One per extension, so that the registry knows who provided what.
     """
 
-    def __init__(self, extension: Extension, settings: "Settings", runtime: "Runtime", task: "Task",
-                 contributions: "Contributions", print_fn: Callable[[str], None]):
+    def __init__(
+        self,
+        extension: Extension,
+        settings: "Settings",
+        runtime: "Runtime",
+        task: "Task",
+        contributions: "Contributions",
+        print_fn: Callable[[str], None],
+    ):
         self._extension = extension
         self.settings, self.runtime, self.task = settings, runtime, task
         self._contributions = contributions
@@ -137,7 +147,9 @@ class Setup:
         run must have it too (restored strictly, as the model is)."""
         items = self.task.checkpoint_items
         if key in items:
-            raise ValueError(f"checkpoint item {key!r} exists already; {name_of(self._extension)} must pick another key")
+            raise ValueError(
+                f"checkpoint item {key!r} exists already; {name_of(self._extension)} must pick another key"
+            )
         items[key] = trackable
 
     def wrap_step(self, wrapper: Callable[[StepFn], StepFn]) -> None:
@@ -153,8 +165,10 @@ class Setup:
         """Offers `value` to other extensions and hooks under `name` (`Setup.value`, `run.values`)."""
         owners = self._contributions.providers
         if name in owners:
-            raise UserError(f"{owners[name]} and {name_of(self._extension)} both provide {name!r} (one run can use "
-                            f"only one); turn one of them off")
+            raise UserError(
+                f"{owners[name]} and {name_of(self._extension)} both provide {name!r} (one run can use "
+                f"only one); turn one of them off"
+            )
         owners[name] = name_of(self._extension)
         self._contributions.values[name] = value
 

@@ -11,6 +11,7 @@ refuses, before anything is built:
 Then every stage (check, attach, restored, verify, the hooks) runs in one order: the default
 order, moved only as far as the `after` declarations require.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -23,11 +24,27 @@ from trainer.files.run_checkpoint import ExtensionState
 from trainer.hooks.base import Hook, name_of
 
 CHECKPOINT = "checkpoint"
-BUILT_IN_NAMES = frozenset({
-    "progress", "eval", "config", "hparams", CHECKPOINT, "nonfinite", "update_path", "warm_start", "ema",
-    "best_checkpoints", "early_stopping", "keras_callbacks", "loss_scaling", "preemption", "export",
-    "mlflow", "profiler",
-})
+BUILT_IN_NAMES = frozenset(
+    {
+        "progress",
+        "eval",
+        "config",
+        "hparams",
+        CHECKPOINT,
+        "nonfinite",
+        "update_path",
+        "warm_start",
+        "ema",
+        "best_checkpoints",
+        "early_stopping",
+        "keras_callbacks",
+        "loss_scaling",
+        "preemption",
+        "export",
+        "mlflow",
+        "profiler",
+    }
+)
 """Names `after` may use even where that participant is not in the run (then it constrains nothing)."""
 
 
@@ -39,12 +56,19 @@ class Registry:
         names = [name_of(p) for p in participants]
         for name in names:
             if names.count(name) > 1:
-                raise UserError(f"two hooks or extensions of this run are named {name!r}; give one another name "
-                                "(its `name` attribute)")
+                raise UserError(
+                    f"two hooks or extensions of this run are named {name!r}; give one another name "
+                    "(its `name` attribute)"
+                )
         for participant in participants:
             if isinstance(participant, Extension):
-                modes.require(setting_of(participant), participant.supports, settings.strategy,
-                              reason=participant.unsupported_reason, fix=participant.unsupported_fix)
+                modes.require(
+                    setting_of(participant),
+                    participant.supports,
+                    settings.strategy,
+                    reason=participant.unsupported_reason,
+                    fix=participant.unsupported_fix,
+                )
         self.hooks: list[Hook] = _ordered(list(participants))
         self.extensions: list[Extension] = [h for h in self.hooks if isinstance(h, Extension)]
         self.contributions = Contributions()
@@ -86,15 +110,19 @@ def _ordered(participants: list[Hook]) -> list[Hook]:
         after = tuple(getattr(participant, "after", ()) or ())
         unknown = [a for a in after if a not in present and a not in BUILT_IN_NAMES]
         if unknown:
-            raise UserError(f"{name} runs after {unknown[0]!r}, which is neither a hook or extension of this run nor a "
-                            f"built-in one ({', '.join(sorted(BUILT_IN_NAMES))}); fix its `after`")
+            raise UserError(
+                f"{name} runs after {unknown[0]!r}, which is neither a hook or extension of this run nor a "
+                f"built-in one ({', '.join(sorted(BUILT_IN_NAMES))}); fix its `after`"
+            )
         needs[name] = {a for a in after if a in present}
     stateful = [n for p, n in zip(participants, names) if isinstance(p, Extension) and p.state_dict() is not None]
     if CHECKPOINT in present:
         for name in stateful:
             if _reaches(needs, name, CHECKPOINT):
-                raise UserError(f"{name} keeps state of its own, so it must run before the checkpoint (the checkpoint "
-                                f"of a step holds what it decided at that step); remove {CHECKPOINT!r} from its after")
+                raise UserError(
+                    f"{name} keeps state of its own, so it must run before the checkpoint (the checkpoint "
+                    f"of a step holds what it decided at that step); remove {CHECKPOINT!r} from its after"
+                )
             needs[CHECKPOINT].add(name)
     placed: list[int] = []
     done: set[str] = set()

@@ -21,6 +21,7 @@ that matches nothing, is one UserError line, raised before anything in model_dir
 To list the model's own keys it writes its checkpoint to TensorFlow's in-memory filesystem
 (`ram://`), or its weights file to a temporary directory that is deleted: nothing on disk.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,15 +52,19 @@ def resolve(path: str) -> str:
         return latest
     if tf.io.gfile.exists(path + ".index"):
         return path
-    raise UserError(f"train.warm_start {path} is neither a model_dir with checkpoints, a checkpoint prefix "
-                    f"(its .index file) nor a {WEIGHTS_SUFFIX} file")
+    raise UserError(
+        f"train.warm_start {path} is neither a model_dir with checkpoints, a checkpoint prefix "
+        f"(its .index file) nor a {WEIGHTS_SUFFIX} file"
+    )
 
 
 def _object_graph(prefix: str):
     from tensorflow.core.protobuf import trackable_object_graph_pb2
 
     reader = tf.compat.v1.train.NewCheckpointReader(prefix)
-    graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    graph = trackable_object_graph_pb2.TrackableObjectGraph.FromString(
+        reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH")
+    )
     return reader, graph
 
 
@@ -105,8 +110,9 @@ def _h5_shapes(path: str) -> dict[str, list[int]]:
 
     shapes: dict[str, list[int]] = {}
     with h5py.File(path, "r") as f:
-        f.visititems(lambda name, obj: shapes.__setitem__(name, list(obj.shape))
-                     if isinstance(obj, h5py.Dataset) else None)
+        f.visititems(
+            lambda name, obj: shapes.__setitem__(name, list(obj.shape)) if isinstance(obj, h5py.Dataset) else None
+        )
     return shapes
 
 
@@ -114,20 +120,32 @@ def compare(source: Mapping[str, list[int]], own: Mapping[str, list[int]], path:
     """The keys to restore; a shape mismatch or no match at all is a UserError."""
     for key in sorted(set(source) & set(own)):
         if source[key] != own[key]:
-            raise UserError(f"train.warm_start {path}: {key} has shape {source[key]} there but {own[key]} in the "
-                            "model; change the model or warm-start from a matching run")
+            raise UserError(
+                f"train.warm_start {path}: {key} has shape {source[key]} there but {own[key]} in the "
+                "model; change the model or warm-start from a matching run"
+            )
     matched = sorted(set(source) & set(own))
     if not matched:
-        raise UserError(f"train.warm_start {path}: none of its {len(source)} variables matches the model's "
-                        f"{len(own)}; is it a run of this model?{hint}")
+        raise UserError(
+            f"train.warm_start {path}: none of its {len(source)} variables matches the model's "
+            f"{len(own)}; is it a run of this model?{hint}"
+        )
     return matched
 
 
-def report(path: str, matched: list[str], source: Mapping, own: Mapping, print_fn: Callable[[str], None],
-           key: str | None = None) -> None:
+def report(
+    path: str,
+    matched: list[str],
+    source: Mapping,
+    own: Mapping,
+    print_fn: Callable[[str], None],
+    key: str | None = None,
+) -> None:
     whose = "the model's" if key is None else f"model {key!r}'s"
-    print_fn(f"warm start {'' if key is None else f'of model {key!r} '}from {path}: restored {len(matched)} of "
-             f"{whose} {len(own)} variables: {', '.join(matched)}")
+    print_fn(
+        f"warm start {'' if key is None else f'of model {key!r} '}from {path}: restored {len(matched)} of "
+        f"{whose} {len(own)} variables: {', '.join(matched)}"
+    )
     missing = sorted(set(own) - set(source))
     unused = sorted(set(source) - set(own))
     print_fn(f"warm start: not in the source, left as initialised ({len(missing)}): {', '.join(missing) or '-'}")
@@ -147,8 +165,11 @@ def _from_checkpoint(models: Any, prefix: str, print_fn: Callable[[str], None], 
         root, label = (("model", key) if keyed else ("model",)), f"model/{key}"
         checkpoint = tf.train.Checkpoint(model={key: models} if keyed else models)
     source, own = _checkpoint_shapes(prefix, root, label), _checkpoint_shapes(probe, ("model",), label)
-    hint = (f" To start one model of this run's dict from it, name that model: train.warm_start = "
-            f"{{'<key>': '{prefix}'}}" if key is None and isinstance(models, Mapping) else "")
+    hint = (
+        f" To start one model of this run's dict from it, name that model: train.warm_start = {{'<key>': '{prefix}'}}"
+        if key is None and isinstance(models, Mapping)
+        else ""
+    )
     matched = compare(source, own, prefix, hint)
     checkpoint.read(prefix).expect_partial()
     report(prefix, matched, source, own, print_fn, key)
@@ -159,11 +180,15 @@ def _from_weights_file(models: Any, path: str, print_fn: Callable[[str], None], 
     import h5py
 
     if isinstance(models, Mapping) or not hasattr(models, "load_weights"):
-        raise UserError(f"train.warm_start {path}: a {WEIGHTS_SUFFIX} file warm-starts one Keras model; "
-                        + ("this run's model_fn returned a dict of models: name the one it is for, "
-                           f"train.warm_start = {{'<key>': '{path}'}}" if isinstance(models, Mapping) else
-                           f"{'model ' + repr(key) if key else 'the model'} is a {type(models).__name__}; "
-                           "use a checkpoint"))
+        raise UserError(
+            f"train.warm_start {path}: a {WEIGHTS_SUFFIX} file warm-starts one Keras model; "
+            + (
+                "this run's model_fn returned a dict of models: name the one it is for, "
+                f"train.warm_start = {{'<key>': '{path}'}}"
+                if isinstance(models, Mapping)
+                else f"{'model ' + repr(key) if key else 'the model'} is a {type(models).__name__}; use a checkpoint"
+            )
+        )
     temp_dir = tempfile.mkdtemp(prefix="trainer-warm-start-")
     try:
         merged = os.path.join(temp_dir, "merged" + WEIGHTS_SUFFIX)
@@ -200,12 +225,16 @@ def _warm_start_one(models: Any, resolved: str, print_fn: Callable[[str], None],
 def _targets(models: Any, source: Mapping[str, str]) -> Mapping[str, Any]:
     """The run's models that `source` names by key; a key the run does not have is a UserError."""
     if not isinstance(models, Mapping):
-        raise UserError(f"train.warm_start {dict(source)!r} names models by key, but this run's model_fn returns one "
-                        "model; give a path: train.warm_start = '<path>'")
+        raise UserError(
+            f"train.warm_start {dict(source)!r} names models by key, but this run's model_fn returns one "
+            "model; give a path: train.warm_start = '<path>'"
+        )
     unknown = sorted(str(k) for k in source if k not in models)
     if unknown:
-        raise UserError(f"train.warm_start names model(s) {', '.join(map(repr, unknown))}, but this run's model_fn "
-                        f"returns {', '.join(map(repr, sorted(models)))}; key each path like the model it is for")
+        raise UserError(
+            f"train.warm_start names model(s) {', '.join(map(repr, unknown))}, but this run's model_fn "
+            f"returns {', '.join(map(repr, sorted(models)))}; key each path like the model it is for"
+        )
     return models
 
 
@@ -223,8 +252,10 @@ class WarmStart(Extension):
         if isinstance(path, Mapping) and not all(isinstance(k, str) and k for k in path):
             paths = [None]
         if not all(isinstance(p, str) and p for p in paths):
-            raise UserError(f"train.warm_start must be a path (a model_dir, a checkpoint prefix or a {WEIGHTS_SUFFIX} "
-                            "file), a dict {model key: path} for some models of a dict, or None, got " + repr(path))
+            raise UserError(
+                f"train.warm_start must be a path (a model_dir, a checkpoint prefix or a {WEIGHTS_SUFFIX} "
+                "file), a dict {model key: path} for some models of a dict, or None, got " + repr(path)
+            )
         for p in paths:
             resolve(p)  # a missing source is refused now, before anything is built
         self.path = dict(path) if isinstance(path, Mapping) else path

@@ -1,4 +1,5 @@
 """Files replaced whole: readers (another process, a crash's rerun) never see half of one."""
+
 from __future__ import annotations
 
 import os

@@ -14,6 +14,7 @@ TensorFlow's own `CheckpointOptions(experimental_enable_async_checkpoint=True)` 
 copy to the host fails on Keras 3 variables from the second save on (their `_copy_trackable_to_cpu`
 creates a tf.Variable inside a tf.function: ValueError, TF 2.21 / Keras 3.15).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -60,8 +61,11 @@ class CheckpointSaver:
         )
         # One writer thread: saves are written in order, one at a time. Its thread is joined at
         # interpreter exit, so even a process that leaves without `wait` finishes the write.
-        self._writer = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-checkpoint")
-                        if async_checkpoint else None)
+        self._writer = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-checkpoint")
+            if async_checkpoint
+            else None
+        )
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         self.last_saved_step: int | None = None
 
@@ -113,9 +117,7 @@ class CheckpointSaver:
                     "that wrote it or a fresh --model_dir"
                 ) from e
         if self.candidates():
-            raise UserError(
-                f"no checkpoint in {self.model_dir} can be read; move them away to start over"
-            )
+            raise UserError(f"no checkpoint in {self.model_dir} can be read; move them away to start over")
         return None
 
     def save(self, step: int) -> str:
@@ -182,14 +184,16 @@ class CheckpointSaver:
         state = tf.train.get_checkpoint_state(self.model_dir)
         kept = [os.path.basename(p) for p in (state.all_model_checkpoint_paths if state else [])]
         kept = [name for name in kept if name != os.path.basename(prefix)] + [os.path.basename(prefix)]
-        dropped, kept = kept[:-self._max_to_keep], kept[-self._max_to_keep:]
+        dropped, kept = kept[: -self._max_to_keep], kept[-self._max_to_keep :]
         # What the manager calls (the v1 name warns). The paths are given as model_dir joined to
         # each name, and written relative to model_dir, as the manager writes them: TensorFlow
         # reads a bare name given with a relative model_dir as relative to the working directory.
         tf.__internal__.train.update_checkpoint_state(
-            self.model_dir, os.path.join(self.model_dir, kept[-1]),
+            self.model_dir,
+            os.path.join(self.model_dir, kept[-1]),
             all_model_checkpoint_paths=[os.path.join(self.model_dir, name) for name in kept],
-            save_relative_paths=True)
+            save_relative_paths=True,
+        )
         for name in dropped:
             for path in glob.glob(os.path.join(glob.escape(self.model_dir), glob.escape(name)) + ".*"):
                 os.remove(path)
@@ -199,10 +203,15 @@ class CheckpointSaver:
         for partial in glob.glob(os.path.join(glob.escape(self.model_dir), f"ckpt-{step}_temp*")):
             shutil.rmtree(partial, ignore_errors=True)
         latest = tf.train.latest_checkpoint(self.model_dir)
-        keep = f"{latest} is intact and a rerun continues from it" if latest else \
-            "there is no earlier checkpoint: a rerun starts over"
-        return RunFailure(f"saving checkpoint {step} in {self.model_dir} failed ({_first_line(error)}); {keep} "
-                          "(free disk space or restore the directory first)")
+        keep = (
+            f"{latest} is intact and a rerun continues from it"
+            if latest
+            else "there is no earlier checkpoint: a rerun starts over"
+        )
+        return RunFailure(
+            f"saving checkpoint {step} in {self.model_dir} failed ({_first_line(error)}); {keep} "
+            "(free disk space or restore the directory first)"
+        )
 
 
 def _snapshot(checkpoint: tf.train.Checkpoint) -> tuple[Any, Any, str]:

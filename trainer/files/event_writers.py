@@ -11,6 +11,7 @@ and that trace is one of the checks a run makes before anything may be written t
 file at once; an `EventWriter` only names the writer resource the summary ops will write to, and
 creates it, with its file, at `init()`: the metrics log's first record, or the loop's first call.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -40,16 +41,22 @@ class EventWriter(tf.summary.SummaryWriter):
         with tf.device("cpu:0"):
             # `_resource` is what tf.summary.write takes from the default writer: the handle of a
             # writer resource by name, which `init` creates (a handle op alone creates nothing).
-            self._resource = tf.raw_ops.SummaryWriter(shared_name=f"trainer_events_{os.getpid()}_{next(_names)}",
-                                                      container="")
+            self._resource = tf.raw_ops.SummaryWriter(
+                shared_name=f"trainer_events_{os.getpid()}_{next(_names)}", container=""
+            )
 
     def init(self) -> None:
         """Creates the writer and its event file (and `logdir`); again: nothing."""
         if self._initialized or self._closed:
             return
         with tf.device("cpu:0"):
-            tf.raw_ops.CreateSummaryFileWriter(writer=self._resource, logdir=self.logdir, max_queue=10,
-                                               flush_millis=self._flush_millis, filename_suffix=".v2")
+            tf.raw_ops.CreateSummaryFileWriter(
+                writer=self._resource,
+                logdir=self.logdir,
+                max_queue=10,
+                flush_millis=self._flush_millis,
+                filename_suffix=".v2",
+            )
         self._initialized = True
 
     def flush(self) -> None:

@@ -13,6 +13,7 @@ writer per directory (trainer/files/event_writers.py).
 
 Reading needs no TensorFlow (trainer.plot runs without it): TensorFlow is imported by the writer only.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,8 +78,10 @@ class MetricsLog:
             with open(self._path, "a") as f:
                 f.write(json.dumps(line) + "\n")
         except OSError as e:  # a full disk, a model_dir that vanished: say so in one line
-            raise RunFailure(f"writing {self._path} failed ({e.strerror or e}); free disk space or restore "
-                             "model_dir, then rerun: it continues from the newest checkpoint") from e
+            raise RunFailure(
+                f"writing {self._path} failed ({e.strerror or e}); free disk space or restore "
+                "model_dir, then rerun: it continues from the newest checkpoint"
+            ) from e
 
     def subscribe(self, listener: Callable[[int, str, dict[str, float]], None]) -> None:
         """`listener(step, split, metrics)` gets every record written from now on (e.g. MLflow's hook)."""
@@ -140,7 +143,7 @@ def read_history(model_dir: str) -> list[dict]:
                     break  # a line a running job is still writing
                 raise UserError(f"{path}:{number} is not a JSON line") from None
             if not isinstance(record, dict) or not isinstance(record.get("step"), int) or "split" not in record:
-                raise UserError(f"{path}:{number} is not a metrics record (it needs a \"step\" and a \"split\")")
+                raise UserError(f'{path}:{number} is not a metrics record (it needs a "step" and a "split")')
             key = (record["step"], record["split"])
             if key[1] == RESUMED:
                 latest = {k: r for k, r in latest.items() if k[0] <= key[0]}

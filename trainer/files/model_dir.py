@@ -1,4 +1,5 @@
 """model_dir itself: refused early when it cannot hold a run; made (with the run record) at the first write."""
+
 from __future__ import annotations
 
 import os

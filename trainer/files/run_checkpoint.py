@@ -7,6 +7,7 @@ stopping's history, the best-k ranking) is different: a checkpoint written befor
 was turned on simply has none, and the extension starts afresh. So the state goes under one key,
 `extension_state/<name>`, read apart from the rest.
 """
+
 from __future__ import annotations
 
 import json

@@ -5,6 +5,7 @@ versions, strategy, replica and worker counts, global batch size, model variable
 overwritten. A later start that changes the global batch size, the replica count or the
 model's variables is refused with a message naming the difference, unless allowed.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -15,9 +16,9 @@ import platform
 import keras
 import tensorflow as tf
 
-from trainer.task.structure import named
 from trainer.errors import UserError
 from trainer.files.atomic import write_text_atomic
+from trainer.task.structure import named
 
 RECORD_FILE = "run_record.json"
 CHECKED = ("global_batch_size", "num_replicas", "model_variables")

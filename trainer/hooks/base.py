@@ -10,6 +10,7 @@ writer: the eval results (written by the eval hook, read through `evaluations.at
 stop request (`request_stop`), and the clock. Lines go through `console`, under which the
 progress bar keeps its place.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -4,6 +4,7 @@ It runs after every extension that keeps state of its own (the registry orders i
 checkpoint of step S holds what those extensions decided at step S: a run resumed from it
 decides exactly as one that never stopped.
 """
+
 from __future__ import annotations
 
 from trainer.hooks.base import Hook, Run

@@ -1,5 +1,6 @@
 """What a run records about itself at start: the operative config (file and TensorBoard text) and
 the hyperparameters (TensorBoard's HParams tab), written by the chief."""
+
 from __future__ import annotations
 
 import os

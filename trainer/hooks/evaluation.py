@@ -4,6 +4,7 @@ Its results are the run's `evaluations`: hooks and extensions that act on eval r
 checkpoints, early stopping, Keras callbacks, an EMA's own eval) run after it and read
 `run.evaluations.at(step)`, which holds the results only at a step where an eval ran.
 """
+
 from __future__ import annotations
 
 from trainer.hooks.base import Hook, Run

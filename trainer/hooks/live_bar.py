@@ -2,6 +2,7 @@
 
 Only the rendering lives here; when to draw is decided by `hooks.ProgressLogger`.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,15 @@ class LiveBar:
         self._shown = 0  # characters of the bar now on screen (0: none)
         self._last: str = ""
 
-    def render(self, step: int, total: int, metrics: Mapping[str, float], steps_per_sec: float | None,
-               eta: str | None, columns: int | None = None) -> str:
+    def render(
+        self,
+        step: int,
+        total: int,
+        metrics: Mapping[str, float],
+        steps_per_sec: float | None,
+        eta: str | None,
+        columns: int | None = None,
+    ) -> str:
         """The bar's text, fitted to `columns` (default: the terminal's width) so it never wraps."""
         if columns is None:
             columns = shutil.get_terminal_size((80, 24)).columns

@@ -4,6 +4,7 @@ Every long run shows step, loss, steps/s and ETA. The train records (the step ou
 over the interval, the learning rate, steps/s and examples/s) go to metrics.jsonl and
 TensorBoard through the run's metrics log.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -28,8 +29,11 @@ def learning_rates(optimizers) -> dict[str, float]:
     """`{"learning_rate": r}` of one optimizer, `{"learning_rate/<key>": r}` of a dict of them
     (optimizers without a `learning_rate` are left out)."""
     named = optimizers.items() if isinstance(optimizers, dict) else [(None, optimizers)]
-    return {("learning_rate" if key is None else f"learning_rate/{key}"): current_learning_rate(o)
-            for key, o in named if hasattr(o, "learning_rate")}
+    return {
+        ("learning_rate" if key is None else f"learning_rate/{key}"): current_learning_rate(o)
+        for key, o in named
+        if hasattr(o, "learning_rate")
+    }
 
 
 def format_duration(seconds: float) -> str:
@@ -55,8 +59,15 @@ class ProgressLogger(Hook):
 
     name = "progress"
 
-    def __init__(self, every_steps: int, *, live: bool | None = None, refresh_secs: float = 0.5,
-                 all_workers: bool = False, stream: IO[str] | None = None):
+    def __init__(
+        self,
+        every_steps: int,
+        *,
+        live: bool | None = None,
+        refresh_secs: float = 0.5,
+        all_workers: bool = False,
+        stream: IO[str] | None = None,
+    ):
         check_bool("progress_logger.live", live, optional=True)
         check_number("progress_logger.refresh_secs", refresh_secs, strictly=False)
         check_bool("progress_logger.all_workers", all_workers)
@@ -139,8 +150,7 @@ class ProgressLogger(Hook):
         else:
             eta = _eta_secs(run, step)
         means = self._means() if self._count else {}
-        line = self._bar.render(step, run.total_steps, means, steps_per_sec=self._rate,
-                                eta=format_duration(eta))
+        line = self._bar.render(step, run.total_steps, means, steps_per_sec=self._rate, eta=format_duration(eta))
         self._bar.draw(line)
         self._drawn_at = now
 
@@ -150,10 +160,14 @@ class ProgressLogger(Hook):
         means = self._means()
         seconds = max(run.train_seconds - self._last_train_seconds, 1e-9)
         steps_per_sec = self._count / seconds
-        record = means | learning_rates(run.optimizer) | {
-            "steps_per_sec": steps_per_sec,
-            "examples_per_sec": steps_per_sec * run.global_batch_size,
-        }
+        record = (
+            means
+            | learning_rates(run.optimizer)
+            | {
+                "steps_per_sec": steps_per_sec,
+                "examples_per_sec": steps_per_sec * run.global_batch_size,
+            }
+        )
         run.metrics_log.record(step, "train", record)
         if self._bar is None and (run.is_chief or self.all_workers):
             shown = "  ".join(f"{k} {v:.4f}" for k, v in means.items())

@@ -1,5 +1,6 @@
 """The one place that chooses the loop: asynchronous closures for a mode whose workers are
 remote (parameter_server), else the compiled synchronous loop; and, per eval split, an evaluator."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,13 @@ from trainer.files.event_writers import event_writer
 from trainer.loops.controller import EvaluatorLike, TrainLoopLike
 from trainer.loops.evaluator import Evaluator, make_metrics
 from trainer.loops.options import LoopOptions, ParameterServerConfig
-from trainer.loops.ps import CoordinatorEvaluator, PSTrainLoop, check_partitioner, describe_placement, \
-    per_worker_train_data
+from trainer.loops.ps import (
+    CoordinatorEvaluator,
+    PSTrainLoop,
+    check_partitioner,
+    describe_placement,
+    per_worker_train_data,
+)
 from trainer.loops.ps_schedules import count_steps_atomically
 from trainer.loops.step_summaries import StepSummaries
 from trainer.loops.sync import StepFn, TrainLoop
@@ -23,9 +29,16 @@ from trainer.task.task import Task
 
 
 def build_loops(
-    runtime: Runtime, task: Task, options: LoopOptions, *, start_step: int, step_fn: StepFn | None = None,
-    drop_batches: Sequence[int] = (), eval_metrics_fn: Callable | None = None,
-    parameter_server: ParameterServerConfig | None = None, after_update: Callable[[], None] | None = None,
+    runtime: Runtime,
+    task: Task,
+    options: LoopOptions,
+    *,
+    start_step: int,
+    step_fn: StepFn | None = None,
+    drop_batches: Sequence[int] = (),
+    eval_metrics_fn: Callable | None = None,
+    parameter_server: ParameterServerConfig | None = None,
+    after_update: Callable[[], None] | None = None,
     print_fn: Callable[[str], None] = print,
 ) -> tuple[TrainLoopLike, Mapping[str, EvaluatorLike]]:
     """The train loop and evaluators of the runtime's mode, from `start_step`.
@@ -36,42 +49,94 @@ def build_loops(
     step_fn = step_fn or task.step_fn
     if runtime.mode.coordinates_workers:
         if after_update is not None:
-            raise UserError("an extension added an action after each update, which the parameter_server loop "
-                            "cannot run (no single point after an asynchronous update); declare it synchronous only")
-        return build_ps_loops(runtime, task, options, step_fn=step_fn, start_step=start_step,
-                              eval_metrics_fn=eval_metrics_fn, config=parameter_server, print_fn=print_fn)
-    return build_sync_loops(runtime, task, options, step_fn=step_fn, start_step=start_step,
-                            drop_batches=drop_batches, eval_metrics_fn=eval_metrics_fn, after_update=after_update)
+            raise UserError(
+                "an extension added an action after each update, which the parameter_server loop "
+                "cannot run (no single point after an asynchronous update); declare it synchronous only"
+            )
+        return build_ps_loops(
+            runtime,
+            task,
+            options,
+            step_fn=step_fn,
+            start_step=start_step,
+            eval_metrics_fn=eval_metrics_fn,
+            config=parameter_server,
+            print_fn=print_fn,
+        )
+    return build_sync_loops(
+        runtime,
+        task,
+        options,
+        step_fn=step_fn,
+        start_step=start_step,
+        drop_batches=drop_batches,
+        eval_metrics_fn=eval_metrics_fn,
+        after_update=after_update,
+    )
 
 
 def build_sync_loops(
-    runtime: Runtime, task: Task, options: LoopOptions, *, step_fn: StepFn, start_step: int,
-    drop_batches: Sequence[int] = (), eval_metrics_fn: Callable | None = None,
+    runtime: Runtime,
+    task: Task,
+    options: LoopOptions,
+    *,
+    step_fn: StepFn,
+    start_step: int,
+    drop_batches: Sequence[int] = (),
+    eval_metrics_fn: Callable | None = None,
     after_update: Callable[[], None] | None = None,
 ) -> tuple[TrainLoop, dict[str, Evaluator]]:
     """The compiled train loop and, per eval split, an evaluator, for the synchronous strategies."""
     dist = runtime.strategy
     train_data = data.distribute_train(
-        dist, task.input, options.global_batch_size, options.seed, method=options.distribute_method,
-        shard_policy=options.shard_policy, skip_steps=start_step, drop_batches=drop_batches,
+        dist,
+        task.input,
+        options.global_batch_size,
+        options.seed,
+        method=options.distribute_method,
+        shard_policy=options.shard_policy,
+        skip_steps=start_step,
+        drop_batches=drop_batches,
     )
-    loop = TrainLoop(dist, task.models, task.optimizers, step_fn, options.global_batch_size, train_data,
-                     task.global_step, jit_compile=options.jit_compile, after_update=after_update,
-                     summaries=step_summaries(runtime, options))
+    loop = TrainLoop(
+        dist,
+        task.models,
+        task.optimizers,
+        step_fn,
+        options.global_batch_size,
+        train_data,
+        task.global_step,
+        jit_compile=options.jit_compile,
+        after_update=after_update,
+        summaries=step_summaries(runtime, options),
+    )
     with dist.scope():  # metric variables aggregate across replicas (and workers)
         metrics = make_metrics(eval_metrics_fn)
     evaluators = {}
     for split in task.input.eval_splits:
-        eval_data = data.distribute_eval(dist, task.input, options.global_batch_size, split=split,
-                                         method=options.distribute_method, shard_policy=options.shard_policy)
-        evaluators[split] = Evaluator(dist, task.models, task.eval_step_fn, eval_data,
-                                      _num_batches(task, split, options), metrics=metrics)
+        eval_data = data.distribute_eval(
+            dist,
+            task.input,
+            options.global_batch_size,
+            split=split,
+            method=options.distribute_method,
+            shard_policy=options.shard_policy,
+        )
+        evaluators[split] = Evaluator(
+            dist, task.models, task.eval_step_fn, eval_data, _num_batches(task, split, options), metrics=metrics
+        )
     return loop, evaluators
 
 
 def build_ps_loops(
-    runtime: Runtime, task: Task, options: LoopOptions, *, step_fn: StepFn, start_step: int,
-    eval_metrics_fn: Callable | None = None, config: ParameterServerConfig | None = None,
+    runtime: Runtime,
+    task: Task,
+    options: LoopOptions,
+    *,
+    step_fn: StepFn,
+    start_step: int,
+    eval_metrics_fn: Callable | None = None,
+    config: ParameterServerConfig | None = None,
     print_fn: Callable[[str], None] = print,
 ) -> tuple[PSTrainLoop, dict[str, CoordinatorEvaluator]]:
     """The ParameterServer loop and, per eval split, an evaluator on the coordinator."""
@@ -85,22 +150,39 @@ def build_ps_loops(
     coordinator = tf.distribute.coordinator.ClusterCoordinator(dist)
     count_steps_atomically(task.optimizers, task.global_step)  # schedules and Adam follow every step
     train_data = per_worker_train_data(
-        dist, coordinator, task.input, options.global_batch_size, options.seed, start_step=start_step,
+        dist,
+        coordinator,
+        task.input,
+        options.global_batch_size,
+        options.seed,
+        start_step=start_step,
         shard_policy=options.shard_policy,
     )
     loop = PSTrainLoop(
-        dist, coordinator, task.models, task.optimizers, step_fn, options.global_batch_size, train_data,
-        task.global_step, steps_per_closure=steps_per_closure, print_fn=print_fn,
+        dist,
+        coordinator,
+        task.models,
+        task.optimizers,
+        step_fn,
+        options.global_batch_size,
+        train_data,
+        task.global_step,
+        steps_per_closure=steps_per_closure,
+        print_fn=print_fn,
         batch_spec=tf.nest.map_structure(lambda s: tf.TensorSpec([None, *s.shape], s.dtype), task.input.element_spec),
     )
     local = tf.distribute.get_strategy()  # the default strategy: the coordinator's own device
     metrics = make_metrics(eval_metrics_fn)  # on the coordinator, where eval runs
     evaluators = {}
     for split in task.input.eval_splits:
-        eval_data = data.eval_dataset(task.input, options.global_batch_size, split=split,
-                                      shard_policy=options.shard_policy)
-        evaluators[split] = CoordinatorEvaluator(Evaluator(local, task.models, task.eval_step_fn, eval_data,
-                                                           _num_batches(task, split, options), metrics=metrics))
+        eval_data = data.eval_dataset(
+            task.input, options.global_batch_size, split=split, shard_policy=options.shard_policy
+        )
+        evaluators[split] = CoordinatorEvaluator(
+            Evaluator(
+                local, task.models, task.eval_step_fn, eval_data, _num_batches(task, split, options), metrics=metrics
+            )
+        )
     return loop, evaluators
 
 

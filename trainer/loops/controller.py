@@ -7,6 +7,7 @@ chooses between them. `drive` runs either: each call ends on the nearest hook bo
 it, any hook may throw the call's results away (`rollback_to`: the non-finite guard), else
 every hook's `after_loop` runs, in the registry's order.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,13 @@ import tensorflow as tf
 from trainer.errors import RunFailure
 from trainer.hooks.base import Hook, Run
 
-PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError,
-               tf.errors.CancelledError, tf.errors.InternalError)
+PEER_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+    tf.errors.InternalError,
+)
 
 
 class TrainLoopLike(Protocol):
@@ -49,15 +55,20 @@ def op_error_summary(error: Exception) -> str:
     """The line of a TensorFlow graph error that says what happened (not where)."""
     for line in str(error).splitlines():
         text = line.strip()
-        if text and not line[0].isspace() and not text.startswith(("Graph execution error", "Detected at node", "File ")):
+        if (
+            text
+            and not line[0].isspace()
+            and not text.startswith(("Graph execution error", "Detected at node", "File "))
+        ):
             return text.rstrip(".:")
     return "no detail"
 
 
 def peer_failure(error: Exception, step: int, num_steps: int, latest_checkpoint: str | None) -> RunFailure:
     """A collective or remote call that failed: name the steps and where a rerun continues."""
-    resume = f"a rerun continues from {latest_checkpoint}" if latest_checkpoint else \
-        "no checkpoint yet: a rerun starts over"
+    resume = (
+        f"a rerun continues from {latest_checkpoint}" if latest_checkpoint else "no checkpoint yet: a rerun starts over"
+    )
     return RunFailure(
         f"training failed in steps {step + 1}-{step + num_steps} ({type(error).__name__}: "
         f"{op_error_summary(error)}); a peer task may have died or timed out; {resume}"

@@ -3,6 +3,7 @@
 The eval step returns per-replica SUMS (divided here by `num_examples`, its own or, if it
 returns none, the weight of the batch's real examples), and/or updates Keras metric objects.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping
@@ -28,12 +29,18 @@ def make_metrics(eval_metrics_fn: Callable | None) -> dict[str, keras.metrics.Me
     metrics = eval_metrics_fn()
     name = getattr(eval_metrics_fn, "__name__", type(eval_metrics_fn).__name__)
     if not isinstance(metrics, Mapping) or not all(
-            isinstance(k, str) and all(callable(getattr(m, a, None)) for a in ("update_state", "result", "reset_state"))
-            for k, m in metrics.items()):
-        shown = type(metrics).__name__ if not isinstance(metrics, Mapping) else \
-            "{" + ", ".join(f"{k!r}: {type(m).__name__}" for k, m in metrics.items()) + "}"
-        raise UserError(f"train.eval_metrics_fn {name} returned {shown}; return a dict of names to Keras metrics, "
-                        "e.g. {'auc': keras.metrics.AUC()}")
+        isinstance(k, str) and all(callable(getattr(m, a, None)) for a in ("update_state", "result", "reset_state"))
+        for k, m in metrics.items()
+    ):
+        shown = (
+            type(metrics).__name__
+            if not isinstance(metrics, Mapping)
+            else "{" + ", ".join(f"{k!r}: {type(m).__name__}" for k, m in metrics.items()) + "}"
+        )
+        raise UserError(
+            f"train.eval_metrics_fn {name} returned {shown}; return a dict of names to Keras metrics, "
+            "e.g. {'auc': keras.metrics.AUC()}"
+        )
     return dict(metrics)
 
 
@@ -75,18 +82,25 @@ class Evaluator:
         eval_step_fn = contract.adapt(eval_step_fn, contract.EVAL_STEP)  # by name, else by position
         takes_metrics = contract.takes(eval_step_fn, "metrics", contract.EVAL_STEP)
         if self._metrics and not takes_metrics:
-            raise UserError(f"train.eval_metrics_fn gives metrics {sorted(self._metrics)} but train.eval_step_fn "
-                            f"{getattr(eval_step_fn, '__name__', eval_step_fn)} takes no `metrics` parameter; "
-                            "declare eval_step_fn(model, batch, metrics) and update them there")
+            raise UserError(
+                f"train.eval_metrics_fn gives metrics {sorted(self._metrics)} but train.eval_step_fn "
+                f"{getattr(eval_step_fn, '__name__', eval_step_fn)} takes no `metrics` parameter; "
+                "declare eval_step_fn(model, batch, metrics) and update them there"
+            )
         self._step_name = getattr(eval_step_fn, "__name__", type(eval_step_fn).__name__)
 
         def replica_fn(batch):
             batch = placed(batch)
-            outputs = (call_user(eval_step_fn, model, batch, self._metrics) if takes_metrics
-                       else call_user(eval_step_fn, model, batch))
+            outputs = (
+                call_user(eval_step_fn, model, batch, self._metrics)
+                if takes_metrics
+                else call_user(eval_step_fn, model, batch)
+            )
             if not isinstance(outputs, Mapping):
-                raise UserError(f"train.eval_step_fn {self._step_name} returned {type(outputs).__name__}; return "
-                                "a dict of per-replica sums with 'num_examples' (or {} when it only updates metrics)")
+                raise UserError(
+                    f"train.eval_step_fn {self._step_name} returned {type(outputs).__name__}; return "
+                    "a dict of per-replica sums with 'num_examples' (or {} when it only updates metrics)"
+                )
             weight = batch[-1]
             return dict(outputs) | {WEIGHT_KEY: tf.reduce_sum(tf.cast(weight, tf.float32))}
 
@@ -101,24 +115,34 @@ class Evaluator:
         """Traces the eval pass on the real batch spec now (the trace `evaluate` reuses) and checks
         what the eval step returns, before anything is written; returns the names of the results
         (the step's means and the metrics' results, without `num_examples`)."""
-        concrete = tracing.traced("train.eval_step_fn", self._step_name, lambda: self._eval_batches.get_concrete_function(
-            iter(self._dataset), tf.TensorSpec([], tf.int32)))
+        concrete = tracing.traced(
+            "train.eval_step_fn",
+            self._step_name,
+            lambda: self._eval_batches.get_concrete_function(iter(self._dataset), tf.TensorSpec([], tf.int32)),
+        )
         self._check_keys(concrete.structured_outputs)
-        sums = [k for k in concrete.structured_outputs
-                if k not in (WEIGHT_KEY, "num_examples") and not k.endswith(contract.DENOMINATOR)]
+        sums = [
+            k
+            for k in concrete.structured_outputs
+            if k not in (WEIGHT_KEY, "num_examples") and not k.endswith(contract.DENOMINATOR)
+        ]
         return (*sums, *metric_results(self._metrics))
 
     def _check_keys(self, outputs: Mapping) -> None:
         keys = set(outputs) - {WEIGHT_KEY}
         for key in sorted(keys):
             if key.endswith(contract.DENOMINATOR) and key.removesuffix(contract.DENOMINATOR) not in keys:
-                raise UserError(f"train.eval_step_fn {self._step_name} returns {key!r} but no "
-                                f"{key.removesuffix(contract.DENOMINATOR)!r}; '<name>{contract.DENOMINATOR}' is "
-                                "what the loop divides the sum '<name>' by: return both, or rename it")
+                raise UserError(
+                    f"train.eval_step_fn {self._step_name} returns {key!r} but no "
+                    f"{key.removesuffix(contract.DENOMINATOR)!r}; '<name>{contract.DENOMINATOR}' is "
+                    "what the loop divides the sum '<name>' by: return both, or rename it"
+                )
         if keys and "num_examples" not in keys:
-            raise UserError(f"train.eval_step_fn {self._step_name} returns {sorted(keys)} but no 'num_examples'; "
-                            "return per-replica sums and 'num_examples' (the sum of the batch weights), so the loop "
-                            "can divide the sums over every replica and batch")
+            raise UserError(
+                f"train.eval_step_fn {self._step_name} returns {sorted(keys)} but no 'num_examples'; "
+                "return per-replica sums and 'num_examples' (the sum of the batch weights), so the loop "
+                "can divide the sums over every replica and batch"
+            )
 
     def evaluate(self) -> dict[str, float]:
         """Per-example means of the step's sums, each metric's result, and `num_examples`."""
@@ -129,7 +153,10 @@ class Evaluator:
         totals = {k: float(v) for k, v in totals.items()}
         weight = totals.pop(WEIGHT_KEY)
         count = totals.pop("num_examples", weight)
-        denominators = {k.removesuffix(contract.DENOMINATOR): totals.pop(k) for k in list(totals)
-                        if k.endswith(contract.DENOMINATOR)}
+        denominators = {
+            k.removesuffix(contract.DENOMINATOR): totals.pop(k)
+            for k in list(totals)
+            if k.endswith(contract.DENOMINATOR)
+        }
         means = {k: v / d if (d := denominators.get(k, count)) else v for k, v in totals.items()}
         return means | metric_results(self._metrics) | {"num_examples": count}

@@ -1,5 +1,6 @@
 """What the loops are configured with: length, batch, distribution of the data, and the
 parameter-server specifics, each field checked where the object is made."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,7 @@ class LoopOptions:
         check_int("train.seed", self.seed, minimum=0)
         check_choice("train.distribute_method", self.distribute_method, DISTRIBUTE_METHODS)
         if not isinstance(self.shard_policy, str) or self.shard_policy.upper() not in SHARD_POLICIES:
-            raise UserError(f"unknown train.shard_policy {self.shard_policy!r}: use one of "
-                            f"{', '.join(SHARD_POLICIES)}")
+            raise UserError(f"unknown train.shard_policy {self.shard_policy!r}: use one of {', '.join(SHARD_POLICIES)}")
         check_bool("train.jit_compile", self.jit_compile)
 
 

@@ -38,6 +38,7 @@ workers that is approximate, since who ran which step is not recorded.
 Evaluation runs on the coordinator itself over the whole eval set, each example once,
 reading the current variables from the ps tasks.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping
@@ -116,8 +117,9 @@ def describe_placement(models) -> str:
     for variable in trainable_variables(models):
         name = variable.path if isinstance(variable, getattr(keras, "Variable", ())) else variable.name.split(":")[0]
         parts.setdefault(name.partition("/part_")[0], []).extend(_tf_variables(variable))
-    tasks = sorted({part.device.split("/device:")[0].replace("/replica:0", "") for found in parts.values()
-                    for part in found})
+    tasks = sorted(
+        {part.device.split("/device:")[0].replace("/replica:0", "") for found in parts.values() for part in found}
+    )
     sharded = ", ".join(f"{name} in {len(found)}" for name, found in sorted(parts.items()) if len(found) > 1)
     return f"{len(parts)} variables on {', '.join(tasks)}; sharded: {sharded or 'none'}"
 
@@ -157,8 +159,12 @@ class PSTrainLoop:
         def replica_step(batch):
             return call_step(step_fn, model, optimizer, batch, global_batch_size)
 
-        self._model, self._optimizer, self._step_fn, self._global_batch_size = model, optimizer, step_fn, \
-            global_batch_size
+        self._model, self._optimizer, self._step_fn, self._global_batch_size = (
+            model,
+            optimizer,
+            step_fn,
+            global_batch_size,
+        )
         self._batch_spec = batch_spec
 
         self.rule = rule = combine.rule_of(step_fn)  # how each output combines (trainer/task/combine.py)
@@ -197,16 +203,19 @@ class PSTrainLoop:
                     if not rejected_by_worker(error) or rescheduled == MAX_RESCHEDULES:
                         raise
                     rescheduled += 1
-                    self._print(f"warning: a worker's server rejected a closure in steps {step + 1}-"
-                                f"{step + num_steps} before running it ({tracing.first_line(error)}); scheduling it "
-                                f"and the closures cancelled with it again ({rescheduled}/{MAX_RESCHEDULES})")
+                    self._print(
+                        f"warning: a worker's server rejected a closure in steps {step + 1}-"
+                        f"{step + num_steps} before running it ({tracing.first_line(error)}); scheduling it "
+                        f"and the closures cancelled with it again ({rescheduled}/{MAX_RESCHEDULES})"
+                    )
                 pending = []
                 for n, result in scheduled:
                     try:
                         outputs = result.fetch()
                     except (tf.errors.CancelledError, tf.errors.InternalError) as error:
-                        if not rescheduled or not (isinstance(error, tf.errors.CancelledError)
-                                                   or rejected_by_worker(error)):
+                        if not rescheduled or not (
+                            isinstance(error, tf.errors.CancelledError) or rejected_by_worker(error)
+                        ):
                             raise
                         pending.append(n)
                         continue
@@ -227,8 +236,11 @@ class PSTrainLoop:
         a worker) and an update traced in another graph than the step's (a loop or branch body, where
         the worker's merge_call fails)."""
         optimizers = self._optimizer
-        stand_ins = ({k: _GraphNotingRecorder(o) for k, o in optimizers.items()}
-                     if isinstance(optimizers, Mapping) else _GraphNotingRecorder(optimizers))
+        stand_ins = (
+            {k: _GraphNotingRecorder(o) for k, o in optimizers.items()}
+            if isinstance(optimizers, Mapping)
+            else _GraphNotingRecorder(optimizers)
+        )
         step_graphs = []
 
         def traced_step(batch):
@@ -237,15 +249,20 @@ class PSTrainLoop:
             return reduce_outputs(tf.distribute.get_strategy(), outputs, rule=self.rule)
 
         with tracing.cross_replica_calls() as calls, tracing_for_summaries():
-            concrete = tracing.traced("train.step_fn", step_name, lambda: tf.function(
-                traced_step, autograph=False).get_concrete_function(self._batch_spec))
+            concrete = tracing.traced(
+                "train.step_fn",
+                step_name,
+                lambda: tf.function(traced_step, autograph=False).get_concrete_function(self._batch_spec),
+            )
         if writes_summaries(concrete):
             raise refuse_under_parameter_server(step_name)
         if calls:
-            raise UserError(f"train.step_fn {step_name} calls get_replica_context().{calls[0]}, a cross-replica call, "
-                            "which parameter_server does not support: its workers run their steps on their own, "
-                            "asynchronously, and no replica context spans them; use a synchronous strategy "
-                            "(gin/mwms.gin) for this step")
+            raise UserError(
+                f"train.step_fn {step_name} calls get_replica_context().{calls[0]}, a cross-replica call, "
+                "which parameter_server does not support: its workers run their steps on their own, "
+                "asynchronously, and no replica context spans them; use a synchronous strategy "
+                "(gin/mwms.gin) for this step"
+            )
         if any(graph is not step_graphs[0] for recorder in flat(stand_ins) for graph in recorder.graphs):
             # On a worker the update is a merge_call, which TensorFlow refuses inside graph control flow.
             raise tracing.update_in_graph_control_flow("train.step_fn", step_name)
@@ -288,8 +305,11 @@ class CoordinatorEvaluator:
 def lost_task_failure(error: Exception, when: str) -> RunFailure:
     """A one-line RunFailure for an error that means a ps (or the cluster) is gone."""
     detail = next(
-        (line.strip() for line in str(error).splitlines()
-         if line.strip() and not line.strip().startswith(("Graph execution error", "Detected at node", "<stack"))),
+        (
+            line.strip()
+            for line in str(error).splitlines()
+            if line.strip() and not line.strip().startswith(("Graph execution error", "Detected at node", "<stack"))
+        ),
         type(error).__name__,
     )
     return RunFailure(
@@ -325,6 +345,4 @@ def per_worker_train_data(
         which = (stream_counter.assign_add(1) - 1) % workers
         return tf.data.Dataset.choose_from_datasets(streams, tf.data.Dataset.from_tensors(which).repeat())
 
-    return coordinator.create_per_worker_dataset(
-        lambda: strategy.distribute_datasets_from_function(dataset_fn)
-    )
+    return coordinator.create_per_worker_dataset(lambda: strategy.distribute_datasets_from_function(dataset_fn))

@@ -20,6 +20,7 @@ strategy keeps Keras' own counter, bit-identical to Keras `fit`.
 A closure the coordinator re-runs after a worker failure applies (and counts) its steps
 again, as it applies their updates again: the counter then counts updates, not global steps.
 """
+
 from __future__ import annotations
 
 import functools

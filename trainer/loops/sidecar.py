@@ -19,6 +19,7 @@ Checkpoints are found through the `checkpoint` state file, which the chief rewri
 only after a checkpoint is complete. One deleted (max_to_keep) before it was read is
 reported and skipped.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,16 +82,22 @@ def evaluate_continuously(
         raise UserError(f"eval_continuous timeout_secs and poll_secs must be positive, got {timeout_secs}, {poll_secs}")
     model_dir, total_steps, global_batch_size = settings.model_dir, settings.total_steps, settings.global_batch_size
     inp = settings.make_input()
-    runtime = make_runtime(RuntimeConfig(device_config=settings.device_config, mixed_precision=settings.mixed_precision),
-                           standalone=True)
+    runtime = make_runtime(
+        RuntimeConfig(device_config=settings.device_config, mixed_precision=settings.mixed_precision), standalone=True
+    )
     inp.validate()
     keras.utils.set_random_seed(settings.seed)
     model, global_step, checkpoint = build_eval_models(inp, settings.model_fn)
     metrics = make_metrics(settings.eval_metrics_fn)
     evaluators = {
-        split: Evaluator(runtime.strategy, model, settings.eval_step_fn,
-                         data.eval_dataset(inp, global_batch_size, split=split),
-                         -(-inp.num_examples(split) // global_batch_size), metrics=metrics)
+        split: Evaluator(
+            runtime.strategy,
+            model,
+            settings.eval_step_fn,
+            data.eval_dataset(inp, global_batch_size, split=split),
+            -(-inp.num_examples(split) // global_batch_size),
+            metrics=metrics,
+        )
         for split in inp.eval_splits
     }
     writers: dict = {}
@@ -132,8 +139,10 @@ def evaluate_continuously(
                     last_results = results
                 shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "num_examples")
                 where = "" if split == "eval" else f" on {split}"
-                print_fn(f"sidecar eval{where} of {os.path.basename(path)} at step {step}: {shown}  "
-                         f"({int(results['num_examples'])} examples)")
+                print_fn(
+                    f"sidecar eval{where} of {os.path.basename(path)} at step {step}: {shown}  "
+                    f"({int(results['num_examples'])} examples)"
+                )
             if step >= total_steps:
                 print_fn(f"sidecar evaluator: reached train.total_steps {total_steps}; done")
                 return last_results

@@ -18,6 +18,7 @@ so under MirroredStrategy and MultiWorkerMirrored the values written are those o
 replica: its own batch, and a loss scaled by `compute_average_loss` is its share of the
 global-batch mean (the loop's own `loss` record is the SUM over replicas).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -6,6 +6,7 @@ on each replica and reduces those sums with SUM in cross-replica context once pe
 (`ReplicaTotals`). Hooks run between calls. The step's own `tf.summary` calls are recorded
 every `log_every_steps` steps (trainer/loops/step_summaries.py).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping
@@ -46,8 +47,7 @@ class TrainLoop:
         self._iterator = iter(dataset)
 
         # XLA (if asked) on the replica function only: iterator ops and the reduce stay outside (rule 9).
-        replica_step = xla.replica_step(strategy, step_fn, model, optimizer, global_batch_size,
-                                        jit_compile=jit_compile)
+        replica_step = xla.replica_step(strategy, step_fn, model, optimizer, global_batch_size, jit_compile=jit_compile)
 
         def step_at_top_scope(batch):
             # Summary tags take the name scope they are written in: the step's own summaries are
@@ -55,12 +55,14 @@ class TrainLoop:
             with tf.name_scope(""):
                 return replica_step(batch)
 
-        totals = self._totals = ReplicaTotals(strategy, step_at_top_scope, "train.step_fn",
-                                              rule=combine.rule_of(step_fn))
+        totals = self._totals = ReplicaTotals(
+            strategy, step_at_top_scope, "train.step_fn", rule=combine.rule_of(step_fn)
+        )
         self.rule = totals.rule  # how each output combines over steps (the progress hook combines calls alike)
 
         def train_steps(iterator, num_steps):
             with summaries.recording(global_step) as advance:
+
                 def next_batch():
                     advance()  # the summaries' step: the global step of the step about to run
                     return next(iterator)
@@ -91,12 +93,17 @@ class TrainLoop:
         """Traces the compiled loop on the real batch spec now (the trace the first call reuses), so
         that a step or model that cannot take the batch is one UserError line before anything is
         written; returns the names of the step's outputs."""
-        concrete = tracing.traced("train.step_fn", step_name, lambda: self._train_steps.get_concrete_function(
-            self._iterator, tf.TensorSpec([], tf.int32)))
+        concrete = tracing.traced(
+            "train.step_fn",
+            step_name,
+            lambda: self._train_steps.get_concrete_function(self._iterator, tf.TensorSpec([], tf.int32)),
+        )
         if self._jit_compile and writes_summaries(concrete):
-            raise UserError(f"train.step_fn {step_name} writes tf.summary inside the step, which XLA cannot compile "
-                            "(train.jit_compile); return the value from the step instead (each output is logged), "
-                            "or set train.jit_compile = False")
+            raise UserError(
+                f"train.step_fn {step_name} writes tf.summary inside the step, which XLA cannot compile "
+                "(train.jit_compile); return the value from the step instead (each output is logged), "
+                "or set train.jit_compile = False"
+            )
         return tuple(self._totals.names)
 
     def set_dataset(self, dataset) -> None:

@@ -6,6 +6,7 @@ Shared by the train loop, the eval pass and the bench's bare loop, so that all o
 their steps the same way: a graph while loop whose count is a tensor (a new count never
 retraces), the step in replica context through `strategy.run`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
@@ -22,19 +23,27 @@ SUM = tf.distribute.ReduceOp.SUM
 def check_outputs(outputs, what: str = "train.step_fn") -> Mapping[str, tf.Tensor]:
     """`outputs` if it is a dict of scalar numbers (one replica's, or any replica's local value); else UserError."""
     if not isinstance(outputs, Mapping):
-        raise UserError(f"{what} returned {type(outputs).__name__}; return a dict of scalar tensors, "
-                        "e.g. {'loss': loss}")
+        raise UserError(
+            f"{what} returned {type(outputs).__name__}; return a dict of scalar tensors, e.g. {{'loss': loss}}"
+        )
     for name, value in outputs.items():
-        if not isinstance(name, str) or not hasattr(value, "shape") or value.shape.rank != 0 \
-                or not (value.dtype.is_floating or value.dtype.is_integer):
+        if (
+            not isinstance(name, str)
+            or not hasattr(value, "shape")
+            or value.shape.rank != 0
+            or not (value.dtype.is_floating or value.dtype.is_integer)
+        ):
             shown = getattr(value, "shape", type(value).__name__)
-            raise UserError(f"{what} output {name!r} is {shown} of {getattr(value, 'dtype', '?')}; each output must "
-                            "be a scalar number (reduce a per-example vector with a sum or mean first)")
+            raise UserError(
+                f"{what} output {name!r} is {shown} of {getattr(value, 'dtype', '?')}; each output must "
+                "be a scalar number (reduce a per-example vector with a sum or mean first)"
+            )
     return outputs
 
 
-def reduce_outputs(strategy: tf.distribute.Strategy, outputs, what: str = "train.step_fn",
-                   rule: Mapping[str, str] | None = None) -> dict[str, tf.Tensor]:
+def reduce_outputs(
+    strategy: tf.distribute.Strategy, outputs, what: str = "train.step_fn", rule: Mapping[str, str] | None = None
+) -> dict[str, tf.Tensor]:
     """A step's `{name: scalar}` outputs across replicas: SUM, or as `rule` declares (refused in one
     line if not a dict of scalars)."""
     if isinstance(outputs, Mapping):
@@ -43,8 +52,9 @@ def reduce_outputs(strategy: tf.distribute.Strategy, outputs, what: str = "train
         check_outputs(outputs, what)
     rule = rule or {}
     combine.check_names(rule, outputs, what)
-    return {k: _across_replicas(strategy, tf.cast(v, tf.float32), rule.get(k, combine.SHARE))
-            for k, v in outputs.items()}
+    return {
+        k: _across_replicas(strategy, tf.cast(v, tf.float32), rule.get(k, combine.SHARE)) for k, v in outputs.items()
+    }
 
 
 def _across_replicas(strategy: tf.distribute.Strategy, value, kind: str) -> tf.Tensor:
@@ -70,8 +80,12 @@ def repeated(step: Callable, num_steps: tf.Tensor):
     `tf.range` loop), written out because the loops trace without AutoGraph.
     """
     state = step(None)
-    _, state = tf.while_loop(lambda i, _: i < num_steps, lambda i, state: (i + 1, step(state)),
-                             (tf.constant(1), state), maximum_iterations=tf.maximum(num_steps - 1, 0))
+    _, state = tf.while_loop(
+        lambda i, _: i < num_steps,
+        lambda i, state: (i + 1, step(state)),
+        (tf.constant(1), state),
+        maximum_iterations=tf.maximum(num_steps - 1, 0),
+    )
     return state
 
 
@@ -90,8 +104,15 @@ class ReplicaTotals:
     per-step work to a few ops on one vector (docs/design.md, rule 3: still SUM, in cross-replica context).
     """
 
-    def __init__(self, strategy: tf.distribute.Strategy, replica_fn: Callable, what: str, *,
-                 count_finite: bool = True, rule: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        strategy: tf.distribute.Strategy,
+        replica_fn: Callable,
+        what: str,
+        *,
+        count_finite: bool = True,
+        rule: Mapping[str, str] | None = None,
+    ):
         self._strategy = strategy
         self._replica_fn = replica_fn
         self._what = what
@@ -107,12 +128,14 @@ class ReplicaTotals:
             return tf.zeros([0], tf.float32)
         return tf.stack([tf.cast(outputs[k], tf.float32) for k in self.names])
 
-    def accumulate(self, num_steps: tf.Tensor, next_batch: Callable[[], Any], *,
-                   after_step: Callable[[], None] | None = None):
+    def accumulate(
+        self, num_steps: tf.Tensor, next_batch: Callable[[], Any], *, after_step: Callable[[], None] | None = None
+    ):
         """The per-replica totals and finite-step counts after `num_steps` steps, each on `next_batch()`.
 
         Call in cross-replica context; `after_step` runs there after each step's update (e.g. EMA).
         """
+
         def one_step(state):
             if state is None:
                 state = self._strategy.run(self._first, args=(next_batch(),))
@@ -156,8 +179,11 @@ class ReplicaTotals:
         for extreme in (combine.MAX, combine.MIN):
             where = [i for i, kind in enumerate(kinds) if kind == extreme]
             if where:
-                values = _across_replicas(self._strategy, self._strategy.run(
-                    lambda totals: tf.gather(totals, where), args=(state[0],)), extreme)
+                values = _across_replicas(
+                    self._strategy,
+                    self._strategy.run(lambda totals, where=where: tf.gather(totals, where), args=(state[0],)),
+                    extreme,
+                )
                 combined.update({self.names[i]: values[j] for j, i in enumerate(where)})
         return combined
 
@@ -171,7 +197,8 @@ class ReplicaTotals:
         if self._strategy.num_replicas_in_sync == 1:
             first = self._strategy.reduce(SUM, finite_steps, axis=None)
         else:  # the least count over replicas, with SUM only: which counts occur, then the lowest of them
-            seen = self._strategy.reduce(SUM, self._strategy.run(
-                lambda count: tf.one_hot(count, num_steps + 1), args=(finite_steps,)), axis=None)
+            seen = self._strategy.reduce(
+                SUM, self._strategy.run(lambda count: tf.one_hot(count, num_steps + 1), args=(finite_steps,)), axis=None
+            )
             first = tf.cast(tf.argmax(tf.cast(seen > 0, tf.int32)), tf.int32)
         return tf.where(first < num_steps, first, -1)

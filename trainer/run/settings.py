@@ -7,6 +7,7 @@ Each value the core reads is checked here, in one UserError line naming the gin 
 options of an optional feature are checked by its extension (trainer/extensions/), also before
 anything is built or written.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -106,13 +107,21 @@ class Settings:
 
     def __post_init__(self) -> None:
         for name in ("step_fn", "eval_step_fn", "model_fn", "optimizer_fn", "eval_metrics_fn"):
-            check_callable(f"train.{name}", getattr(self, name), what="a function (bind it as @name, without "
-                           "parentheses)", optional=name == "eval_metrics_fn")
+            check_callable(
+                f"train.{name}",
+                getattr(self, name),
+                what="a function (bind it as @name, without parentheses)",
+                optional=name == "eval_metrics_fn",
+            )
         for name, rule in (("step_fn", contract.STEP), ("eval_step_fn", contract.EVAL_STEP)):
             object.__setattr__(self, name, contract.adapt(getattr(self, name), rule))  # by name, else position
         _check_items("train.hooks", self.hooks, Hook, "hooks (instances of trainer.hooks.Hook, bound as @my_hook())")
-        _check_items("train.extensions", self.extensions, Extension,
-                     "extensions (instances of trainer.extensions.Extension, bound as @my_extension())")
+        _check_items(
+            "train.extensions",
+            self.extensions,
+            Extension,
+            "extensions (instances of trainer.extensions.Extension, bound as @my_extension())",
+        )
         for name in ("hooks", "extensions", "keras_callbacks"):
             value = getattr(self, name)
             if isinstance(value, list):
@@ -145,7 +154,9 @@ class Settings:
     def runtime(self) -> RuntimeConfig:
         """Where and how the run computes (checked by RuntimeConfig itself)."""
         return RuntimeConfig(
-            strategy=self.strategy, device_config=self.device_config, cluster_resolver=self.cluster_resolver,
+            strategy=self.strategy,
+            device_config=self.device_config,
+            cluster_resolver=self.cluster_resolver,
             cluster_resolver_options=self.cluster_resolver_options,
             collective_timeout_secs=self.collective_timeout_secs,
             variable_partitioner=self.parameter_server.variable_partitioner if self.parameter_server else None,
@@ -173,8 +184,11 @@ class Settings:
         if self.eval_splits is None:
             splits = getattr(self.input_function, "splits", ("train", "eval"))
             return tuple(s for s in splits if s != "train") or ("eval",)
-        if isinstance(self.eval_splits, str) or not self.eval_splits or \
-                not all(isinstance(s, str) for s in self.eval_splits):
+        if (
+            isinstance(self.eval_splits, str)
+            or not self.eval_splits
+            or not all(isinstance(s, str) for s in self.eval_splits)
+        ):
             raise UserError(f"train.eval_splits must be a non-empty list of split names, got {self.eval_splits!r}")
         return tuple(self.eval_splits)
 
@@ -206,7 +220,9 @@ def _check_items(name: str, value: Any, kind: type, what: str) -> None:
 def signature() -> inspect.Signature:
     """`train`'s signature: every field of Settings as a keyword-only parameter with its default
     (gin reads it to refuse a binding of a name that is not a parameter)."""
-    return inspect.Signature([
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-        for f in dataclasses.fields(Settings)
-    ])
+    return inspect.Signature(
+        [
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+            for f in dataclasses.fields(Settings)
+        ]
+    )

@@ -1,5 +1,6 @@
 """Runtime made, input checked, task built: what `train` trains, and what `trainer.bench`,
 `trainer.parity` and the sidecar build the same way from the same `Settings`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,14 +30,23 @@ def setup(settings: Settings) -> tuple[Runtime, Task]:
     inp.check_sizes(settings.global_batch_size)
     runtime.check_batch_size(settings.global_batch_size)
     if not inp.deterministic:
-        settings.print_fn(f"warning: {inp!r} declares deterministic = False: a resumed run does not see exactly the "
-                          "batches an uninterrupted one would, and eval counts are only as exact as its output")
+        settings.print_fn(
+            f"warning: {inp!r} declares deterministic = False: a resumed run does not see exactly the "
+            "batches an uninterrupted one would, and eval counts are only as exact as its output"
+        )
     keras.utils.set_random_seed(settings.seed)
     functions = {f"train.{name}": getattr(settings, name) for name in USER_FUNCTIONS}
     with user_functions(functions), _diagnosing_import_time_models():
-        task = build_task(runtime, inp, model_fn=settings.model_fn, optimizer_fn=settings.optimizer_fn,
-                          step_fn=settings.step_fn, eval_step_fn=settings.eval_step_fn,
-                          global_batch_size=settings.global_batch_size, total_steps=settings.total_steps)
+        task = build_task(
+            runtime,
+            inp,
+            model_fn=settings.model_fn,
+            optimizer_fn=settings.optimizer_fn,
+            step_fn=settings.step_fn,
+            eval_step_fn=settings.eval_step_fn,
+            global_batch_size=settings.global_batch_size,
+            total_steps=settings.total_steps,
+        )
     return runtime, task
 
 
@@ -53,6 +63,8 @@ def _diagnosing_import_time_models() -> Iterator[None]:
         if (isinstance(e, UserError) and not refused_devices) or not (found := built_at_import()):
             raise
         what = f"{e.__cause__}" if refused_devices else f"{type(e).__name__}"
-        raise UserError(f"{found[0]} was built when its module was imported, outside the strategy's scope and "
-                        f"before the run set up its devices, and the run failed on it ({what}); build models inside "
-                        "train.model_fn, which the run calls under the strategy's scope") from e
+        raise UserError(
+            f"{found[0]} was built when its module was imported, outside the strategy's scope and "
+            f"before the run set up its devices, and the run failed on it ({what}); build models inside "
+            "train.model_fn, which the run calls under the strategy's scope"
+        ) from e

@@ -8,6 +8,7 @@ op that cannot take the data's values, a user's callback that raises) removes ag
 run wrote, as long as no step has finished (trainer/run/unfinished.py). A new feature is an
 extension (trainer/extensions/), not a line here.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,7 +20,8 @@ from trainer.errors import UserError
 from trainer.extensions import factory
 from trainer.extensions.protocol import Outputs, check_method_names
 from trainer.extensions.registry import Registry
-from trainer.files import model_dir as model_dir_lib, run_record
+from trainer.files import model_dir as model_dir_lib
+from trainer.files import run_record
 from trainer.files.checkpoints import CheckpointSaver
 from trainer.files.metrics_log import MetricsLog
 from trainer.files.run_checkpoint import RunCheckpoint
@@ -54,35 +56,67 @@ def train(**arguments: Any) -> dict[str, float]:
     runtime, task = setup(settings)
     contributions = registry.attach(runtime, task, console.print)
     record = _checked_record(settings, runtime, task)
-    saver = CheckpointSaver(RunCheckpoint(task.checkpoint_items, registry.states()), settings.model_dir,
-                            is_chief=runtime.is_chief, task_name=runtime.cluster.task_name,
-                            max_to_keep=settings.keep_checkpoints, async_checkpoint=settings.async_checkpoint)
+    saver = CheckpointSaver(
+        RunCheckpoint(task.checkpoint_items, registry.states()),
+        settings.model_dir,
+        is_chief=runtime.is_chief,
+        task_name=runtime.cluster.task_name,
+        max_to_keep=settings.keep_checkpoints,
+        async_checkpoint=settings.async_checkpoint,
+    )
     restored = saver.restore_latest(console.print)
     registry.restored(restored)
     start_step = int(task.global_step.numpy())
     if start_step >= settings.total_steps:
-        console.print(f"already trained: {restored} is at step {start_step} >= train.total_steps "
-                      f"{settings.total_steps}; nothing to do")
+        console.print(
+            f"already trained: {restored} is at step {start_step} >= train.total_steps "
+            f"{settings.total_steps}; nothing to do"
+        )
         return {}
     if restored:
         console.print(f"restored {restored}; continuing from step {start_step}")
     loop, evaluators = build_loops(
-        runtime, task, settings.loop, start_step=start_step, step_fn=contributions.wrap(task.step_fn),
-        drop_batches=contributions.values.get(SKIPPED, ()), eval_metrics_fn=settings.eval_metrics_fn,
-        parameter_server=settings.parameter_server, after_update=contributions.after_update_action(),
-        print_fn=console.print)
-    registry.verify(Outputs(train=loop.trace(function_name(task.step_fn)),
-                            eval={split: evaluator.trace() for split, evaluator in evaluators.items()}))
-    with undone_unless_a_step_finishes(settings.model_dir, is_chief=runtime.is_chief,
-                                       finished=lambda: int(task.global_step.numpy()) > start_step):
+        runtime,
+        task,
+        settings.loop,
+        start_step=start_step,
+        step_fn=contributions.wrap(task.step_fn),
+        drop_batches=contributions.values.get(SKIPPED, ()),
+        eval_metrics_fn=settings.eval_metrics_fn,
+        parameter_server=settings.parameter_server,
+        after_update=contributions.after_update_action(),
+        print_fn=console.print,
+    )
+    registry.verify(
+        Outputs(
+            train=loop.trace(function_name(task.step_fn)),
+            eval={split: evaluator.trace() for split, evaluator in evaluators.items()},
+        )
+    )
+    with undone_unless_a_step_finishes(
+        settings.model_dir, is_chief=runtime.is_chief, finished=lambda: int(task.global_step.numpy()) > start_step
+    ):
         model_dir_lib.prepare(settings.model_dir, record, is_chief=runtime.is_chief, fresh=start_step == 0)
-        run = Run(model_dir=settings.model_dir, is_chief=runtime.is_chief, total_steps=settings.total_steps,
-                  start_step=start_step, global_batch_size=settings.global_batch_size, model=task.models,
-                  optimizer=task.optimizers, console=console,
-                  metrics_log=MetricsLog(settings.model_dir, enabled=runtime.is_chief),
-                  saver=saver, strategy=runtime.strategy, mode=runtime.mode, spans_processes=runtime.spans_processes,
-                  task_name=runtime.cluster.task_name, evaluators=evaluators, loop=loop,
-                  hparams=dict(settings.hparams or {}), values=contributions.values)
+        run = Run(
+            model_dir=settings.model_dir,
+            is_chief=runtime.is_chief,
+            total_steps=settings.total_steps,
+            start_step=start_step,
+            global_batch_size=settings.global_batch_size,
+            model=task.models,
+            optimizer=task.optimizers,
+            console=console,
+            metrics_log=MetricsLog(settings.model_dir, enabled=runtime.is_chief),
+            saver=saver,
+            strategy=runtime.strategy,
+            mode=runtime.mode,
+            spans_processes=runtime.spans_processes,
+            task_name=runtime.cluster.task_name,
+            evaluators=evaluators,
+            loop=loop,
+            hparams=dict(settings.hparams or {}),
+            values=contributions.values,
+        )
         console.print(_start_line(settings, runtime, task, start_step))
         try:
             drive(loop, run, registry.hooks, settings.steps_per_loop)
@@ -110,9 +144,13 @@ def checked_registry(settings: Settings) -> Registry:
 def _checked_record(settings: Settings, runtime, task) -> dict:
     """The run record of this run, refused if model_dir holds a run started with other settings."""
     record = run_record.make_record(
-        strategy=settings.strategy, num_replicas=runtime.num_replicas, num_workers=runtime.num_workers,
-        global_batch_size=settings.global_batch_size, model=task.models,
-        config_text=settings.describe_config() if settings.describe_config else "")
+        strategy=settings.strategy,
+        num_replicas=runtime.num_replicas,
+        num_workers=runtime.num_workers,
+        global_batch_size=settings.global_batch_size,
+        model=task.models,
+        config_text=settings.describe_config() if settings.describe_config else "",
+    )
     run_record.check_resume(settings.model_dir, record, allow_changes=settings.allow_resume_changes)
     return record
 
@@ -127,13 +165,15 @@ def data_error(error: tf.errors.OpError, settings: Settings, step: int) -> UserE
     return UserError(
         f"op {op} failed on a batch after step {step} ({type(error).__name__}: {summary}): check what "
         f"train.input_fn = @{name_of(settings.input_function)} yields and what the steps (train.step_fn = "
-        f"@{name_of(settings.step_fn)}) do with it: labels must be integers 0..num_classes-1, features numbers")
-
+        f"@{name_of(settings.step_fn)}) do with it: labels must be integers 0..num_classes-1, features numbers"
+    )
 
 
 def _start_line(settings: Settings, runtime, task, start_step: int) -> str:
     names = "+".join(type(m).__name__ for m in flat(task.models))
-    return (f"training {names} with strategy '{settings.strategy}' on {runtime.num_replicas} replica(s) "
-            f"({runtime.num_workers} worker(s)), global batch {settings.global_batch_size}, "
-            f"steps {start_step}->{settings.total_steps}, {runtime.policy}{' with XLA' if settings.jit_compile else ''}, "
-            f"model_dir {settings.model_dir}")
+    return (
+        f"training {names} with strategy '{settings.strategy}' on {runtime.num_replicas} replica(s) "
+        f"({runtime.num_workers} worker(s)), global batch {settings.global_batch_size}, "
+        f"steps {start_step}->{settings.total_steps}, {runtime.policy}{' with XLA' if settings.jit_compile else ''}, "
+        f"model_dir {settings.model_dir}"
+    )

@@ -10,6 +10,7 @@ directory itself when the run created it, else the new files and folders, and pu
 rewrote (a resumed run rewrites the operative config at its start), so that a user's own files
 and an earlier run's stay byte for byte.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,11 @@ def undone_unless_a_step_finishes(model_dir: str, *, is_chief: bool, finished: C
     False (no step of this run finished); the error goes on unchanged. Only the chief writes."""
     existed = is_chief and os.path.isdir(model_dir)
     before = _contents(model_dir) if existed else set()
-    kept = {path: _read(path) for path in before if os.path.isfile(path) and not os.path.islink(path)
-            and os.path.getsize(path) <= MAX_KEPT_BYTES}
+    kept = {
+        path: _read(path)
+        for path in before
+        if os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) <= MAX_KEPT_BYTES
+    }
     try:
         yield
     except UserError:

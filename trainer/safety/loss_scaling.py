@@ -40,6 +40,7 @@ on the others, and it is compared with one replica over the whole global batch i
 mistake in either comparison is refused as before; a step that matches neither comparison and no
 known mistake gets one `warning:` line saying that it could not be checked, and trains.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping
@@ -57,6 +58,7 @@ from trainer.task import combine
 from trainer.task.structure import all_variables, flat
 from trainer.task.user_code import call_step
 from trainer.update.recorder import GradientRecorder
+
 
 def check_loss_scaling(
     strategy: tf.distribute.Strategy,
@@ -85,15 +87,19 @@ def check_loss_scaling(
         raise RuntimeError("check_loss_scaling must be called outside strategy.scope()")
     per_replica = global_batch_size // replicas
     first = next(iter(data.train_dataset(source, global_batch_size, seed)))  # the first global batch
-    slices = [tf.nest.map_structure(lambda t: t[i * per_replica:(i + 1) * per_replica], first)
-              for i in range(replicas)]
+    slices = [
+        tf.nest.map_structure(lambda t, i=i: t[i * per_replica : (i + 1) * per_replica], first) for i in range(replicas)
+    ]
     saved = _Snapshot(strategy, [*all_variables(model), *all_variables(optimizer)])
 
     rule = combine.rule_of(step_fn)  # only the outputs that are shares are compared (trainer/task/combine.py)
 
     def probe(batch, batch_size):
-        catchers = ({k: GradientRecorder(o, once=False) for k, o in optimizer.items()}
-                    if isinstance(optimizer, Mapping) else GradientRecorder(optimizer, once=False))
+        catchers = (
+            {k: GradientRecorder(o, once=False) for k, o in optimizer.items()}
+            if isinstance(optimizer, Mapping)
+            else GradientRecorder(optimizer, once=False)
+        )
         outputs = combine.shares(rule, call_step(step_fn, model, catchers, batch, batch_size))
         return {k: tf.cast(v, tf.float32) for k, v in outputs.items()}, [g for c in flat(catchers) for g in c.gradients]
 
@@ -105,8 +111,14 @@ def check_loss_scaling(
         saved.restore()
         single = _numpy(probe(slices[0], per_replica))
         regularization = _regularization(model)
-        findings = compare(equal, single, _numpy(probe(slices[0], per_replica)),  # again: fresh randomness, if any
-                           replicas, regularization, rtol=rtol)
+        findings = compare(
+            equal,
+            single,
+            _numpy(probe(slices[0], per_replica)),  # again: fresh randomness, if any
+            replicas,
+            regularization,
+            rtol=rtol,
+        )
         if not findings:
             print_fn(f"loss-scaling check passed: step outputs summed over {replicas} replicas match one replica")
             return
@@ -120,16 +132,20 @@ def check_loss_scaling(
         saved.restore()
     whole_findings = compare(varied, whole[0], whole[1], replicas, regularization, rtol=rtol)
     if not whole_findings:
-        print_fn(f"loss-scaling check passed: the step depends on other replicas' examples; its outputs summed over "
-                 f"{replicas} replicas match one replica over the whole global batch")
+        print_fn(
+            f"loss-scaling check passed: the step depends on other replicas' examples; its outputs summed over "
+            f"{replicas} replicas match one replica over the whole global batch"
+        )
         return
     known = next((f for f in (*findings, *whole_findings) if f.mistake), None)
     if known is not None:
         raise UserError(message(known, replicas))
-    print_fn(f"warning: loss scaling not checked: the step depends on other replicas' examples, and its outputs on "
-             f"{replicas} replicas match neither one replica on the same slice nor one replica over the whole batch "
-             f"('{whole_findings[0].name}' {whole_findings[0].ratio:.4g} times; batch statistics or randomness "
-             f"differ between the two), with no known scaling mistake to explain it {SKIP_HINT}")
+    print_fn(
+        f"warning: loss scaling not checked: the step depends on other replicas' examples, and its outputs on "
+        f"{replicas} replicas match neither one replica on the same slice nor one replica over the whole batch "
+        f"('{whole_findings[0].name}' {whole_findings[0].ratio:.4g} times; batch statistics or randomness "
+        f"differ between the two), with no known scaling mistake to explain it {SKIP_HINT}"
+    )
 
 
 def _run_distributed(strategy, probe, slice_of: Callable[[int], object]):
@@ -162,14 +178,16 @@ def _close(a: Mapping[str, float], b: Mapping[str, float], rtol: float) -> bool:
 
 def _numpy(result):
     outputs, gradients = result
-    return ({k: float(tf.cast(v, tf.float64)) for k, v in outputs.items()},
-            [None if g is None else np.asarray(tf.convert_to_tensor(g), np.float64) for g in gradients])
+    return (
+        {k: float(tf.cast(v, tf.float64)) for k, v in outputs.items()},
+        [None if g is None else np.asarray(tf.convert_to_tensor(g), np.float64) for g in gradients],
+    )
 
 
 def _regularization(models) -> float:
     """sum(model.losses) of every model in the one-replica world (0 for models without `losses`)."""
     losses = [loss for m in flat(models) for loss in getattr(m, "losses", [])]
-    return float(tf.add_n([tf.cast(l, tf.float64) for l in losses])) if losses else 0.0
+    return float(tf.add_n([tf.cast(loss, tf.float64) for loss in losses])) if losses else 0.0
 
 
 class _Snapshot:
@@ -203,6 +221,13 @@ class LossScalingCheck(Extension):
 
     def verify(self, outputs: Outputs) -> None:
         setup = self._setup
-        check_loss_scaling(setup.runtime.strategy, setup.task.models, setup.task.optimizers, setup.task.step_fn,
-                           setup.task.input, global_batch_size=setup.settings.global_batch_size,
-                           seed=setup.settings.seed, print_fn=setup.print)
+        check_loss_scaling(
+            setup.runtime.strategy,
+            setup.task.models,
+            setup.task.optimizers,
+            setup.task.step_fn,
+            setup.task.input,
+            global_batch_size=setup.settings.global_batch_size,
+            seed=setup.settings.seed,
+            print_fn=setup.print,
+        )

@@ -23,6 +23,7 @@ An extension like any other: it adds `dropped_batches` to the checkpoint, provid
 to skip to the loop ('skipped_batches'), and throws a call's results away (`rollback_to`)
 before any other hook sees them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,7 +51,9 @@ SKIPPED = "skipped_batches"
 def dropped_batches_variable() -> tf.Variable:
     """Create under strategy.scope() and put in the checkpoint."""
     return tf.Variable(
-        tf.fill([CAPACITY], tf.constant(-1, tf.int64)), trainable=False, name="dropped_batches",
+        tf.fill([CAPACITY], tf.constant(-1, tf.int64)),
+        trainable=False,
+        name="dropped_batches",
         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
     )
 
@@ -120,19 +123,29 @@ def checking_gradients(step_fn: Callable) -> Callable:
     @functools.wraps(step_fn)
     @tf.autograph.experimental.do_not_convert
     def step(model, optimizer, batch, global_batch_size):
-        stand_ins = {k: _checked(o) for k, o in optimizer.items()} if isinstance(optimizer, Mapping) \
-            else _checked(optimizer)
+        stand_ins = (
+            {k: _checked(o) for k, o in optimizer.items()} if isinstance(optimizer, Mapping) else _checked(optimizer)
+        )
         outputs = call_user(step_fn, model, stand_ins, batch, global_batch_size)
         graph = tf.compat.v1.get_default_graph()
         # A flag made inside the step's own control flow (an update under `if`) cannot leave it;
         # such updates are left to the weights check.
-        flags = [f for o in flat(stand_ins) if isinstance(o, FiniteGradients) for f in o.finite
-                 if not tf.is_tensor(f) or getattr(f, "graph", graph) is graph]
+        flags = [
+            f
+            for o in flat(stand_ins)
+            if isinstance(o, FiniteGradients)
+            for f in o.finite
+            if not tf.is_tensor(f) or getattr(f, "graph", graph) is graph
+        ]
         if not flags or not isinstance(outputs, Mapping):
             return outputs
         finite = tf.reduce_all(tf.stack(flags))
-        return {name: tf.where(finite, value, tf.constant(np.nan, value.dtype))
-                if tf.is_tensor(value) and value.dtype.is_floating else value for name, value in outputs.items()}
+        return {
+            name: tf.where(finite, value, tf.constant(np.nan, value.dtype))
+            if tf.is_tensor(value) and value.dtype.is_floating
+            else value
+            for name, value in outputs.items()
+        }
 
     return step
 
@@ -157,8 +170,10 @@ class NonFiniteHandling(Extension):
     def attach(self, setup: Setup) -> None:
         inp = setup.task.input
         if self.mode == "rollback" and not inp.deterministic:
-            raise UserError(f"train.nonfinite = 'rollback' needs a deterministic input function, and {inp!r} declares "
-                            "deterministic = False (a roll-back must find the offending batch again); use 'stop'")
+            raise UserError(
+                f"train.nonfinite = 'rollback' needs a deterministic input function, and {inp!r} declares "
+                "deterministic = False (a roll-back must find the offending batch again); use 'stop'"
+            )
         with setup.scope():
             self._variable = dropped_batches_variable()
         setup.add_checkpoint_item("dropped_batches", self._variable)
@@ -192,12 +207,15 @@ class NonFiniteHandling(Extension):
         """Stops a run whose weights went non-finite with finite outputs and gradients (before they are saved)."""
         if not self._weights or bool(self._weights_finite()):
             return
-        name = next((getattr(v, "path", v.name) for v in self._weights if not np.all(np.isfinite(v.numpy()))),
-                    "a weight")
+        name = next(
+            (getattr(v, "path", v.name) for v in self._weights if not np.all(np.isfinite(v.numpy()))), "a weight"
+        )
         latest = run.saver.latest()
         where = f"the last good checkpoint is {latest}" if latest else "there is no checkpoint yet"
-        raise RunFailure(f"the weights are non-finite ({name}) after steps {step + 1}-{end}, whose outputs and "
-                         f"gradients were finite; stopped before saving them; {where}")
+        raise RunFailure(
+            f"the weights are non-finite ({name}) after steps {step + 1}-{end}, whose outputs and "
+            f"gradients were finite; stopped before saving them; {where}"
+        )
 
     def _recover(self, run: Run, bad_step: int, metrics: Mapping[str, float]) -> int:
         """Rolls back past `bad_step` and returns the step training continues from."""
@@ -216,18 +234,28 @@ class NonFiniteHandling(Extension):
         bad_batch = batch_index(bad_step, self.dropped)
         path = run.saver.restore_latest(run.print_fn)
         if path is None:
-            raise RunFailure(f"step {bad_step} gave a non-finite output or gradient ({shown}) and there is no "
-                             "checkpoint to roll back to")
+            raise RunFailure(
+                f"step {bad_step} gave a non-finite output or gradient ({shown}) and there is no "
+                "checkpoint to roll back to"
+            )
         self.dropped = sorted(set(self.dropped) | set(read_dropped(self._variable)) | {bad_batch})
         if len(self.dropped) > CAPACITY:
             raise RunFailure(f"more than {CAPACITY} batches skipped; stopped; {where}")
         self._variable.assign(self.dropped + [-1] * (CAPACITY - len(self.dropped)))
         restored_step = int(self._setup.task.global_step.numpy())
         settings, runtime = self._setup.settings, self._setup.runtime
-        run.loop.set_dataset(data.distribute_train(
-            runtime.strategy, self._setup.task.input, settings.global_batch_size, settings.seed,
-            method=settings.distribute_method, shard_policy=settings.shard_policy, skip_steps=restored_step,
-            drop_batches=self.dropped))
+        run.loop.set_dataset(
+            data.distribute_train(
+                runtime.strategy,
+                self._setup.task.input,
+                settings.global_batch_size,
+                settings.seed,
+                method=settings.distribute_method,
+                shard_policy=settings.shard_policy,
+                skip_steps=restored_step,
+                drop_batches=self.dropped,
+            )
+        )
         run.print_fn(
             f"step {bad_step} gave a non-finite output or gradient ({shown}); rolled back to {path} (step "
             f"{restored_step}) and skipping batch {bad_batch} "

@@ -1,5 +1,6 @@
 """What the loss-scaling probe found: outputs or gradients that differ between N replicas and one,
 the known mistake that explains each best, and the one-line message with its fix."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,8 +66,10 @@ def compare(
     s_out, s_grads = single
     a_out, a_grads = again
     if set(d_out) != set(s_out):
-        raise UserError(f"the step returns different outputs on {replicas} replicas ({sorted(d_out)}) and on one "
-                        f"({sorted(s_out)}); return the same keys whatever the replica count")
+        raise UserError(
+            f"the step returns different outputs on {replicas} replicas ({sorted(d_out)}) and on one "
+            f"({sorted(s_out)}); return the same keys whatever the replica count"
+        )
     findings = []
     for name in d_out:
         d, s, a = float(d_out[name]), float(s_out[name]), float(a_out[name])
@@ -121,16 +124,21 @@ def _compare_gradients(d_grads, s_grads, a_grads, n: int, rtol: float = EXACT_RT
 
 def message(finding: Finding, replicas: int) -> str:
     """One line: what differs by how much, the likely mistake, its fix."""
-    what = (f"the gradients summed over {replicas} replicas have {finding.ratio:.4g} times the norm of the "
-            f"one-replica gradients" if finding.name == "gradients" else
-            f"step output '{finding.name}' summed over {replicas} replicas is {finding.ratio:.4g} times its "
-            f"one-replica value")
+    what = (
+        f"the gradients summed over {replicas} replicas have {finding.ratio:.4g} times the norm of the "
+        f"one-replica gradients"
+        if finding.name == "gradients"
+        else f"step output '{finding.name}' summed over {replicas} replicas is {finding.ratio:.4g} times its "
+        f"one-replica value"
+    )
     head = f"loss scaling: {what} ({finding.distributed:.6g} vs {finding.single:.6g})"
     if finding.mistake:
         return f"{head}: {FIXES[finding.mistake].format(n=replicas)} {SKIP_HINT}"
-    return (f"{head}; the step contract wants each replica's share of the global-batch mean (per-example "
-            f"losses through tf.nn.compute_average_loss(per_example, global_batch_size=...), regularisation "
-            f"through tf.nn.scale_regularization_loss; docs/design.md, rule 2) {SKIP_HINT}")
+    return (
+        f"{head}; the step contract wants each replica's share of the global-batch mean (per-example "
+        f"losses through tf.nn.compute_average_loss(per_example, global_batch_size=...), regularisation "
+        f"through tf.nn.scale_regularization_loss; docs/design.md, rule 2) {SKIP_HINT}"
+    )
 
 
 def _norm(arrays) -> float:

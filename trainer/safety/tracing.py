@@ -6,6 +6,7 @@ run record, operative config and first checkpoint exist. The loops trace their c
 functions early instead (the same trace their first call reuses, so nothing is traced twice)
 and a failure of the user's code becomes one UserError line naming the function.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +14,6 @@ import re
 from typing import Any, Callable, Iterator
 
 from trainer.errors import UserError
-
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ERROR_LINE = re.compile(r"^\s*(\w+(?:Error|Exception)): (.*)$")
@@ -30,8 +30,11 @@ def first_line(error: BaseException) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for index, line in enumerate(lines):
         if match := _ERROR_LINE.match(line):  # the innermost error AutoGraph quotes, then its detail
-            detail = " ".join(lines[index + 1:index + 2]) if match.group(2).startswith("Exception encountered") \
+            detail = (
+                " ".join(lines[index + 1 : index + 2])
+                if match.group(2).startswith("Exception encountered")
                 else match.group(2)
+            )
             return _shortened(f"{match.group(1)}: {detail}")
     for line in lines:
         if not line.startswith(("Traceback", "File ", "in user code", "Graph execution error", "Detected at node")):
@@ -49,7 +52,7 @@ def _shortened(line: str) -> str:
     end = head.rfind(". ")
     if end > 0:
         return head[:end]
-    return head[:head.rfind(" ")].rstrip(",;:") + "..." if " " in head else head + "..."
+    return head[: head.rfind(" ")].rstrip(",;:") + "..." if " " in head else head + "..."
 
 
 def merge_call_in_graph(error: BaseException) -> bool:
@@ -107,6 +110,7 @@ def cross_replica_calls() -> Iterator[list[str]]:
         def method(self, *args, **kwargs):
             calls.append(name)
             return original(self, *args, **kwargs)
+
         return method
 
     for name, original in originals.items():

@@ -19,6 +19,7 @@ those, by output name, in plain Python:
 
 Only shares are checked by the guard (trainer/safety/loss_scaling.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -71,8 +72,10 @@ def check_names(rule: Mapping[str, str], names: Iterable[str], what: str) -> Non
     names = list(names)
     unknown = [name for name in rule if name not in names]
     if unknown:
-        raise UserError(f"{what} declares how output {unknown[0]!r} combines, but returns no such output (it returns "
-                        f"{', '.join(names) or 'nothing'}); fix the name in its combine declaration")
+        raise UserError(
+            f"{what} declares how output {unknown[0]!r} combines, but returns no such output (it returns "
+            f"{', '.join(names) or 'nothing'}); fix the name in its combine declaration"
+        )
 
 
 def kinds(rule: Mapping[str, str], names: Iterable[str]) -> list[str]:
@@ -107,5 +110,4 @@ def over_steps(rule: Mapping[str, str], totals, outputs):
 def per_interval(rule: Mapping[str, str], totals: Mapping, num_steps) -> dict:
     """The values a loop call reports from `over_steps` totals of `num_steps` steps: shares and
     means averaged over the steps, max and min as they are."""
-    return {k: v if rule.get(k, SHARE) in (MAX, MIN) else v / num_steps
-            for k, v in totals.items()}
+    return {k: v if rule.get(k, SHARE) in (MAX, MIN) else v / num_steps for k, v in totals.items()}

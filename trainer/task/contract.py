@@ -15,6 +15,7 @@ step written `(model, optimizer, batch, global_batch_size, ...)`), so nothing is
 traced step in the common case; otherwise a small function of the contract's parameters that
 calls it by keyword.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -74,26 +75,34 @@ def targets(fn: Callable, contract: Contract) -> dict[str, str] | None:
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     found: dict[str, str] = {}
     for index, name in enumerate(contract.positional):
-        if name in params and params[name].kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                                         inspect.Parameter.VAR_KEYWORD):
+        if name in params and params[name].kind not in (
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+        ):
             found[name] = name
         elif index < len(positional) and positional[index] not in contract.names:
             found[name] = positional[index]
         elif takes_any:
             found[name] = name
     for name in contract.by_name:
-        if (name in params and params[name].kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                                          inspect.Parameter.VAR_KEYWORD)) or takes_any:
+        if (
+            name in params
+            and params[name].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        ) or takes_any:
             found[name] = name
     filled = set(found.values())
     for p in params.values():
-        if p.name not in filled and p.default is inspect.Parameter.empty and p.kind not in (
-                inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        if (
+            p.name not in filled
+            and p.default is inspect.Parameter.empty
+            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        ):
             raise UserError(
                 f"{contract.what} {function_name(fn)} has parameter '{p.name}', which the loop does not fill "
                 f"(it passes {', '.join(contract.names)} by name, the first {len(contract.positional)} else by "
                 "position); "
-                f"give '{p.name}' a default or bind it in gin ({function_name(fn)}.{p.name} = ...)")
+                f"give '{p.name}' a default or bind it in gin ({function_name(fn)}.{p.name} = ...)"
+            )
     return found
 
 
@@ -111,8 +120,9 @@ def adapt(fn: Callable, contract: Contract) -> Callable:
         return fn
     signature = _signature(fn)
     params = signature.parameters
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()) and \
-            not any(n in params for n in contract.positional):
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()) and not any(
+        n in params for n in contract.positional
+    ):
         return fn  # `(*args, ...)` naming none of the values: it takes them by position, as it says
     order = [*contract.positional, *(n for n in contract.by_name if n in found)]
     positional = [p.name for p in signature.parameters.values() if p.kind in _POSITIONAL]
@@ -121,21 +131,25 @@ def adapt(fn: Callable, contract: Contract) -> Callable:
     only_positional = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
     by_position = [name for name in order if found.get(name) in only_positional]
     keywords = {name: found[name] for name in order if name in found and name not in by_position}
-    if [found[n] for n in by_position] != only_positional[:len(by_position)]:
-        raise UserError(f"{contract.what} {function_name(fn)} takes positional-only parameters "
-                        f"{only_positional} that the loop cannot fill by name; make them ordinary parameters")
+    if [found[n] for n in by_position] != only_positional[: len(by_position)]:
+        raise UserError(
+            f"{contract.what} {function_name(fn)} takes positional-only parameters "
+            f"{only_positional} that the loop cannot fill by name; make them ordinary parameters"
+        )
 
     def adapted(*values, **named):
         given = dict(zip(order, values)) | named
-        return fn(*(given[n] for n in by_position),
-                  **{target: given[n] for n, target in keywords.items() if n in given})
+        return fn(
+            *(given[n] for n in by_position), **{target: given[n] for n, target in keywords.items() if n in given}
+        )
 
     adapted.__name__ = function_name(fn)
     adapted.__qualname__ = getattr(fn, "__qualname__", adapted.__name__)
     adapted.__module__ = getattr(fn, "__module__", __name__)
     adapted.__doc__ = getattr(fn, "__doc__", None)
     adapted.__signature__ = inspect.Signature(
-        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in order])
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in order]
+    )
     for key, value in getattr(fn, "__dict__", {}).items():  # attributes of an input function, a combine rule
         if key not in ("__wrapped__", "__signature__") and not hasattr(adapted, key):
             setattr(adapted, key, value)

@@ -48,6 +48,7 @@ stopping a correct step). `separate_replica_losses(strategy, models)` gives ever
 the models one such list per thread, so each replica reads exactly the losses its own call
 made, as on one device.
 """
+
 from __future__ import annotations
 
 import collections.abc
@@ -62,6 +63,7 @@ from trainer.distribution import modes
 from trainer.task.structure import flat
 
 SEED_STATE_NAME = "seed_generator_state"  # keras.random.SeedGenerator's variable name
+
 
 def needs_state_aggregation(strategy: tf.distribute.Strategy) -> bool:
     """True where a layer state created with aggregation NONE would drift apart or fail to update."""
@@ -100,8 +102,9 @@ def model_creation_scope(strategy: tf.distribute.Strategy) -> Iterator[None]:
             stack.enter_context(strategy.scope())
         # Entered inside the strategy scope: this creator runs before the strategy's own,
         # so the strategy wraps the variable with the aggregation set here.
-        stack.enter_context(tf.variable_creator_scope(
-            _state_creator(aggregating=modes.of(strategy).aggregates_variables)))
+        stack.enter_context(
+            tf.variable_creator_scope(_state_creator(aggregating=modes.of(strategy).aggregates_variables))
+        )
         yield
 
 

@@ -1,4 +1,5 @@
 """The tutorial's CNN and an MLP; any other Keras 3 model or tf.Module plugs in through `model_fn`."""
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,10 @@ def cnn(
     if len(input_shape) == 2:
         input_shape = (*input_shape, 1)
     if pool_padding == "valid" and min(input_shape[:2]) < 2 ** len(filters):
-        raise UserError(f"cnn.pool_padding = 'valid' pools the {input_shape[0]}x{input_shape[1]} images to nothing "
-                        f"in {len(filters)} blocks: use 'same' or fewer cnn.filters")
+        raise UserError(
+            f"cnn.pool_padding = 'valid' pools the {input_shape[0]}x{input_shape[1]} images to nothing "
+            f"in {len(filters)} blocks: use 'same' or fewer cnn.filters"
+        )
     reg = _regularizer("cnn", l2)
     layers = [keras.Input(shape=tuple(input_shape))]
     for width in filters:

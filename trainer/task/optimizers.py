@@ -3,6 +3,7 @@
 When the global batch grows with the number of replicas, the learning rate is scaled by
 global_batch_size / reference_batch_size and reached linearly over `warmup_steps`.
 """
+
 from __future__ import annotations
 
 import math

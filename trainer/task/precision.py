@@ -28,6 +28,7 @@ wrapping optimizer (`ScaleCheckedLossScaleOptimizer`) therefore refuses an updat
 never called its `scale_loss`: the loops trace the step before step 1, so such a step stops
 there with one error line.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,8 +47,9 @@ def check(name: str | None) -> str:
     """The policy name to use (None means float32); UserError for an unknown one."""
     name = name or "float32"
     if name not in POLICIES:
-        raise UserError(f"unknown train.mixed_precision {name!r}: use one of {', '.join(repr(p) for p in POLICIES)} "
-                        "(or None)")
+        raise UserError(
+            f"unknown train.mixed_precision {name!r}: use one of {', '.join(repr(p) for p in POLICIES)} (or None)"
+        )
     return name
 
 
@@ -79,7 +81,8 @@ UNSCALED_MESSAGE = (
     "nothing, and small float16 gradients underflow to zero; take the gradients of the scaled loss: "
     "scaled = optimizer.scale_loss(loss) inside the tape, grads = tape.gradient(scaled, variables), "
     "optimizer.apply_gradients(zip(grads, variables)), and return the unscaled loss (scale_loss is the loss "
-    "itself in float32 and mixed_bfloat16)")
+    "itself in float32 and mixed_bfloat16)"
+)
 
 _scaled_by_thread = threading.local()  # the optimizers whose scale_loss this thread called
 

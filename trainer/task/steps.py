@@ -9,6 +9,7 @@ Eval steps return per-replica SUMS over the batch plus `num_examples`; the loop 
 replicas and batches and divides by `num_examples`, or an output `x` by `x/denominator` where the
 step returns one (a weighted mean).
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -33,7 +34,7 @@ def regularization_loss(model) -> tf.Tensor:
     losses = list(getattr(model, "losses", []))
     if not losses:
         return tf.constant(0.0)
-    return tf.nn.scale_regularization_loss(tf.add_n([tf.cast(l, tf.float32) for l in losses]))
+    return tf.nn.scale_regularization_loss(tf.add_n([tf.cast(loss, tf.float32) for loss in losses]))
 
 
 @tf.autograph.experimental.do_not_convert

@@ -1,5 +1,6 @@
 """Models and optimizers come as one object or as a dict of them (a GAN's generator and
 discriminator); these helpers treat both alike, in a fixed (key) order."""
+
 from __future__ import annotations
 
 from typing import Any, Mapping

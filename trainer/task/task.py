@@ -11,6 +11,7 @@ goes into one `tf.train.Checkpoint`, so a resumed run continues exactly.
 `num_classes` and `element_spec` (of the train example) for models; `global_batch_size` and
 `total_steps` for optimizers. A parameter the loop cannot supply is one UserError line.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +35,6 @@ OPTIMIZER_ARGUMENTS = ("global_batch_size", "total_steps")
 _MISSING_ARGUMENT = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?")
 
 
-
 def call_with_declared(fn: Callable, available: Mapping[str, Any], *, what: str) -> Any:
     """Calls `fn` with those of `available` that it declares (all of them if it takes **kwargs).
 
@@ -47,9 +47,14 @@ def call_with_declared(fn: Callable, available: Mapping[str, Any], *, what: str)
         params = {}
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs = {k: v for k, v in available.items() if v is not None and (takes_any or k in params)}
-    unsupplied = [k for k, p in params.items() if k in available and k not in kwargs
-                  and p.default is inspect.Parameter.empty
-                  and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    unsupplied = [
+        k
+        for k, p in params.items()
+        if k in available
+        and k not in kwargs
+        and p.default is inspect.Parameter.empty
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
     try:
         return fn(**kwargs)
     except TypeError as error:
@@ -71,8 +76,10 @@ def make_models(model_fn: Callable, inp: data.Input) -> Any:
     models = call_with_declared(model_fn, available, what="train.model_fn")
     for model in flat(models):
         if not isinstance(model, tf.Module) and not hasattr(model, "trainable_variables"):
-            raise UserError(f"train.model_fn {function_name(model_fn)} returned {type(model).__name__}, not a Keras "
-                            "model, a tf.Module or a dict of them")
+            raise UserError(
+                f"train.model_fn {function_name(model_fn)} returned {type(model).__name__}, not a Keras "
+                "model, a tf.Module or a dict of them"
+            )
     return models
 
 
@@ -88,40 +95,53 @@ def build_by_calling(models: Any, model_fn: Callable, inp: data.Input) -> None:
         built = getattr(model, "built", None)
         if built or (built is None and getattr(model, "variables", None)):
             continue
-        which = f"model {key!r} of train.model_fn {function_name(model_fn)}" if key else \
-            f"the model of train.model_fn {function_name(model_fn)}"
+        which = (
+            f"model {key!r} of train.model_fn {function_name(model_fn)}"
+            if key
+            else f"the model of train.model_fn {function_name(model_fn)}"
+        )
         shapes = tf.nest.map_structure(lambda s: [None, *s.shape], features)
         try:
             call_model(model, zeros, training=False)
         except Exception as error:  # noqa: BLE001  (the user's model: its failure is theirs to fix)
             if own := user_code.own_frame_names(error):  # a bug in the model's own code, not a missing build
-                raise user_code.raised_by(error, own[-1], f"{own[-1]}, called on a batch of the train features "
-                                          f"{shapes} to build {which},") from error
-            raise UserError(f"{which} is not built, and calling it on a batch of the train features {shapes} to "
-                            f"build it failed ({first_line(error)}); build it in model_fn (a keras.Input, or a "
-                            "call on a batch of its real inputs)") from error
+                raise user_code.raised_by(
+                    error, own[-1], f"{own[-1]}, called on a batch of the train features {shapes} to build {which},"
+                ) from error
+            raise UserError(
+                f"{which} is not built, and calling it on a batch of the train features {shapes} to "
+                f"build it failed ({first_line(error)}); build it in model_fn (a keras.Input, or a "
+                "call on a batch of its real inputs)"
+            ) from error
         if not getattr(model, "trainable_variables", None):
             if held := keras_layers_held(model):
-                raise UserError(f"{which} is a tf.Module holding Keras layers ({', '.join(held)}), whose weights "
-                                "tf.Module does not collect: its trainable_variables finds only tf.Variables and "
-                                "nested tf.Modules, and a Keras 3 layer is neither (keras.Variable wraps a "
-                                "tf.Variable); subclass keras.Layer or keras.Model instead of tf.Module (Keras tracks "
-                                "its sublayers' weights), or hold tf.Variables (tf.nn.embedding_lookup on one, which a "
-                                "variable_partitioner can shard)")
-            raise UserError(f"{which} has no trainable variables even after a call on a batch of the train features "
-                            f"{shapes}; a model needs weights to train: create them in model_fn")
+                raise UserError(
+                    f"{which} is a tf.Module holding Keras layers ({', '.join(held)}), whose weights "
+                    "tf.Module does not collect: its trainable_variables finds only tf.Variables and "
+                    "nested tf.Modules, and a Keras 3 layer is neither (keras.Variable wraps a "
+                    "tf.Variable); subclass keras.Layer or keras.Model instead of tf.Module (Keras tracks "
+                    "its sublayers' weights), or hold tf.Variables (tf.nn.embedding_lookup on one, which a "
+                    "variable_partitioner can shard)"
+                )
+            raise UserError(
+                f"{which} has no trainable variables even after a call on a batch of the train features "
+                f"{shapes}; a model needs weights to train: create them in model_fn"
+            )
 
 
 def make_optimizers(optimizer_fn: Callable, *, global_batch_size: int, total_steps: int, policy: str) -> Any:
     """Calls `optimizer_fn` with what it declares, checks it returned optimizers, and wraps each
     for loss scaling where the policy needs it."""
-    optimizers = call_with_declared(optimizer_fn, {"global_batch_size": global_batch_size,
-                                                   "total_steps": total_steps}, what="train.optimizer_fn")
+    optimizers = call_with_declared(
+        optimizer_fn, {"global_batch_size": global_batch_size, "total_steps": total_steps}, what="train.optimizer_fn"
+    )
     for key, optimizer in named(optimizers, default="").items():
         if not callable(getattr(optimizer, "apply_gradients", None)):
             shown = f"{{{key!r}: {type(optimizer).__name__}, ...}}" if key else type(optimizer).__name__
-            raise UserError(f"train.optimizer_fn {function_name(optimizer_fn)} returned {shown}, not an optimizer; "
-                            "return a Keras optimizer (or a dict of them keyed like the models)")
+            raise UserError(
+                f"train.optimizer_fn {function_name(optimizer_fn)} returned {shown}, not an optimizer; "
+                "return a Keras optimizer (or a dict of them keyed like the models)"
+            )
     if isinstance(optimizers, Mapping):
         return {k: precision.wrap_optimizer(o, policy) for k, o in optimizers.items()}
     return precision.wrap_optimizer(optimizers, policy)
@@ -180,17 +200,32 @@ def build_task(
         build_by_calling(models, model_fn, inp)  # before the optimizers are built and the checkpoint made
         layer_state.separate_replica_losses(runtime.strategy, models)
     with runtime.strategy.scope():
-        optimizers = make_optimizers(optimizer_fn, global_batch_size=global_batch_size, total_steps=total_steps,
-                                     policy=runtime.policy)
+        optimizers = make_optimizers(
+            optimizer_fn, global_batch_size=global_batch_size, total_steps=total_steps, policy=runtime.policy
+        )
         build_optimizers(models, optimizers)  # rule 1: never lazily inside tf.function
         global_step = tf.Variable(
-            0, dtype=tf.int64, trainable=False, name="global_step",
+            0,
+            dtype=tf.int64,
+            trainable=False,
+            name="global_step",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
-    items = {"model": models, "optimizer": optimizers, "global_step": global_step,
-             "random_state": layer_state.random_states(models)}
-    return Task(models=models, optimizers=optimizers, step_fn=step_fn, eval_step_fn=eval_step_fn, input=inp,
-                global_step=global_step, checkpoint_items=items)
+    items = {
+        "model": models,
+        "optimizer": optimizers,
+        "global_step": global_step,
+        "random_state": layer_state.random_states(models),
+    }
+    return Task(
+        models=models,
+        optimizers=optimizers,
+        step_fn=step_fn,
+        eval_step_fn=eval_step_fn,
+        input=inp,
+        global_step=global_step,
+        checkpoint_items=items,
+    )
 
 
 def build_eval_models(inp: data.Input, model_fn: Callable) -> tuple[Any, tf.Variable, tf.train.Checkpoint]:

@@ -17,6 +17,7 @@ the loop buries it: `user_function` turns it into one UserCodeError line naming 
 its gin binding, with only the user's own frames (`user_frames`) printed above it. A model built
 when a user's module is imported (`built_at_import`) is found the same way, by where it lives.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -87,8 +88,11 @@ def built_at_import() -> list[str]:
         path = getattr(module, "__file__", None)
         if not path or not is_user_frame(path):
             continue
-        found += [f"{name}.{attribute}" for attribute, value in list(vars(module).items())
-                  if not attribute.startswith("__") and isinstance(value, kinds)]
+        found += [
+            f"{name}.{attribute}"
+            for attribute, value in list(vars(module).items())
+            if not attribute.startswith("__") and isinstance(value, kinds)
+        ]
     return sorted(found)
 
 
@@ -127,8 +131,11 @@ def user_frames(error: BaseException) -> str:
 
 def own_frame_names(error: BaseException) -> list[str]:
     """The qualified names of the functions of the user's own in `error`'s traceback, outermost first."""
-    return [getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
-            for frame, _ in traceback.walk_tb(error.__traceback__) if is_user_frame(frame.f_code.co_filename)]
+    return [
+        getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+        for frame, _ in traceback.walk_tb(error.__traceback__)
+        if is_user_frame(frame.f_code.co_filename)
+    ]
 
 
 def raised_by(error: Exception, name: str, where: str, doing: str = "") -> UserCodeError:
@@ -141,8 +148,7 @@ def raised_by(error: Exception, name: str, where: str, doing: str = "") -> UserC
     text = lines[0][:300] if lines else ""
     what = f"{type(error).__name__}: {text}" if text else type(error).__name__
     doing = f" {doing}" if doing else ""
-    return UserCodeError(f"{where} raised {what}{doing}; fix {name} (its frames are printed above)",
-                         user_frames(error))
+    return UserCodeError(f"{where} raised {what}{doing}; fix {name} (its frames are printed above)", user_frames(error))
 
 
 @contextlib.contextmanager
@@ -162,7 +168,7 @@ def _code(fn: Any) -> Any:
     """The code object a call of `fn` runs (through gin's and functools' wrappers), None if none."""
     fn = inspect.unwrap(getattr(fn, "func", fn))
     if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
-        fn = getattr(type(fn), "__call__", None)
+        fn = getattr(type(fn), "__call__", None)  # noqa: B004  (the method whose code a call runs)
     return getattr(fn, "__code__", None)
 
 
@@ -186,6 +192,7 @@ def user_functions(functions: Mapping[str, Any]) -> Iterator[None]:
         # a layer's `build`, a loss the model adds): the last such frame is the one to fix.
         if own := own_frame_names(e):
             name = own[-1]
-            raise raised_by(e, name, f"{name} (run while the loop built and traced the functions of "
-                            f"{', '.join(functions)})") from e
+            raise raised_by(
+                e, name, f"{name} (run while the loop built and traced the functions of {', '.join(functions)})"
+            ) from e
         raise

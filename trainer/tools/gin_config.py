@@ -6,6 +6,7 @@ Gin has no public way to list its registered configurables or to tell where a bi
 from, so `_registry` reads its registry and `binding_sources` re-reads the files with gin's
 own parser (with trainer/tools/gin_functions.py, the only places that know gin's internals).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,10 +53,14 @@ def registered_configurables() -> list[Configurable]:
     for selector, entry in registry.items():
         if entry.module == "gin" or selector.startswith("gin."):
             continue
-        found.append(Configurable(
-            name=registry.minimal_selector(selector), selector=selector, target=entry.wrapped,
-            denylist=tuple(entry.denylist or ()),
-        ))
+        found.append(
+            Configurable(
+                name=registry.minimal_selector(selector),
+                selector=selector,
+                target=entry.wrapped,
+                denylist=tuple(entry.denylist or ()),
+            )
+        )
     return found
 
 
@@ -66,7 +71,8 @@ def parameters(configurable: Configurable) -> list[inspect.Parameter]:
     except (TypeError, ValueError):
         return []
     return [
-        p for p in signature.parameters.values()
+        p
+        for p in signature.parameters.values()
         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in configurable.denylist
     ]
 
@@ -82,6 +88,7 @@ def describe(configurable: Configurable) -> str:
 
 
 # --- where each binding came from -------------------------------------------------------------
+
 
 class _Placeholders(config_parser.ParserDelegate):
     """Parses without resolving references or macros: only the binding keys are wanted."""
@@ -112,8 +119,9 @@ def _shown_path(path: str) -> str:
     return relative if not relative.startswith("..") else path
 
 
-def binding_sources(gin_files: Iterable[str], bindings: Iterable[str],
-                    search_paths: Iterable[str] = ()) -> dict[tuple[str, str, str], str]:
+def binding_sources(
+    gin_files: Iterable[str], bindings: Iterable[str], search_paths: Iterable[str] = ()
+) -> dict[tuple[str, str, str], str]:
     """(scope, complete selector, param) -> 'file:line' or '--gin_bindings', the last binding
     of each key winning, as in gin (files in order, includes where they stand, then bindings).
     Macros are keyed (scope, name, '')."""
@@ -149,6 +157,7 @@ def binding_sources(gin_files: Iterable[str], bindings: Iterable[str],
 
 
 # --- values -----------------------------------------------------------------------------------
+
 
 def format_value(value: Any) -> str:
     """A value as a gin file would write it: `@cnn` for a registered function or class."""
@@ -203,17 +212,17 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
     sources = binding_sources(gin_files, bindings, search_paths)
     configurables = registered_configurables()
     by_selector = {c.selector: c for c in configurables}
-    bound_values = {
-        key: _query(*key) for key in sources if key[2] and key[1] in by_selector
-    }
+    bound_values = {key: _query(*key) for key in sources if key[2] and key[1] in by_selector}
     used = {selector for _, selector, _ in bound_values}
     for value in bound_values.values():
         used.update(_referenced_selectors(value))
 
     lines: list[tuple[str, str]] = []  # (binding text, comment)
-    header = [f"# Resolved config of {', '.join(gin_files)}"
-              + (f" with {len(list(bindings))} --gin_bindings" if bindings else "")
-              + "; after each value, where it came from."]
+    header = [
+        f"# Resolved config of {', '.join(gin_files)}"
+        + (f" with {len(list(bindings))} --gin_bindings" if bindings else "")
+        + "; after each value, where it came from."
+    ]
 
     def emit(configurable: Configurable) -> None:
         doc = (inspect.getdoc(configurable.target) or "").splitlines()
@@ -221,8 +230,13 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
         lines.append((f"# {configurable.name}: {doc[0] if doc else ''}".rstrip(": "), ""))
         set_by_main = SET_BY_MAIN.get(configurable.name, {})
         names = [p.name for p in parameters(configurable)]
-        names += sorted({param for scope, sel, param in bound_values
-                         if sel == configurable.selector and not scope and param not in names})
+        names += sorted(
+            {
+                param
+                for scope, sel, param in bound_values
+                if sel == configurable.selector and not scope and param not in names
+            }
+        )
         defaults = {p.name: p.default for p in parameters(configurable)}
         for param in names:
             key = ("", configurable.selector, param)
@@ -237,8 +251,12 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
                 lines.append((f"{text} = {format_value(defaults[param])}", DEFAULT))
         for (scope, selector, param), value in bound_values.items():
             if scope and selector == configurable.selector:
-                lines.append((f"{_key(scope, configurable.name, param)} = {format_value(value)}",
-                              sources[(scope, selector, param)]))
+                lines.append(
+                    (
+                        f"{_key(scope, configurable.name, param)} = {format_value(value)}",
+                        sources[(scope, selector, param)],
+                    )
+                )
 
     macros = [(key, src) for key, src in sources.items() if not key[2]]
     if macros:
@@ -258,13 +276,12 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
             emit(configurable)
 
     width = min(max((len(text) for text, comment in lines if comment), default=0), 58)
-    out = header + [
-        f"{text.ljust(width)}  # {comment}" if comment else text for text, comment in lines
-    ]
+    out = header + [f"{text.ljust(width)}  # {comment}" if comment else text for text, comment in lines]
     return "\n".join(out) + "\n"
 
 
 # --- hparams ----------------------------------------------------------------------------------
+
 
 def hparams(gin_files: list[str], bindings: list[str], search_paths: Iterable[str] = ()) -> dict[str, Any]:
     """Every bound parameter as a scalar hparam (str/int/float/bool) named like its binding,

@@ -5,13 +5,13 @@ Gin's wrapper looks the bindings up at every call; called inside a traced step, 
 converts the wrapper and gin's lookup code into the step, about 1.2 s at every start. This reads
 gin's registry and operative config (no public API does), so it lives beside gin_config.py.
 """
+
 from __future__ import annotations
 
 import inspect
 from typing import Any, Callable, Collection
 
 import gin
-
 from trainer.errors import UserError
 
 
@@ -43,11 +43,18 @@ def plain_function(reference: Any, *, supplied: Collection[str] = (), what: str 
     clash = [k for k in kwargs if k in supplied and k in signature.parameters]
     if clash:
         shown = "/".join([*reference.scopes, configurable.name])
-        raise UserError(f"gin binds {shown}.{clash[0]}, but {what} {fn.__name__} gets '{clash[0]}' from the "
-                        f"loop (it passes {', '.join(supplied)}); remove the binding")
+        raise UserError(
+            f"gin binds {shown}.{clash[0]}, but {what} {fn.__name__} gets '{clash[0]}' from the "
+            f"loop (it passes {', '.join(supplied)}); remove the binding"
+        )
     denied = set(configurable.denylist or ()) | set(supplied)
-    defaults = {p.name: p.default for p in signature.parameters.values() if p.default is not inspect.Parameter.empty
-                and p.name not in denied and (not configurable.allowlist or p.name in configurable.allowlist)}
+    defaults = {
+        p.name: p.default
+        for p in signature.parameters.values()
+        if p.default is not inspect.Parameter.empty
+        and p.name not in denied
+        and (not configurable.allowlist or p.name in configurable.allowlist)
+    }
     with gin.config._OPERATIVE_CONFIG_LOCK:  # noqa: SLF001  (what gin's wrapper records when called)
         gin.config._OPERATIVE_CONFIG.setdefault((scope, configurable.selector), {}).update(defaults | raw)  # noqa: SLF001
     attributes = _attributes(configurable.wrapper)  # e.g. a combine rule decorated over gin's wrapper

@@ -30,6 +30,7 @@ What else changes with K > 1:
 - The step may call `apply_gradients`/`apply` once per optimizer, and should not read a
   variable the update changes after calling it (the update now runs after the step).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,10 +39,10 @@ from typing import Any, Callable, Mapping
 
 import tensorflow as tf
 
+from trainer.errors import UserError
 from trainer.task import combine
 from trainer.update import clipping
 from trainer.update.recorder import GradientRecorder
-from trainer.errors import UserError
 from trainer.validation import check_int, check_number
 
 NORM_KEY = "grad_norm"
@@ -67,23 +68,27 @@ class UpdateOptions:
         """Refuses a global batch that K micro-batches on every replica cannot share evenly."""
         parts = self.grad_accum_steps * num_replicas
         if self.grad_accum_steps > 1 and global_batch_size % parts:
-            raise UserError(f"train.global_batch_size {global_batch_size} is not divisible by train.grad_accum_steps "
-                            f"{self.grad_accum_steps} x {num_replicas} replica(s); use a multiple of {parts}")
+            raise UserError(
+                f"train.global_batch_size {global_batch_size} is not divisible by train.grad_accum_steps "
+                f"{self.grad_accum_steps} x {num_replicas} replica(s); use a multiple of {parts}"
+            )
 
 
 def micro_batches(batch: Any, k: int) -> list:
     """`batch` (any nested structure, batched on axis 0) as `k` equal consecutive slices."""
     sizes = {int(t.shape[0]) for t in tf.nest.flatten(batch) if t.shape.rank and t.shape[0] is not None}
     if len(sizes) > 1 or (sizes and next(iter(sizes)) % k):
-        raise UserError(f"the per-replica batch (sizes {sorted(sizes)}) cannot be cut into train.grad_accum_steps "
-                        f"{k} equal micro-batches")
+        raise UserError(
+            f"the per-replica batch (sizes {sorted(sizes)}) cannot be cut into train.grad_accum_steps "
+            f"{k} equal micro-batches"
+        )
     size = next(iter(sizes), None)
 
     def cut(t, i):
         n = size if size is not None else tf.shape(t)[0]
-        return t[i * n // k:(i + 1) * n // k]
+        return t[i * n // k : (i + 1) * n // k]
 
-    return [tf.nest.map_structure(lambda t: cut(t, i), batch) for i in range(k)]
+    return [tf.nest.map_structure(lambda t, i=i: cut(t, i), batch) for i in range(k)]
 
 
 def update_step(step_fn: Callable, options: UpdateOptions) -> Callable:
@@ -102,11 +107,14 @@ def update_step(step_fn: Callable, options: UpdateOptions) -> Callable:
                 with tf.control_dependencies([g for gs in gradients.values() for g in gs if g is not None]):
                     micro = tf.nest.map_structure(tf.identity, micro)
             recorders = {key: GradientRecorder(o) for key, o in optimizers.items()}
-            outputs = step_fn(model, recorders if isinstance(optimizer, Mapping) else recorders[None],
-                              micro, global_batch_size)
+            outputs = step_fn(
+                model, recorders if isinstance(optimizer, Mapping) else recorders[None], micro, global_batch_size
+            )
             if not isinstance(outputs, Mapping):
-                raise UserError(f"train.step_fn returned {type(outputs).__name__}; return a dict of scalar tensors, "
-                                "e.g. {'loss': loss}")
+                raise UserError(
+                    f"train.step_fn returned {type(outputs).__name__}; return a dict of scalar tensors, "
+                    "e.g. {'loss': loss}"
+                )
             recorded = {key: r.gradients for key, r in recorders.items() if r.calls}
             if totals is None:
                 totals, gradients = dict(outputs), recorded
@@ -120,8 +128,9 @@ def update_step(step_fn: Callable, options: UpdateOptions) -> Callable:
                 grads, norm = clipping.sum_and_clip(grads, clip_norm)
                 name = NORM_KEY if key is None else f"{NORM_KEY}/{key}"
                 if name in totals:
-                    raise UserError(f"train.step_fn returns {name!r}, the output train.clip_global_norm adds; "
-                                    "rename it")
+                    raise UserError(
+                        f"train.step_fn returns {name!r}, the output train.clip_global_norm adds; rename it"
+                    )
                 replicas = tf.distribute.get_replica_context().num_replicas_in_sync
                 totals[name] = norm / replicas  # a share: the loop's SUM over replicas gives the norm
             pairs = [(g, v) for g, v in zip(grads, variables[key]) if g is not None]
@@ -135,20 +144,25 @@ def update_step(step_fn: Callable, options: UpdateOptions) -> Callable:
 def _add(a, b):
     if a is None or b is None:
         if (a is None) != (b is None):
-            raise UserError("train.step_fn gives a gradient for a variable in one micro-batch and None in another; "
-                            "train.grad_accum_steps needs the same variables trained by every micro-step")
+            raise UserError(
+                "train.step_fn gives a gradient for a variable in one micro-batch and None in another; "
+                "train.grad_accum_steps needs the same variables trained by every micro-step"
+            )
         return None
     return a + b
 
 
-def prepare(options: UpdateOptions, optimizers: Any, *, num_replicas: int, global_batch_size: int,
-            jit_compile: bool = False) -> None:
+def prepare(
+    options: UpdateOptions, optimizers: Any, *, num_replicas: int, global_batch_size: int, jit_compile: bool = False
+) -> None:
     """Checks made once the task is built (before anything is written), and the sum taken over if clipping."""
     options.check_batch_size(global_batch_size, num_replicas)
     if options.clip_global_norm is not None and jit_compile and num_replicas > 1:
-        raise UserError("train.clip_global_norm with train.jit_compile works on one device only (its cross-replica "
-                        "sum cannot run inside the compiled step); set train.jit_compile = False or use strategy "
-                        "'default'/'one_device'")
+        raise UserError(
+            "train.clip_global_norm with train.jit_compile works on one device only (its cross-replica "
+            "sum cannot run inside the compiled step); set train.jit_compile = False or use strategy "
+            "'default'/'one_device'"
+        )
     clipping.check_keras_clipping(optimizers, num_replicas, options.clip_global_norm)
     if options.clip_global_norm is not None:
         clipping.take_over_gradient_sum(optimizers)

@@ -19,14 +19,15 @@ never gets the real optimizer under this option (see trainer/update/accumulation
 other gradients reach it unsummed. An optimizer without that method (not a Keras 3 TF
 optimizer) is refused rather than summed twice.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 import tensorflow as tf
 
-from trainer.task.structure import flat
 from trainer.errors import UserError
+from trainer.task.structure import flat
 
 KERAS_CLIPPING = ("clipnorm", "global_clipnorm", "clipvalue")
 SUM_METHOD = "_all_reduce_sum_gradients"
@@ -45,14 +46,17 @@ def check_keras_clipping(optimizers: Any, num_replicas: int, clip_global_norm: f
             if not value:
                 continue
             if clip_global_norm is not None:
-                raise UserError(f"the optimizer has Keras' {name}={value} and train.clip_global_norm = "
-                                f"{clip_global_norm} is set too: clip once; remove {name} from train.optimizer_fn")
+                raise UserError(
+                    f"the optimizer has Keras' {name}={value} and train.clip_global_norm = "
+                    f"{clip_global_norm} is set too: clip once; remove {name} from train.optimizer_fn"
+                )
             if num_replicas > 1:
                 raise UserError(
                     f"the optimizer has Keras' {name}={value}, which clips each replica's gradients before the "
                     f"cross-replica sum, so on {num_replicas} replicas it clips something else than the update's "
                     f"gradient (docs/design.md, rule 11); remove it from train.optimizer_fn and set "
-                    f"train.clip_global_norm = {value} (the global norm after the sum)")
+                    f"train.clip_global_norm = {value} (the global norm after the sum)"
+                )
 
 
 def take_over_gradient_sum(optimizers: Any) -> None:
@@ -63,11 +67,15 @@ def take_over_gradient_sum(optimizers: Any) -> None:
     for optimizer in flat(optimizers):
         inner = _inner(optimizer)
         if inner is not optimizer:
-            raise UserError("train.clip_global_norm does not work with mixed_float16 loss scaling (the gradients are "
-                            "scaled when clipped); use mixed_precision 'mixed_bfloat16' or no mixed precision")
+            raise UserError(
+                "train.clip_global_norm does not work with mixed_float16 loss scaling (the gradients are "
+                "scaled when clipped); use mixed_precision 'mixed_bfloat16' or no mixed precision"
+            )
         if not callable(getattr(type(optimizer), SUM_METHOD, None)):
-            raise UserError(f"train.clip_global_norm needs Keras 3 optimizers (TensorFlow backend), got "
-                            f"{type(optimizer).__name__}, whose cross-replica gradient sum the loop cannot take over")
+            raise UserError(
+                f"train.clip_global_norm needs Keras 3 optimizers (TensorFlow backend), got "
+                f"{type(optimizer).__name__}, whose cross-replica gradient sum the loop cannot take over"
+            )
         setattr(optimizer, SUM_METHOD, _already_summed)
 
 

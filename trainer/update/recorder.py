@@ -4,15 +4,18 @@
 Used where the update runs after the step (XLA under a multi-device strategy, gradient
 accumulation, global-norm clipping) and by the loss-scaling guard, whose probe must not update.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import tensorflow as tf
 
-ONCE_MESSAGE = ("the optimizer update runs after the step here (train.jit_compile under a multi-device strategy, "
-                "train.grad_accum_steps, train.clip_global_norm), so the step may call apply_gradients only "
-                "once per optimizer; unset those options for this step")
+ONCE_MESSAGE = (
+    "the optimizer update runs after the step here (train.jit_compile under a multi-device strategy, "
+    "train.grad_accum_steps, train.clip_global_norm), so the step may call apply_gradients only "
+    "once per optimizer; unset those options for this step"
+)
 
 
 class GradientRecorder:

@@ -6,6 +6,7 @@ gradients (several replicas). Taking the update over works under the synchronous
 only: under parameter_server each worker's update is applied on its own, asynchronously, and
 neither a sum over micro-batches nor a global norm across replicas exists there.
 """
+
 from __future__ import annotations
 
 from trainer.distribution import modes
@@ -25,13 +26,25 @@ class UpdatePath(Extension):
         self.options = accumulation.UpdateOptions(grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm)
         if not self.options.takes_over:
             self.supports = modes.ALL  # only the check of Keras' clipping: everywhere
-        self.setting = " and ".join(name for name, on in (("train.grad_accum_steps", grad_accum_steps != 1),
-                                                          ("train.clip_global_norm", clip_global_norm is not None))
-                                    if on) or "train.grad_accum_steps"
+        self.setting = (
+            " and ".join(
+                name
+                for name, on in (
+                    ("train.grad_accum_steps", grad_accum_steps != 1),
+                    ("train.clip_global_norm", clip_global_norm is not None),
+                )
+                if on
+            )
+            or "train.grad_accum_steps"
+        )
 
     def attach(self, setup: Setup) -> None:
-        accumulation.prepare(self.options, setup.task.optimizers, num_replicas=setup.runtime.num_replicas,
-                             global_batch_size=setup.settings.global_batch_size,
-                             jit_compile=setup.settings.jit_compile)
+        accumulation.prepare(
+            self.options,
+            setup.task.optimizers,
+            num_replicas=setup.runtime.num_replicas,
+            global_batch_size=setup.settings.global_batch_size,
+            jit_compile=setup.settings.jit_compile,
+        )
         if self.options.takes_over:
             setup.wrap_step(lambda step_fn: accumulation.update_step(step_fn, self.options))

@@ -12,6 +12,7 @@ update reads replica 1's variables from device 0 and fails). So:
   The step contract is unchanged, with two limits: the step calls `apply_gradients` (or
   `apply`) at most once, and reads no variable the update changes after calling it.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Mapping
@@ -19,9 +20,9 @@ from typing import Callable, Mapping
 import tensorflow as tf
 
 from trainer.distribution import modes
+from trainer.errors import UserError
 from trainer.task.user_code import call_step
 from trainer.update.recorder import GradientRecorder
-from trainer.errors import UserError
 
 ReplicaStep = Callable[[object], Mapping[str, tf.Tensor]]
 
@@ -31,8 +32,9 @@ def update_inside_xla(strategy: tf.distribute.Strategy) -> bool:
     return modes.of(strategy).one_device
 
 
-def replica_step(strategy, step_fn: Callable, model, optimizer, global_batch_size: int, *,
-                 jit_compile: bool = False) -> ReplicaStep:
+def replica_step(
+    strategy, step_fn: Callable, model, optimizer, global_batch_size: int, *, jit_compile: bool = False
+) -> ReplicaStep:
     """`batch -> step outputs` for `strategy.run`, compiled with XLA if `jit_compile`."""
 
     def step(batch):
@@ -43,9 +45,11 @@ def replica_step(strategy, step_fn: Callable, model, optimizer, global_batch_siz
     if update_inside_xla(strategy):
         return tf.function(step, jit_compile=True, autograph=False)  # the step: call_user
     if isinstance(optimizer, Mapping):
-        raise UserError("train.jit_compile with several optimizers works on one device only (under a multi-device "
-                        "strategy the update runs after the compiled step, for one optimizer); set "
-                        "train.jit_compile = False or use strategy 'default'/'one_device'")
+        raise UserError(
+            "train.jit_compile with several optimizers works on one device only (under a multi-device "
+            "strategy the update runs after the compiled step, for one optimizer); set "
+            "train.jit_compile = False or use strategy 'default'/'one_device'"
+        )
 
     def step_then_update(batch):
         recorder = GradientRecorder(optimizer)  # one per replica call: replicas trace in parallel threads

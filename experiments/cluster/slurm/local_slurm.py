@@ -25,6 +25,7 @@ reach out. The daemons also bind to the loopback address only
 AI_ADDRCONFIG), which glibc answers "Name or service not known" on a machine whose only IPv4
 address is 127.0.0.1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,8 +102,9 @@ class ClusterError(Exception):
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="action", required=True)
     up_parser = commands.add_parser("up", help="start the cluster and run until SIGTERM/SIGINT")
     up_parser.add_argument("dir", help="an empty or new directory for its config, state and logs")
@@ -133,8 +135,11 @@ def up(directory: str) -> int:
     cluster = _Cluster(directory)
     try:
         cluster.start(stop)
-        print(f"{READY}: node {NODE} ({os.cpu_count()} CPUs), partition {PARTITION}, "
-              f"SLURM_CONF={cluster.conf}; pids {json.dumps(cluster.pids)}", flush=True)
+        print(
+            f"{READY}: node {NODE} ({os.cpu_count()} CPUs), partition {PARTITION}, "
+            f"SLURM_CONF={cluster.conf}; pids {json.dumps(cluster.pids)}",
+            flush=True,
+        )
         while not stop.received:
             cluster.check_alive()
             cluster.reap_orphans()
@@ -176,8 +181,9 @@ def read_state(directory: str) -> dict:
         with open(path) as f:
             state = json.load(f)
     except FileNotFoundError:
-        raise ClusterError(f"no cluster runs in {directory} ({path} is missing); start one with "
-                           f"local_slurm.py up {directory}") from None
+        raise ClusterError(
+            f"no cluster runs in {directory} ({path} is missing); start one with local_slurm.py up {directory}"
+        ) from None
     if not _running(state["pid"]) or _namespace(state["pid"]) != state["netns"]:
         raise ClusterError(f"the cluster of {directory} is not running; start it with local_slurm.py up {directory}")
     return state
@@ -227,10 +233,19 @@ class _Cluster:
         with open(self.conf, "w") as f:
             f.write(SLURM_CONF.format(dir=self.directory, node=NODE, cpus=os.cpu_count(), partition=PARTITION))
         run_dir = os.path.join(self.directory, "run")
-        self._start("munged", ["munged", "--foreground", "--force", f"--key-file={key}",
-                               f"--socket={run_dir}/munge.socket", f"--pid-file={run_dir}/munged.pid",
-                               f"--seed-file={run_dir}/munged.seed",
-                               f"--log-file={self.directory}/log/munged.log"])
+        self._start(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={run_dir}/munge.socket",
+                f"--pid-file={run_dir}/munged.pid",
+                f"--seed-file={run_dir}/munged.seed",
+                f"--log-file={self.directory}/log/munged.log",
+            ],
+        )
         self._wait(lambda: os.path.exists(f"{run_dir}/munge.socket"), "munged's socket", stop)
         self._start("slurmctld", ["slurmctld", "-D", "-f", self.conf])
         self._start("slurmd", ["slurmd", "-D", "-f", self.conf, "-N", NODE])
@@ -240,8 +255,14 @@ class _Cluster:
             fields = _stat_fields(pid)
             if fields is not None and int(fields[1]) in daemon_pids:
                 self._helpers[_command_name(pid)] = pid
-        state = {"pid": os.getpid(), "netns": self.netns, "slurm_conf": self.conf, "node": NODE,
-                 "partition": PARTITION, "daemons": self.pids}
+        state = {
+            "pid": os.getpid(),
+            "netns": self.netns,
+            "slurm_conf": self.conf,
+            "node": NODE,
+            "partition": PARTITION,
+            "daemons": self.pids,
+        }
         path = os.path.join(self.directory, STATE_FILE)
         with open(path + ".tmp", "w") as f:
             json.dump(state, f)
@@ -286,8 +307,13 @@ class _Cluster:
         log = open(os.path.join(self.directory, "log", f"{name}.out"), "wb")
         with log:
             self._daemons[name] = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "SLURM_CONF": self.conf}, start_new_session=True)
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "SLURM_CONF": self.conf},
+                start_new_session=True,
+            )
 
     def _wait(self, ready, what: str, stop: _StopOnSignal) -> None:
         deadline = time.monotonic() + START_TIMEOUT_SECS
@@ -296,8 +322,10 @@ class _Cluster:
             if stop.received:
                 raise ClusterError(f"stopped by signal {stop.received} while waiting for {what}")
             if time.monotonic() > deadline:
-                raise ClusterError(f"timed out after {START_TIMEOUT_SECS:.0f} s waiting for {what}; "
-                                   f"see the logs in {self.directory}/log")
+                raise ClusterError(
+                    f"timed out after {START_TIMEOUT_SECS:.0f} s waiting for {what}; "
+                    f"see the logs in {self.directory}/log"
+                )
             time.sleep(0.2)
 
     def _node_idle(self) -> bool:
@@ -317,8 +345,14 @@ class _Cluster:
 
     def _slurm(self, command: list[str]) -> str | None:
         """A SLURM client command's stdout, or None if it failed."""
-        proc = subprocess.run(command, env={**os.environ, "SLURM_CONF": self.conf}, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            command,
+            env={**os.environ, "SLURM_CONF": self.conf},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return proc.stdout if proc.returncode == 0 else None
 
     def _end(self, daemon: subprocess.Popen) -> None:
@@ -343,8 +377,9 @@ def _check_can_start(directory: str) -> None:
         raise ClusterError("the local SLURM cluster must be started as root (slurmd runs jobs as their user)")
     missing = [tool for tool in TOOLS if shutil.which(tool) is None]
     if missing:
-        raise ClusterError(f"{', '.join(missing)} not found; install them with "
-                           "`apt-get install -y slurm-wlm munge` (Debian/Ubuntu)")
+        raise ClusterError(
+            f"{', '.join(missing)} not found; install them with `apt-get install -y slurm-wlm munge` (Debian/Ubuntu)"
+        )
     if os.path.isdir(directory) and os.listdir(directory):
         raise ClusterError(f"{directory} is not empty; give `up` a new or empty directory")
 

@@ -1,4 +1,5 @@
 """The config a bench run measures, read and built exactly as `train` reads and builds it."""
+
 from __future__ import annotations
 
 from trainer import main as main_lib
@@ -16,9 +17,14 @@ def refuse_asynchronous(settings, what: str) -> None:
     """The bench compares local steps: a mode whose steps are remote closures is refused in one line."""
     from trainer.distribution import modes
 
-    modes.require(f"train.strategy for {what}", modes.SYNCHRONOUS, settings.strategy,
-                  reason="its steps are asynchronous closures on remote workers, not comparable with a local bare "
-                         "step, and Keras 3 fit cannot run there", fix="measure a synchronous config")
+    modes.require(
+        f"train.strategy for {what}",
+        modes.SYNCHRONOUS,
+        settings.strategy,
+        reason="its steps are asynchronous closures on remote workers, not comparable with a local bare "
+        "step, and Keras 3 fit cannot run there",
+        fix="measure a synchronous config",
+    )
 
 
 def setup(settings):
@@ -33,5 +39,11 @@ def train_data(dist, inp, settings):
     """The train data of `inp` distributed as the loop gets it (trainer/loops/controller.py), from step 0."""
     from trainer import data
 
-    return data.distribute_train(dist, inp, settings.global_batch_size, settings.seed,
-                                 method=settings.distribute_method, shard_policy=settings.shard_policy)
+    return data.distribute_train(
+        dist,
+        inp,
+        settings.global_batch_size,
+        settings.seed,
+        method=settings.distribute_method,
+        shard_policy=settings.shard_policy,
+    )

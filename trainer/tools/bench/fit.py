@@ -1,5 +1,6 @@
 """The `fit` worker: Keras 3 `model.fit` on the same model, optimizer, input pipeline and
 strategy, with the step's loss and an accuracy metric, paced by a callback."""
+
 from __future__ import annotations
 
 from trainer.tools.bench.config import setup
@@ -39,13 +40,16 @@ def run_fit(settings, channel: Channel, steps_per_execution: int, total_steps: i
     model, optimizer = task.models, task.optimizers
     with dist.scope():
         model.compile(
-            optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"], steps_per_execution=steps_per_execution,
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=steps_per_execution,
             # XLA where fit can compile the whole step (one device); Keras itself turns it off under a strategy.
             jit_compile=bool(settings.jit_compile) and xla.update_inside_xla(dist),
         )
-    dataset = data.train_dataset(task.input, settings.global_batch_size, settings.seed,
-                                 shard_policy=settings.shard_policy)
+    dataset = data.train_dataset(
+        task.input, settings.global_batch_size, settings.seed, shard_policy=settings.shard_policy
+    )
 
     class Pacer(keras.callbacks.Callback):
         """Paces fit from `on_train_batch_begin`: fit has synchronised with the previous call there
@@ -67,6 +71,5 @@ def run_fit(settings, channel: Channel, steps_per_execution: int, total_steps: i
             if self.until is None:
                 self.model.stop_training = True  # after one more call, which is not measured
 
-    model.fit(dataset, epochs=1, steps_per_epoch=total_steps + steps_per_execution, verbose=0,
-              callbacks=[Pacer()])
+    model.fit(dataset, epochs=1, steps_per_epoch=total_steps + steps_per_execution, verbose=0, callbacks=[Pacer()])
     channel.finished(tracing_count(model.train_function, "multi_step_on_iterator"))

@@ -17,6 +17,7 @@ A source whose examples/s is below the step's would starve the step: "input-boun
 the CPU runs the step, the pipeline runs inline (no prefetch, docs/design.md, rule 13), so its time
 adds to the step's even when it "keeps up": a run then does about 1/(1/input + 1/step).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,9 @@ from trainer.tools.bench.limit import bare_step
 NUM_SHARDS = 4  # trainer.write_tfrecords' default
 
 
-def run_input_bench(gin_files: list[str], gin_bindings: list[str], *, seconds: float,
-                    print_fn: Callable[[str], None] = print) -> dict:
+def run_input_bench(
+    gin_files: list[str], gin_bindings: list[str], *, seconds: float, print_fn: Callable[[str], None] = print
+) -> dict:
     """Measures the config's input sources and its step for `seconds` each; prints a table, returns the figures."""
     from trainer import data
     from trainer.data.pipeline import on_accelerator
@@ -50,22 +52,33 @@ def run_input_bench(gin_files: list[str], gin_bindings: list[str], *, seconds: f
             sources["tfrecord"] = {"examples_per_sec": None, "skipped": written}
         else:
             files, write_s = written
-            sources["tfrecord"] = {**pull(data.as_input(files)), "shards": NUM_SHARDS,
-                                   "bytes": sum(os.path.getsize(f) for f in files.files("train")),
-                                   "write_s": round(write_s, 3)}
+            sources["tfrecord"] = {
+                **pull(data.as_input(files)),
+                "shards": NUM_SHARDS,
+                "bytes": sum(os.path.getsize(f) for f in files.files("train")),
+                "write_s": round(write_s, 3),
+            }
     step = _step_rate(dist, task, settings, seconds)
     result = {
         "sources": sources,
         "step": step,
-        "input_over_step": {name: _ratio(source["examples_per_sec"], step["examples_per_sec"])
-                            for name, source in sources.items()},
+        "input_over_step": {
+            name: _ratio(source["examples_per_sec"], step["examples_per_sec"]) for name, source in sources.items()
+        },
         "settings": {
-            "gin_files": list(gin_files), "gin_bindings": list(gin_bindings), "seconds": seconds,
-            "strategy": settings.strategy, "num_replicas": dist.num_replicas_in_sync,
-            "global_batch_size": settings.global_batch_size, "steps_per_loop": settings.steps_per_loop,
-            "distribute_method": settings.distribute_method, "shard_policy": settings.shard_policy,
-            "input": repr(task.input), "train_examples": task.input.num_examples("train"),
-            "prefetch": on_accelerator(), "cores": os.cpu_count(),
+            "gin_files": list(gin_files),
+            "gin_bindings": list(gin_bindings),
+            "seconds": seconds,
+            "strategy": settings.strategy,
+            "num_replicas": dist.num_replicas_in_sync,
+            "global_batch_size": settings.global_batch_size,
+            "steps_per_loop": settings.steps_per_loop,
+            "distribute_method": settings.distribute_method,
+            "shard_policy": settings.shard_policy,
+            "input": repr(task.input),
+            "train_examples": task.input.num_examples("train"),
+            "prefetch": on_accelerator(),
+            "cores": os.cpu_count(),
         },
     }
     print_fn(text_table(result))
@@ -96,8 +109,12 @@ def _pull_rate(dist, distributed_data, batches_per_call: int, seconds: float) ->
     int(pull(tf.constant(1, tf.int32)))
     first_call_s = time.monotonic() - started
     examples, batches, elapsed = _timed(lambda: int(pull(calls)), batches_per_call, seconds)
-    return {"examples_per_sec": examples / elapsed, "batches": batches, "seconds": round(elapsed, 3),
-            "first_call_s": round(first_call_s, 3)}
+    return {
+        "examples_per_sec": examples / elapsed,
+        "batches": batches,
+        "seconds": round(elapsed, 3),
+        "first_call_s": round(first_call_s, 3),
+    }
 
 
 def _step_rate(dist, task, settings, seconds: float) -> dict:
@@ -136,8 +153,13 @@ def _write_tfrecords(inp, out_dir: str) -> tuple[Any, float] | str:
     from trainer import write_tfrecords
 
     spec = inp.element_spec
-    if not (isinstance(spec, tuple) and len(spec) == 2 and spec[0].dtype.is_floating
-            and spec[1].dtype.is_integer and spec[1].shape.rank == 0):
+    if not (
+        isinstance(spec, tuple)
+        and len(spec) == 2
+        and spec[0].dtype.is_floating
+        and spec[1].dtype.is_integer
+        and spec[1].shape.rank == 0
+    ):
         return f"trainer.write_tfrecords writes (float image, integer label) examples; this input's are {spec}"
     started = time.monotonic()
     files = write_tfrecords.write(inp, out_dir, NUM_SHARDS)
@@ -158,22 +180,31 @@ def verdict(ratio: float | None) -> str:
 def text_table(result: dict) -> str:
     """The table a user reads at a glance: each source's examples/s against the step's."""
     s, step = result["settings"], result["step"]
-    lines = [f"input bench: strategy {s['strategy']}, {s['num_replicas']} replica(s), global batch "
-             f"{s['global_batch_size']}, {s['train_examples']} train examples, {s['seconds']:g} s per measurement",
-             f"{'source':<34}{'examples/s':>12}{'input/step':>12}  verdict"]
+    lines = [
+        f"input bench: strategy {s['strategy']}, {s['num_replicas']} replica(s), global batch "
+        f"{s['global_batch_size']}, {s['train_examples']} train examples, {s['seconds']:g} s per measurement",
+        f"{'source':<34}{'examples/s':>12}{'input/step':>12}  verdict",
+    ]
     for name, source in result["sources"].items():
         if name == "memory":
             label = "memory (config's input, in memory)" if source["in_memory"] else "config's input (streamed)"
         else:
-            label = (f"tfrecord ({source['shards']} shards, {source['bytes'] / 2**20:.1f} MiB)"
-                     if source["examples_per_sec"] is not None else "tfrecord")
+            label = (
+                f"tfrecord ({source['shards']} shards, {source['bytes'] / 2**20:.1f} MiB)"
+                if source["examples_per_sec"] is not None
+                else "tfrecord"
+            )
         ratio = result["input_over_step"][name]
         rate = "-" if source["examples_per_sec"] is None else f"{source['examples_per_sec']:,.0f}"
         ratio_text = "-" if ratio is None else f"{ratio:.2f}x"
-        lines.append(f"{label:<34}{rate:>12}{ratio_text:>12}  {verdict(ratio)}"
-                     + (f": {source['skipped']}" if "skipped" in source else ""))
+        lines.append(
+            f"{label:<34}{rate:>12}{ratio_text:>12}  {verdict(ratio)}"
+            + (f": {source['skipped']}" if "skipped" in source else "")
+        )
     lines.append(f"{'step (compiled, batch on device)':<34}{step['examples_per_sec']:>12,.0f}")
     if not s["prefetch"]:
-        lines.append("no accelerator: the pipeline runs inline, its time adds to the step's "
-                     "(a run does about 1 / (1/input + 1/step) examples/s)")
+        lines.append(
+            "no accelerator: the pipeline runs inline, its time adds to the step's "
+            "(a run does about 1 / (1/input + 1/step) examples/s)"
+        )
     return "\n".join(lines)

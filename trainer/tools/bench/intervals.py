@@ -9,6 +9,7 @@ drawn with replacement, a fixed seed, so the same rounds always give the same in
 Ours is ahead of a peer when the whole interval of ours/peer lies above 1.0, behind when it lies
 below 1.0, and tied with it when it holds 1.0.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,8 +25,9 @@ def per_round(ours_seconds: list[float], other_seconds: list[float]) -> list[flo
     return [theirs / mine for mine, theirs in zip(ours_seconds, other_seconds)]
 
 
-def bootstrap_interval(values: list[float], *, level: float = LEVEL, resamples: int = RESAMPLES,
-                       seed: int = RANDOM_SEED) -> tuple[float, float]:
+def bootstrap_interval(
+    values: list[float], *, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = RANDOM_SEED
+) -> tuple[float, float]:
     """The percentile bootstrap interval of the geometric mean of `values` (positive, at least one)."""
     logs = np.log(np.asarray(values, dtype=float))
     rng = np.random.default_rng(seed)
@@ -55,6 +57,14 @@ def summary(ours_seconds: list[float], other_seconds: list[float]) -> dict | Non
     if not ratios:
         return None
     low, high = bootstrap_interval(ratios)
-    return {"geomean": geometric_mean(ratios), "low": low, "high": high, "width": high - low,
-            "min": min(ratios), "max": max(ratios), "rounds": len(ratios), "per_round": ratios,
-            "verdict": verdict(low, high)}
+    return {
+        "geomean": geometric_mean(ratios),
+        "low": low,
+        "high": high,
+        "width": high - low,
+        "min": min(ratios),
+        "max": max(ratios),
+        "rounds": len(ratios),
+        "per_round": ratios,
+        "verdict": verdict(low, high),
+    }

@@ -9,6 +9,7 @@ for `limit`, no `next(iterator)` either: no input pipeline. What `limit_input` l
 `limit` is what the input costs every variant (under a strategy with several replicas, mostly
 TensorFlow's distributed iterator, which splits each global batch per replica).
 """
+
 from __future__ import annotations
 
 import time
@@ -50,9 +51,9 @@ def bare_step(dist, task, settings, *, from_input: bool = False) -> tuple[Callab
     import tensorflow as tf
 
     from trainer import data
-    from trainer.update import xla
-    from trainer.loops.totals import ReplicaTotals
     from trainer.distribution import devices
+    from trainer.loops.totals import ReplicaTotals
+    from trainer.update import xla
 
     gb = settings.global_batch_size
     dataset = data.train_dataset(task.input, gb, settings.seed, shard_policy=settings.shard_policy)
@@ -61,8 +62,7 @@ def bare_step(dist, task, settings, *, from_input: bool = False) -> tuple[Callab
         with tf.device(devices.compute_devices()[0]):  # the default strategy leaves it on the host
             batch = tf.nest.map_structure(tf.identity, batch)
     del dataset
-    step = xla.replica_step(dist, settings.step_fn, task.models, task.optimizers, gb,
-                            jit_compile=settings.jit_compile)
+    step = xla.replica_step(dist, settings.step_fn, task.models, task.optimizers, gb, jit_compile=settings.jit_compile)
 
     totals = ReplicaTotals(dist, step, "train.step_fn", count_finite=False)
 

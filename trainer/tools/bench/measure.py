@@ -11,6 +11,7 @@ Keras' callback thread, a summary writer) competes with it; the CPU each worker 
 waited is recorded, and is 0 when that works. `pause_waiting=False` leaves the waiting workers
 running, blocked on their input as before, to measure what that costs.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,8 +61,15 @@ class Turns:
             worker.pause()
 
 
-def _start(variant: Variant, gin_args: list[str], schedule: Schedule, log_dir: str, timeout: float,
-           malloc_tunables: str, print_fn: Callable[[str], None]) -> Worker:
+def _start(
+    variant: Variant,
+    gin_args: list[str],
+    schedule: Schedule,
+    log_dir: str,
+    timeout: float,
+    malloc_tunables: str,
+    print_fn: Callable[[str], None],
+) -> Worker:
     """Starts the variant's worker and waits for its first call (the variant failed if it did not come)."""
     variant.log_path = os.path.join(log_dir, f"{variant.name}.log")
     args = [*gin_args, f"--role={variant.role}", f"--fit_spe={variant.fit_spe}", f"--total_steps={schedule.total}"]
@@ -76,13 +84,15 @@ def _start(variant: Variant, gin_args: list[str], schedule: Schedule, log_dir: s
     variant.first_step_s = time.monotonic() - started
     variant.first_call_steps = message["steps"]
     variant.machine = message.get("machine")
-    print_fn(f"{variant.name}: first call ({message['steps']} step(s)) done {variant.first_step_s:.1f} s "
-             "after process start")
+    print_fn(
+        f"{variant.name}: first call ({message['steps']} step(s)) done {variant.first_step_s:.1f} s after process start"
+    )
     return worker
 
 
-def _record(variant: Variant, label: str, answers: list[dict], schedule: Schedule,
-            print_fn: Callable[[str], None]) -> None:
+def _record(
+    variant: Variant, label: str, answers: list[dict], schedule: Schedule, print_fn: Callable[[str], None]
+) -> None:
     """Adds up the answers of the variant's turns in one round (or the warm-up) into its chunk."""
     seconds = sum(m["seconds"] for m in answers)
     if label == "warmup":
@@ -102,13 +112,23 @@ def _record(variant: Variant, label: str, answers: list[dict], schedule: Schedul
     variant.work.append(work)
     if all(m.get("step_seconds") is not None for m in answers):  # the workers that time their step calls
         variant.step_seconds.append(sum(m["step_seconds"] for m in answers))
-    print_fn(f"{label:>9}  {variant.name:<12} {schedule.chunk / seconds:8.2f} steps/s  "
-             f"({seconds:.2f} s, {cpu / seconds:.2f} cores)")
+    print_fn(
+        f"{label:>9}  {variant.name:<12} {schedule.chunk / seconds:8.2f} steps/s  "
+        f"({seconds:.2f} s, {cpu / seconds:.2f} cores)"
+    )
 
 
-def measure(variants: list[Variant], gin_args: list[str], schedule: Schedule, *, timeout: float,
-            pause_waiting: bool, malloc_tunables: str, print_fn: Callable[[str], None],
-            enough: Callable[[int], bool] = lambda rounds: False) -> None:
+def measure(
+    variants: list[Variant],
+    gin_args: list[str],
+    schedule: Schedule,
+    *,
+    timeout: float,
+    pause_waiting: bool,
+    malloc_tunables: str,
+    print_fn: Callable[[str], None],
+    enough: Callable[[int], bool] = lambda rounds: False,
+) -> None:
     """Runs the variants that can run, each worker with `malloc_tunables` added to its GLIBC_TUNABLES,
     through the schedule's rounds, ending after the round where `enough(rounds measured)` says so (each
     worker is then told to finish); fills in what each measured, or why it failed."""

@@ -21,6 +21,7 @@ What Orbit is given, so that its work between steps matches ours:
   as ours; left to itself it would also save right after the first call).
 No eval (as for fit): ours evaluates once, after the last measured step.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -36,16 +37,19 @@ def missing() -> str | None:
     try:
         import orbit  # noqa: F401
     except ImportError as e:
-        return (f"orbit is not importable ({e}): install it with `python -m trainer.bench --install_orbit` "
-                f"(pip install --no-deps {INSTALL})")
+        return (
+            f"orbit is not importable ({e}): install it with `python -m trainer.bench --install_orbit` "
+            f"(pip install --no-deps {INSTALL})"
+        )
     return None
 
 
 def next_call(step: int, settings) -> int:
     """The length of the loop call from `step`: `steps_per_loop`, cut at the next log or checkpoint boundary."""
-    return min(settings.steps_per_loop,
-               *(every - step % every for every in (settings.log_every_steps, settings.checkpoint_every_steps)
-                 if every > 0))
+    return min(
+        settings.steps_per_loop,
+        *(every - step % every for every in (settings.log_every_steps, settings.checkpoint_every_steps) if every > 0),
+    )
 
 
 def run_orbit(settings, channel: Channel) -> None:
@@ -54,8 +58,8 @@ def run_orbit(settings, channel: Channel) -> None:
     import orbit
     import tensorflow as tf
 
-    from trainer.update import xla
     from trainer.loops.totals import reduce_outputs
+    from trainer.update import xla
 
     dist, task = setup(settings)
     gb, log_every = settings.global_batch_size, settings.log_every_steps
@@ -104,12 +108,22 @@ def run_orbit(settings, channel: Channel) -> None:
     work = {"checkpoints": 0, "records": 0}  # since the last report
     trainer = Trainer()
     with tempfile.TemporaryDirectory(prefix="bench-orbit-") as model_dir:
-        manager = CountingManager(tf.train.Checkpoint(**task.checkpoint_items), model_dir,
-                                  max_to_keep=settings.keep_checkpoints, step_counter=global_step,
-                                  checkpoint_interval=settings.checkpoint_every_steps, last_checkpoint_step=0)
-        controller = orbit.Controller(global_step=global_step, trainer=trainer, strategy=dist,
-                                      steps_per_loop=lambda at: next_call(at, settings),
-                                      checkpoint_manager=manager, summary_dir=model_dir)
+        manager = CountingManager(
+            tf.train.Checkpoint(**task.checkpoint_items),
+            model_dir,
+            max_to_keep=settings.keep_checkpoints,
+            step_counter=global_step,
+            checkpoint_interval=settings.checkpoint_every_steps,
+            last_checkpoint_step=0,
+        )
+        controller = orbit.Controller(
+            global_step=global_step,
+            trainer=trainer,
+            strategy=dist,
+            steps_per_loop=lambda at: next_call(at, settings),
+            checkpoint_manager=manager,
+            summary_dir=model_dir,
+        )
         controller.train(steps=1, checkpoint_at_completion=False)
         channel.done = 1
         until = channel.ready()

@@ -1,6 +1,7 @@
 """The `ours` worker: `trainer.train.train` itself, unchanged, with its default hooks, in a
 temporary model_dir, plus one hook that paces it from the parent; `ours_async` is the same with
 `train.async_checkpoint = True`, so that the two side by side show what the saves cost."""
+
 from __future__ import annotations
 
 import sys
@@ -59,14 +60,16 @@ def run_ours(settings, channel: Channel, total_steps: int, *, async_checkpoint: 
     ending early where the parent says it has measured enough;
     `async_checkpoint`: with `train.async_checkpoint = True`."""
     import gin
-
     from trainer import configurables
 
     refuse_asynchronous(settings, "trainer.bench")
     with tempfile.TemporaryDirectory(prefix="bench-ours-") as model_dir:
         configurables.train(
-            model_dir=model_dir, total_steps=total_steps + 1, eval_every_steps=total_steps + 1,
-            hooks=[*settings.hooks, Pacer(channel)], describe_config=gin.operative_config_str,
+            model_dir=model_dir,
+            total_steps=total_steps + 1,
+            eval_every_steps=total_steps + 1,
+            hooks=[*settings.hooks, Pacer(channel)],
+            describe_config=gin.operative_config_str,
             print_fn=lambda line: print(line, file=sys.stderr, flush=True),
             async_checkpoint=async_checkpoint or settings.async_checkpoint,
         )

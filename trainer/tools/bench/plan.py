@@ -1,4 +1,5 @@
 """What a bench run measures: the variants, and the chunks every variant runs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,6 +8,7 @@ import statistics
 
 from trainer.errors import UserError
 from trainer.tools.bench import orbit
+
 
 def fit_cannot_run(mode) -> str:
     """Why Keras 3 fit cannot run in a multi-worker mode (its known issues)."""
@@ -23,7 +25,7 @@ WORK = {
     "ours": "progress records (metrics.jsonl, TensorBoard) and checkpoints, saved in line",
     "ours_async": "progress records and checkpoints, written on a background thread",
     "orbit": "summaries (TensorBoard: the means at log boundaries, its steps/s and a flush after every call) "
-             "and checkpoints, saved in line",
+    "and checkpoints, saved in line",
     "fit": "none: no callbacks but the pacer (fit's History runs on its own thread)",
 }
 
@@ -87,8 +89,9 @@ def plan_variants(settings, names: list[str], fit_spes: list[int]) -> list[Varia
             variants.append(variant)
         elif name == "fit":
             for spe in fit_spes:
-                variant = Variant(f"fit_spe{spe}", f"Keras fit, steps_per_execution {spe}", "fit", fit_spe=spe,
-                                  first_call_steps=spe)
+                variant = Variant(
+                    f"fit_spe{spe}", f"Keras fit, steps_per_execution {spe}", "fit", fit_spe=spe, first_call_steps=spe
+                )
                 if settings.mode.multi_worker:
                     variant.status, variant.reason = "cannot_run", fit_cannot_run(settings.mode)
                 variants.append(variant)
@@ -134,8 +137,9 @@ class Schedule:
 
     def targets(self) -> list[tuple[str, int]]:
         """(label, the step every variant runs to) for the warm-up and each round that may run."""
-        return [("warmup", self.warmup)] + [(f"round {r + 1}", self.warmup + (r + 1) * self.chunk)
-                                            for r in range(self.most_rounds)]
+        return [("warmup", self.warmup)] + [
+            (f"round {r + 1}", self.warmup + (r + 1) * self.chunk) for r in range(self.most_rounds)
+        ]
 
     def turn_targets(self, until: int) -> list[int]:
         """The steps a round that ends at step `until` runs to, turn by turn."""
@@ -150,8 +154,16 @@ def round_order(variants: list, index: int) -> list:
     return list(variants) if index % 2 == 0 else list(reversed(variants))
 
 
-def schedule(settings, fit_spes: list[int], *, steps: int, warmup_steps: int, repeats: int,
-             turn_steps: int = 0, max_repeats: int = 0) -> Schedule:
+def schedule(
+    settings,
+    fit_spes: list[int],
+    *,
+    steps: int,
+    warmup_steps: int,
+    repeats: int,
+    turn_steps: int = 0,
+    max_repeats: int = 0,
+) -> Schedule:
     """Chunks that end on a call boundary of every variant (a multiple of steps_per_loop and of fit's
     values) and, by default, hold the same hook work: the least multiple of both hook intervals. Turns
     are, by default, the shortest stretch that ends on every variant's call boundaries (the same unit):
@@ -162,8 +174,10 @@ def schedule(settings, fit_spes: list[int], *, steps: int, warmup_steps: int, re
     chunk = round_up(steps or (hooks_unit if hooks_unit <= 20_000 else 1000), unit)
     turn = round_up(turn_steps or unit, unit)
     if chunk % turn:
-        raise UserError(f"--turn_steps {turn_steps} (rounded up to {turn}, a multiple of every variant's call "
-                        f"length {unit}) does not divide a chunk of {chunk} steps: pick a divisor of {chunk}")
+        raise UserError(
+            f"--turn_steps {turn_steps} (rounded up to {turn}, a multiple of every variant's call "
+            f"length {unit}) does not divide a chunk of {chunk} steps: pick a divisor of {chunk}"
+        )
     # Warm-up ends on a chunk boundary beyond every variant's first call (fit's first call is unit steps long).
     warmup = round_up(max(warmup_steps or chunk, unit + 1), chunk)
     return Schedule(chunk, warmup, repeats, turn, max_repeats)

@@ -1,5 +1,6 @@
 """What a worker reports about where it ran: the machine, the CPU the whole machine used (to tell
 a chunk that shared the cores with another process), and its own peak memory."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,15 @@ def machine() -> dict:
     for gpu in tf.config.list_physical_devices("GPU"):
         details = tf.config.experimental.get_device_details(gpu)
         gpus.append(details.get("device_name", gpu.name))
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpus": gpus, "platform": platform.platform(),
-            "python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpus": gpus,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+    }
 
 
 def peak_rss_mib() -> float:

@@ -11,6 +11,7 @@ worker waits; the parent stops it there (SIGSTOP, SIGCONT before the request), s
 threads (TensorFlow's pools, a checkpoint writer, Keras' callback thread) runs while another
 variant is measured.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -36,8 +37,9 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # thread got which heap, so it differs from process to process: two processes of the same variant
 # ran 5% apart. These settings keep freed memory in the process (no trimming; blocks up to 32 MiB,
 # glibc's largest, from the heap rather than mmap), the same in every worker.
-KEEP_FREED_MEMORY = ("glibc.malloc.trim_threshold=4294967295:glibc.malloc.mmap_threshold=33554432:"
-                     "glibc.malloc.top_pad=67108864")
+KEEP_FREED_MEMORY = (
+    "glibc.malloc.trim_threshold=4294967295:glibc.malloc.mmap_threshold=33554432:glibc.malloc.top_pad=67108864"
+)
 
 
 def with_tunables(current: str, tunables: str) -> str:
@@ -101,16 +103,26 @@ class Channel:
         kind, e.g. checkpoints=1); returns the step to run to next, or None when told to finish."""
         seconds, cpu = time.monotonic() - self._started, time.process_time() - self._cpu_started
         machine, steal = probes.machine_cpu_seconds()
-        self.send(event="chunk", steps=self.done, seconds=seconds, cpu_seconds=cpu, work=work,
-                  step_seconds=step_seconds,
-                  page_faults=probes.page_faults() - self._faults_started,
-                  other_cpu_seconds=max(0.0, machine - self._machine_started - cpu),
-                  steal_seconds=steal - self._steal_started)
+        self.send(
+            event="chunk",
+            steps=self.done,
+            seconds=seconds,
+            cpu_seconds=cpu,
+            work=work,
+            step_seconds=step_seconds,
+            page_faults=probes.page_faults() - self._faults_started,
+            other_cpu_seconds=max(0.0, machine - self._machine_started - cpu),
+            steal_seconds=steal - self._steal_started,
+        )
         return self._next()
 
     def finished(self, compile_count: int | None) -> None:
-        self.send(event="finished", compile_count=compile_count, peak_rss_mib=probes.peak_rss_mib(),
-                  peak_gpu_mib=probes.peak_gpu_mib())
+        self.send(
+            event="finished",
+            compile_count=compile_count,
+            peak_rss_mib=probes.peak_rss_mib(),
+            peak_gpu_mib=probes.peak_gpu_mib(),
+        )
 
 
 class WorkerError(Exception):
@@ -125,8 +137,13 @@ class Worker:
         self.log_path, self.timeout = log_path, timeout
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "trainer.bench", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self.log, text=True, bufsize=1, cwd=main_lib.REPO_ROOT,
+            [sys.executable, "-m", "trainer.bench", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+            cwd=main_lib.REPO_ROOT,
             env=self.environment(malloc_tunables),
         )
         self.pending = b""
@@ -158,7 +175,7 @@ class Worker:
             if not line.startswith(PREFIX):
                 self.log.write(line + "\n")
                 continue
-            message = json.loads(line[len(PREFIX):])
+            message = json.loads(line[len(PREFIX) :])
             if message["event"] == "error":
                 raise WorkerError(message["message"])
             return message
@@ -206,4 +223,3 @@ class Worker:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
-

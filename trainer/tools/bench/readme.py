@@ -4,6 +4,7 @@ the MACHINE environment variable). A config's later runs (`<config>.run<k>.json`
 in the summary, so that a series of runs shows whether its verdicts hold. Every result's comparisons are
 computed again from its rounds, so the README states them by the current statistic. A result written by
 an earlier version of the bench (without intervals) is named in one line, not shown: its config needs a rerun."""
+
 from __future__ import annotations
 
 import glob
@@ -14,8 +15,16 @@ import sys
 
 from trainer.tools.bench.report import interval_text, markdown, number_text, score
 
-ORDER = ["cnn_single", "cnn_mirrored", "cnn28_single", "cnn28_mirrored", "mlp_single", "mlp_mirrored", "cnn_gpu",
-         "mlp_gpu"]
+ORDER = [
+    "cnn_single",
+    "cnn_mirrored",
+    "cnn28_single",
+    "cnn28_mirrored",
+    "mlp_single",
+    "mlp_mirrored",
+    "cnn_gpu",
+    "mlp_gpu",
+]
 TARGET_LIMIT = 0.95
 
 INTRO = """# Benchmark: our loop against the bare step, Orbit and Keras fit
@@ -75,8 +84,10 @@ def load(here: str) -> tuple[dict[str, dict], list[str]]:
         return (ORDER.index(config) if config in ORDER else len(ORDER), config, int(run or 1))
 
     names = sorted(results, key=key)
-    return ({name: score(results[name]) for name in names if "intervals" in results[name]},
-            [name for name in names if "intervals" not in results[name]])
+    return (
+        {name: score(results[name]) for name in names if "intervals" in results[name]},
+        [name for name in names if "intervals" not in results[name]],
+    )
 
 
 def cell(res: dict, key: str) -> str:
@@ -95,13 +106,15 @@ def summary_rows(results: dict[str, dict]) -> list[str]:
     rows = []
     for name, r in results.items():
         q, load, others = r["ratios"], r["load_average"], r["method"].get("others") or {}
-        rows.append(f"| {run_label(name)} | {cell(r, 'ours_over_limit')} | {cell(r, 'ours_over_orbit')} | "
-                    f"{cell(r, 'ours_over_fit_best')} ({(q['fit_best'] or '-').replace('fit_', '')}) | "
-                    f"{cell(r, 'ours_async_over_ours')} | {cell(r, 'limit_input_over_limit')} | "
-                    f"{number_text(q.get('first_step_ours_over_fit'), '.2f')} | "
-                    f"{number_text(q['rss_ours_over_fit'], '.2f')} | {number_text(r['ours_compile_count'], 'd')} | "
-                    f"{load['before'][0]:.2f} / {load['after'][0]:.2f} | "
-                    f"{number_text(others.get('max_cores'), '.2f')} |")
+        rows.append(
+            f"| {run_label(name)} | {cell(r, 'ours_over_limit')} | {cell(r, 'ours_over_orbit')} | "
+            f"{cell(r, 'ours_over_fit_best')} ({(q['fit_best'] or '-').replace('fit_', '')}) | "
+            f"{cell(r, 'ours_async_over_ours')} | {cell(r, 'limit_input_over_limit')} | "
+            f"{number_text(q.get('first_step_ours_over_fit'), '.2f')} | "
+            f"{number_text(q['rss_ours_over_fit'], '.2f')} | {number_text(r['ours_compile_count'], 'd')} | "
+            f"{load['before'][0]:.2f} / {load['after'][0]:.2f} | "
+            f"{number_text(others.get('max_cores'), '.2f')} |"
+        )
     return rows
 
 
@@ -112,37 +125,72 @@ def target_rows(results: dict[str, dict]) -> list[str]:
             continue
         s = r["intervals"]
         limit = s.get("ours_over_limit")
-        reaches = "-" if limit is None else ("yes" if limit["low"] >= TARGET_LIMIT else "within the interval"
-                                             if limit["high"] >= TARGET_LIMIT else "no")
-        widest = max((s[k]["width"] for k in ("ours_over_limit", "ours_over_orbit", "ours_over_fit_best") if k in s),
-                     default=None)
-        rows.append(f"| {run_label(name)} | {reaches} | {r['verdicts'].get('ours_over_orbit', '-')} | "
-                    f"{r['verdicts'].get('ours_over_fit_best', '-')} | {cell(r, 'limit_input_over_limit')} | "
-                    f"{number_text(widest, '.3f')} |")
+        reaches = (
+            "-"
+            if limit is None
+            else (
+                "yes"
+                if limit["low"] >= TARGET_LIMIT
+                else "within the interval"
+                if limit["high"] >= TARGET_LIMIT
+                else "no"
+            )
+        )
+        widest = max(
+            (s[k]["width"] for k in ("ours_over_limit", "ours_over_orbit", "ours_over_fit_best") if k in s),
+            default=None,
+        )
+        rows.append(
+            f"| {run_label(name)} | {reaches} | {r['verdicts'].get('ours_over_orbit', '-')} | "
+            f"{r['verdicts'].get('ours_over_fit_best', '-')} | {cell(r, 'limit_input_over_limit')} | "
+            f"{number_text(widest, '.3f')} |"
+        )
     return rows
 
 
 def readme(here: str, machine_text: str) -> str:
     results, stale = load(here)
     versions = next((r["machine"] for r in results.values() if r.get("machine")), {})
-    lines = [INTRO, "", "## Machine", "", "```", machine_text.strip(),
-             f"python {versions.get('python', '?')}, tensorflow {versions.get('tensorflow', '?')}, keras "
-             f"{versions.get('keras', '?')}, {versions.get('platform', '?')}", "```", "", "## Summary", "",
-             "Each cell: the geometric mean of the per-round ratios [its 95% interval], and against a peer the "
-             "verdict.", "",
-             "| run | ours/limit | ours/orbit | ours/fit best | ours async/ours | limit+input/limit | first step "
-             "ours/fit | peak RSS ours/fit | ours compile count | load before / after | others' cores, most |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *summary_rows(results), "",
-             "## Against the targets", "",
-             f"ours/limit should reach {TARGET_LIMIT} (\"yes\": the whole interval at or above it; \"within the "
-             f"interval\": it holds {TARGET_LIMIT}); against Orbit and fit's best ours should be ahead or tie. "
-             "Where the input itself costs more than that, limit+input/limit shows what every loop pays for it.", "",
-             "| run | ours/limit reaches 0.95 | vs Orbit | vs fit best | limit+input/limit | widest interval |",
-             "|---|---|---|---|---:|---:|", *target_rows(results), "", "## Results", ""]
+    lines = [
+        INTRO,
+        "",
+        "## Machine",
+        "",
+        "```",
+        machine_text.strip(),
+        f"python {versions.get('python', '?')}, tensorflow {versions.get('tensorflow', '?')}, keras "
+        f"{versions.get('keras', '?')}, {versions.get('platform', '?')}",
+        "```",
+        "",
+        "## Summary",
+        "",
+        "Each cell: the geometric mean of the per-round ratios [its 95% interval], and against a peer the verdict.",
+        "",
+        "| run | ours/limit | ours/orbit | ours/fit best | ours async/ours | limit+input/limit | first step "
+        "ours/fit | peak RSS ours/fit | ours compile count | load before / after | others' cores, most |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *summary_rows(results),
+        "",
+        "## Against the targets",
+        "",
+        f'ours/limit should reach {TARGET_LIMIT} ("yes": the whole interval at or above it; "within the '
+        f"interval\": it holds {TARGET_LIMIT}); against Orbit and fit's best ours should be ahead or tie. "
+        "Where the input itself costs more than that, limit+input/limit shows what every loop pays for it.",
+        "",
+        "| run | ours/limit reaches 0.95 | vs Orbit | vs fit best | limit+input/limit | widest interval |",
+        "|---|---|---|---|---:|---:|",
+        *target_rows(results),
+        "",
+        "## Results",
+        "",
+    ]
     if stale:
         configs = " ".join(sorted({name.partition(".run")[0] for name in stale}))
-        lines += [f"Not shown, measured by an earlier version of the bench (no intervals): {', '.join(stale)}; "
-                  f"rerun them: `CONFIGS=\"{configs}\" experiments/bench/run.sh`.", ""]
+        lines += [
+            f"Not shown, measured by an earlier version of the bench (no intervals): {', '.join(stale)}; "
+            f'rerun them: `CONFIGS="{configs}" experiments/bench/run.sh`.',
+            "",
+        ]
     lines += [markdown(r).replace("### ", f"### {run_label(name)}: ", 1) for name, r in results.items()]
     return "\n".join(lines)
 

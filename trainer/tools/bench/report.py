@@ -4,6 +4,7 @@ on stdout and as markdown (experiments/bench/run.sh builds its README from the J
 The speed comparisons are the paired per-round ratios of trainer/tools/bench/intervals.py: the
 geometric mean over rounds, its 95% bootstrap interval and, against each peer, the verdict.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -11,8 +12,10 @@ import statistics
 from trainer.tools.bench import intervals as intervals_lib
 from trainer.tools.bench.plan import WORK, Schedule, Variant
 
-STATISTIC = (f"geometric mean of the per-round ratios, {intervals_lib.LEVEL:.0%} percentile bootstrap interval over "
-             f"rounds ({intervals_lib.RESAMPLES} resamples)")
+STATISTIC = (
+    f"geometric mean of the per-round ratios, {intervals_lib.LEVEL:.0%} percentile bootstrap interval over "
+    f"rounds ({intervals_lib.RESAMPLES} resamples)"
+)
 
 # Paired comparisons beyond "ours over every other variant" (`ours_over_<name>`): (key, numerator,
 # denominator), "fit_best" standing for the faster fit variant that ran. Those against a peer get a verdict.
@@ -49,7 +52,7 @@ def intervals(res: dict) -> dict:
 
 
 def fastest_fit(variants: list[Variant], chunk: int) -> Variant | None:
-    """"fit best": the fit variant with the most steps per second (median over its chunks), if any ran."""
+    """ "fit best": the fit variant with the most steps per second (median over its chunks), if any ran."""
     fits = [v for v in variants if v.role == "fit" and v.chunks]
     return max(fits, key=lambda v: v.steps_per_sec(chunk)) if fits else None
 
@@ -64,15 +67,29 @@ def others(variants: list[Variant]) -> dict | None:
     """How much the rest of the machine ran during the measured chunks, in cores (CPU seconds per second):
     the median and the most over chunks, and the cores the hypervisor stole on average."""
     shares = [o / s for v in variants for o, s in zip(v.other_cpu, v.chunks)]
-    seconds = sum(s for v in variants for s in v.chunks[:len(v.steal)])
+    seconds = sum(s for v in variants for s in v.chunks[: len(v.steal)])
     if not shares or not seconds:
         return None
-    return {"median_cores": statistics.median(shares), "max_cores": max(shares),
-            "stolen_cores": sum(x for v in variants for x in v.steal) / seconds}
+    return {
+        "median_cores": statistics.median(shares),
+        "max_cores": max(shares),
+        "stolen_cores": sum(x for v in variants for x in v.steal) / seconds,
+    }
 
 
-def results(settings, variants: list[Variant], *, plan: Schedule, rounds: dict, cpus: list[int],
-            pause_waiting: bool, malloc_tunables: str, load_before: tuple, load_after: tuple, command: str) -> dict:
+def results(
+    settings,
+    variants: list[Variant],
+    *,
+    plan: Schedule,
+    rounds: dict,
+    cpus: list[int],
+    pause_waiting: bool,
+    malloc_tunables: str,
+    load_before: tuple,
+    load_after: tuple,
+    command: str,
+) -> dict:
     """Everything measured, as one JSON-ready dict; `rounds`: how many rounds ran, by which rule, and why
     they ended (`Rounds.summary()`)."""
     by_name = {v.name: v for v in variants}
@@ -90,19 +107,27 @@ def results(settings, variants: list[Variant], *, plan: Schedule, rounds: dict, 
             "model": getattr(model_fn, "__name__", str(model_fn)),
             "data": type(source).__name__ if source is not None else "Digits",
             "input_shape": list(getattr(source, "input_shape", None) or (8, 8, 1)),
-            "strategy": settings.strategy, "global_batch_size": gb,
-            "steps_per_loop": settings.steps_per_loop, "log_every_steps": settings.log_every_steps,
+            "strategy": settings.strategy,
+            "global_batch_size": gb,
+            "steps_per_loop": settings.steps_per_loop,
+            "log_every_steps": settings.log_every_steps,
             "checkpoint_every_steps": settings.checkpoint_every_steps,
             "jit_compile": bool(settings.jit_compile),
             "mixed_precision": settings.mixed_precision or "float32",
         },
-        "method": {"steps_per_chunk": chunk, "warmup_until_step": plan.warmup, **rounds,
-                   "steps_per_turn": plan.turn or chunk, "order": [v.name for v in variants],
-                   "order_rule": "turns of steps_per_turn steps, every variant's turn in forward and backward order "
-                                 "alternately",
-                   "cpus": cpus, "waiting_workers": "stopped" if pause_waiting else "left running",
-                   "malloc_tunables": malloc_tunables,
-                   "statistic": STATISTIC},
+        "method": {
+            "steps_per_chunk": chunk,
+            "warmup_until_step": plan.warmup,
+            **rounds,
+            "steps_per_turn": plan.turn or chunk,
+            "order": [v.name for v in variants],
+            "order_rule": "turns of steps_per_turn steps, every variant's turn in forward and backward order "
+            "alternately",
+            "cpus": cpus,
+            "waiting_workers": "stopped" if pause_waiting else "left running",
+            "malloc_tunables": malloc_tunables,
+            "statistic": STATISTIC,
+        },
         "machine": next((v.machine for v in variants if v.machine), None),
         "load_average": {"before": list(load_before), "after": list(load_after)},
         "variants": {},
@@ -116,8 +141,9 @@ def results(settings, variants: list[Variant], *, plan: Schedule, rounds: dict, 
             # first call is one step, as ours) and over Orbit's.
             "first_step_ours_over_fit": ratio(first.get("ours"), first.get("fit_spe1")),
             "first_step_ours_over_orbit": ratio(first.get("ours"), first.get("orbit")),
-            "rss_ours_over_fit": ratio(ours.peak_rss_mib if ours else None,
-                                       min((v.peak_rss_mib for v in fits if v.peak_rss_mib), default=None)),
+            "rss_ours_over_fit": ratio(
+                ours.peak_rss_mib if ours else None, min((v.peak_rss_mib for v in fits if v.peak_rss_mib), default=None)
+            ),
         },
         "ours_compile_count": ours.compile_count if ours else None,
         "limit_compile_count": by_name["limit"].compile_count if "limit" in by_name else None,
@@ -126,18 +152,30 @@ def results(settings, variants: list[Variant], *, plan: Schedule, rounds: dict, 
     for v in variants:
         spread = v.spread(chunk)
         out["variants"][v.name] = {
-            "label": v.label, "status": v.status, "reason": v.reason,
-            "steps_per_sec": rate[v.name], "examples_per_sec": rate[v.name] * gb if rate[v.name] else None,
+            "label": v.label,
+            "status": v.status,
+            "reason": v.reason,
+            "steps_per_sec": rate[v.name],
+            "examples_per_sec": rate[v.name] * gb if rate[v.name] else None,
             "steps_per_sec_min_max": list(spread) if spread else None,
-            "chunk_seconds": v.chunks, "chunk_cpu_seconds": v.cpu, "chunk_other_cpu_seconds": v.other_cpu,
-            "chunk_steal_seconds": v.steal, "chunk_page_faults": v.page_faults,
+            "chunk_seconds": v.chunks,
+            "chunk_cpu_seconds": v.cpu,
+            "chunk_other_cpu_seconds": v.other_cpu,
+            "chunk_steal_seconds": v.steal,
+            "chunk_page_faults": v.page_faults,
             "cores_used": statistics.median(c / s for c, s in zip(v.cpu, v.chunks)) if v.cpu else None,
             "page_faults_per_chunk": statistics.median(v.page_faults) if v.page_faults else None,
-            "work": WORK[v.role], "work_per_chunk": _work(v), "waiting_cpu_s": v.waiting_cpu_s,
-            "chunk_step_seconds": v.step_seconds, "outside_step_calls": _outside(v),
+            "work": WORK[v.role],
+            "work_per_chunk": _work(v),
+            "waiting_cpu_s": v.waiting_cpu_s,
+            "chunk_step_seconds": v.step_seconds,
+            "outside_step_calls": _outside(v),
             "warmup_seconds": v.warmup_s,
-            "time_to_first_step_s": v.first_step_s, "first_call_steps": v.first_call_steps,
-            "compile_count": v.compile_count, "peak_rss_mib": v.peak_rss_mib, "peak_gpu_mib": v.peak_gpu_mib,
+            "time_to_first_step_s": v.first_step_s,
+            "first_call_steps": v.first_call_steps,
+            "compile_count": v.compile_count,
+            "peak_rss_mib": v.peak_rss_mib,
+            "peak_gpu_mib": v.peak_gpu_mib,
         }
     out["method"]["others"] = others(variants)
     return score(out)
@@ -177,9 +215,24 @@ def work_text(work: dict) -> str:
 def table_rows(res: dict) -> list[list[str]]:
     """The header and one row a variant; a variant that did not run has its reason in the second cell."""
     gpu = any(v.get("peak_gpu_mib") is not None for v in res["variants"].values())
-    rows = [["variant", "steps/s", "examples/s", "min-max steps/s", "ours/this [95%]", "verdict", "cores",
-             "page faults per chunk", "work per chunk", "outside step calls", "first step s", "peak RSS MiB",
-             *(["peak GPU MiB"] if gpu else []), "compiles"]]
+    rows = [
+        [
+            "variant",
+            "steps/s",
+            "examples/s",
+            "min-max steps/s",
+            "ours/this [95%]",
+            "verdict",
+            "cores",
+            "page faults per chunk",
+            "work per chunk",
+            "outside step calls",
+            "first step s",
+            "peak RSS MiB",
+            *(["peak GPU MiB"] if gpu else []),
+            "compiles",
+        ]
+    ]
     for name, v in res["variants"].items():
         if v["status"] != "ok":
             reason = f"{v['status'].replace('_', ' ')}: {v['reason']}"
@@ -188,36 +241,53 @@ def table_rows(res: dict) -> list[list[str]]:
         key = f"ours_over_{name}"
         s = res["intervals"].get(key)
         spread = v["steps_per_sec_min_max"]
-        first = number_text(v["time_to_first_step_s"], ".1f") + (f" ({v['first_call_steps']} steps)"
-                                                          if v["first_call_steps"] != 1 else "")
-        rows.append([v["label"], number_text(v["steps_per_sec"], ".2f"), number_text(v["examples_per_sec"], ".0f"),
-                     f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-", interval_text(s),
-                     s["verdict"] if s and is_peer(key) else "-", number_text(v.get("cores_used"), ".2f"),
-                     number_text(v.get("page_faults_per_chunk"), ",.0f"),
-                     work_text(v.get("work_per_chunk") or {}), number_text(v.get("outside_step_calls"), ".1%"),
-                     first, number_text(v["peak_rss_mib"], ".0f"),
-                     *([number_text(v.get("peak_gpu_mib"), ".0f")] if gpu else []),
-                     number_text(v["compile_count"], "d")])
+        first = number_text(v["time_to_first_step_s"], ".1f") + (
+            f" ({v['first_call_steps']} steps)" if v["first_call_steps"] != 1 else ""
+        )
+        rows.append(
+            [
+                v["label"],
+                number_text(v["steps_per_sec"], ".2f"),
+                number_text(v["examples_per_sec"], ".0f"),
+                f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-",
+                interval_text(s),
+                s["verdict"] if s and is_peer(key) else "-",
+                number_text(v.get("cores_used"), ".2f"),
+                number_text(v.get("page_faults_per_chunk"), ",.0f"),
+                work_text(v.get("work_per_chunk") or {}),
+                number_text(v.get("outside_step_calls"), ".1%"),
+                first,
+                number_text(v["peak_rss_mib"], ".0f"),
+                *([number_text(v.get("peak_gpu_mib"), ".0f")] if gpu else []),
+                number_text(v["compile_count"], "d"),
+            ]
+        )
     return rows
 
 
 def headline(res: dict) -> str:
     c = res["config"]
-    return (f"{c['model']} on {c['data']} {tuple(c['input_shape'])}, strategy {c['strategy']}, global batch "
-            f"{c['global_batch_size']}, steps_per_loop {c['steps_per_loop']}, {c['mixed_precision']}"
-            f"{', XLA' if c['jit_compile'] else ''}")
+    return (
+        f"{c['model']} on {c['data']} {tuple(c['input_shape'])}, strategy {c['strategy']}, global batch "
+        f"{c['global_batch_size']}, steps_per_loop {c['steps_per_loop']}, {c['mixed_precision']}"
+        f"{', XLA' if c['jit_compile'] else ''}"
+    )
 
 
 def verdict_line(res: dict) -> str:
     """Ours (and ours with async checkpoints) against each peer: the interval and the verdict."""
     s, r = res["intervals"], res["ratios"]
     parts = []
-    for key, label in (("ours_over_limit", "ours/limit"), ("ours_over_orbit", "ours/orbit"),
-                       ("ours_over_fit_best", f"ours/fit best ({r['fit_best'] or '-'})"),
-                       ("ours_async_over_ours", "ours_async/ours"), ("ours_async_over_orbit", "ours_async/orbit"),
-                       ("ours_async_over_fit_best", "ours_async/fit best"),
-                       ("limit_input_over_limit", "limit_input/limit (the input's cost)"),
-                       ("ours_over_limit_input", "ours/limit_input")):
+    for key, label in (
+        ("ours_over_limit", "ours/limit"),
+        ("ours_over_orbit", "ours/orbit"),
+        ("ours_over_fit_best", f"ours/fit best ({r['fit_best'] or '-'})"),
+        ("ours_async_over_ours", "ours_async/ours"),
+        ("ours_async_over_orbit", "ours_async/orbit"),
+        ("ours_async_over_fit_best", "ours_async/fit best"),
+        ("limit_input_over_limit", "limit_input/limit (the input's cost)"),
+        ("ours_over_limit_input", "ours/limit_input"),
+    ):
         if key in s:
             parts.append(f"{label} {interval_text(s[key])}" + (f" {s[key]['verdict']}" if is_peer(key) else ""))
     return "; ".join(parts)
@@ -225,32 +295,47 @@ def verdict_line(res: dict) -> str:
 
 def ratio_line(res: dict) -> str:
     r = res["ratios"]
-    return "; ".join([
-        f"first step ours/fit {number_text(r.get('first_step_ours_over_fit'), '.2f')}, ours/orbit "
-        f"{number_text(r.get('first_step_ours_over_orbit'), '.2f')}",
-        f"peak RSS ours/fit {number_text(r['rss_ours_over_fit'], '.2f')}",
-        f"ours compile count {number_text(res['ours_compile_count'], 'd')}"])
+    return "; ".join(
+        [
+            f"first step ours/fit {number_text(r.get('first_step_ours_over_fit'), '.2f')}, ours/orbit "
+            f"{number_text(r.get('first_step_ours_over_orbit'), '.2f')}",
+            f"peak RSS ours/fit {number_text(r['rss_ours_over_fit'], '.2f')}",
+            f"ours compile count {number_text(res['ours_compile_count'], 'd')}",
+        ]
+    )
 
 
 def method_line(res: dict) -> str:
     m, load = res["method"], res["load_average"]
     waiting = sum(v.get("waiting_cpu_s") or 0.0 for v in res["variants"].values())
     o = m.get("others")
-    busy = (f" Other processes ran on a median {o['median_cores']:.2f} cores (at most {o['max_cores']:.2f}) during "
-            f"the chunks; the hypervisor stole {o['stolen_cores']:.2f} cores." if o else "")
-    turns = (f"in turns of {m['steps_per_turn']} steps, " if m.get("steps_per_turn", m["steps_per_chunk"])
-             < m["steps_per_chunk"] else "")
+    busy = (
+        f" Other processes ran on a median {o['median_cores']:.2f} cores (at most {o['max_cores']:.2f}) during "
+        f"the chunks; the hypervisor stole {o['stolen_cores']:.2f} cores."
+        if o
+        else ""
+    )
+    turns = (
+        f"in turns of {m['steps_per_turn']} steps, "
+        if m.get("steps_per_turn", m["steps_per_chunk"]) < m["steps_per_chunk"]
+        else ""
+    )
     tunables = m.get("malloc_tunables")
     malloc = f"GLIBC_TUNABLES {tunables}" if tunables else "glibc's malloc as the environment sets it"
-    rule = (f" ({m['least_rounds']} at least, up to {m['most_rounds']} while an interval of ours/limit, ours/orbit "
-            f"or ours/fit best was wider than {m['max_width']:g}; ended: {m['rounds_ended']})"
-            if m.get("most_rounds", 0) > m.get("least_rounds", m["rounds"]) else "")
-    return (f"{m['rounds']} rounds{rule} of one {m['steps_per_chunk']}-step chunk per variant, {turns}forward and "
-            f"backward in turn, after warm-up to step {m['warmup_until_step']}; on cores "
-            f"{','.join(map(str, m['cpus']))}; {malloc}; "
-            f"waiting workers {m['waiting_workers']} (their CPU while others ran: {waiting:.2f} s); ratios: "
-            f"geometric mean of the per-round ratios [95% bootstrap interval]. Load average (1 min) "
-            f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after.{busy}")
+    rule = (
+        f" ({m['least_rounds']} at least, up to {m['most_rounds']} while an interval of ours/limit, ours/orbit "
+        f"or ours/fit best was wider than {m['max_width']:g}; ended: {m['rounds_ended']})"
+        if m.get("most_rounds", 0) > m.get("least_rounds", m["rounds"])
+        else ""
+    )
+    return (
+        f"{m['rounds']} rounds{rule} of one {m['steps_per_chunk']}-step chunk per variant, {turns}forward and "
+        f"backward in turn, after warm-up to step {m['warmup_until_step']}; on cores "
+        f"{','.join(map(str, m['cpus']))}; {malloc}; "
+        f"waiting workers {m['waiting_workers']} (their CPU while others ran: {waiting:.2f} s); ratios: "
+        f"geometric mean of the per-round ratios [95% bootstrap interval]. Load average (1 min) "
+        f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after.{busy}"
+    )
 
 
 def text_table(res: dict) -> str:
@@ -261,15 +346,24 @@ def text_table(res: dict) -> str:
         if row[2] == "" and row[1]:  # a variant that did not run: one long cell
             lines.append(f"{row[0].ljust(widths[0])}  {row[1]}")
         else:
-            lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
-                                   enumerate(zip(row, widths))))
+            lines.append(
+                "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            )
     return "\n".join([headline(res), method_line(res), *lines, verdict_line(res), ratio_line(res)])
 
 
 def markdown(res: dict) -> str:
     rows = table_rows(res)
-    lines = [f"### {headline(res)}", "", f"`{res['command']}`", "", method_line(res), "",
-             "| " + " | ".join(rows[0]) + " |", "|---|" + "---:|" * (len(rows[0]) - 1)]
+    lines = [
+        f"### {headline(res)}",
+        "",
+        f"`{res['command']}`",
+        "",
+        method_line(res),
+        "",
+        "| " + " | ".join(rows[0]) + " |",
+        "|---|" + "---:|" * (len(rows[0]) - 1),
+    ]
     lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
     lines += ["", f"**{verdict_line(res)}**", "", ratio_line(res), ""]
     return "\n".join(lines)

@@ -8,6 +8,7 @@ in the next. Adding rounds until every headline interval is narrow enough spends
 where the noise is. The rule looks at the widths only, never at where an interval lies: stopping when a
 verdict came out would choose the verdict; the width says nothing about it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,11 @@ from trainer.tools.bench.plan import Variant
 from trainer.tools.bench.report import fastest_fit, intervals
 
 # The comparisons whose widths decide the count (key in the report's "intervals", label in its lines).
-HEADLINE = (("ours_over_limit", "ours/limit"), ("ours_over_orbit", "ours/orbit"),
-            ("ours_over_fit_best", "ours/fit best"))
+HEADLINE = (
+    ("ours_over_limit", "ours/limit"),
+    ("ours_over_orbit", "ours/orbit"),
+    ("ours_over_fit_best", "ours/fit best"),
+)
 
 
 def widest(variants: list[Variant], chunk: int) -> tuple[str, float] | None:
@@ -26,8 +30,12 @@ def widest(variants: list[Variant], chunk: int) -> tuple[str, float] | None:
     when none of them can be computed (a variant missing, or failed: its rounds end where it failed)."""
     ok = [v for v in variants if v.status == "ok"]
     fit = fastest_fit(ok, chunk)
-    found = intervals({"variants": {v.name: {"chunk_seconds": v.chunks} for v in ok},
-                       "ratios": {"fit_best": fit.name if fit else None}})
+    found = intervals(
+        {
+            "variants": {v.name: {"chunk_seconds": v.chunks} for v in ok},
+            "ratios": {"fit_best": fit.name if fit else None},
+        }
+    )
     widths = [(label, found[key]["width"]) for key, label in HEADLINE if key in found]
     return max(widths, key=lambda w: w[1]) if widths else None
 
@@ -62,10 +70,17 @@ class Rounds:
         if done >= self.most:
             self.ended = f"{label}'s interval still {width:.3f} wide after the most rounds allowed ({self.most})"
             return True
-        print_fn(f"after round {done}: {label}'s 95% interval is {width:.3f} wide, more than {self.max_width:g}: "
-                 f"one more round (at most {self.most})")
+        print_fn(
+            f"after round {done}: {label}'s 95% interval is {width:.3f} wide, more than {self.max_width:g}: "
+            f"one more round (at most {self.most})"
+        )
         return False
 
     def summary(self) -> dict:
-        return {"rounds": self.done, "least_rounds": self.least, "most_rounds": self.most,
-                "max_width": self.max_width, "rounds_ended": self.ended}
+        return {
+            "rounds": self.done,
+            "least_rounds": self.least,
+            "most_rounds": self.most,
+            "max_width": self.max_width,
+            "rounds_ended": self.ended,
+        }

@@ -23,6 +23,7 @@ the writer takes its CPU-seconds from the steps, up to `sync_save_cpu_s / cores`
 (less where the step leaves gaps); where the step leaves cores idle (an accelerator runs it;
 here `step_threads` fewer than `cores`), the write runs beside it nearly for free.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,9 @@ LAYERS = 4
 BATCH = 8
 
 
-def run_save_stall(*, params: int = 100_000_000, saves: int = 5, step_threads: int = 0,
-                   print_fn: Callable[[str], None] = print) -> dict:
+def run_save_stall(
+    *, params: int = 100_000_000, saves: int = 5, step_threads: int = 0, print_fn: Callable[[str], None] = print
+) -> dict:
     """Measures the stall per save (median over `saves` of each, interleaved); returns a JSON-able dict.
 
     `step_threads` > 0 sets TensorFlow's intra- and inter-op pools to that many threads (before
@@ -77,8 +79,12 @@ def run_save_stall(*, params: int = 100_000_000, saves: int = 5, step_threads: i
 
     root = tempfile.mkdtemp(prefix="trainer-save-stall-")
     try:
-        savers = {mode: CheckpointSaver(checkpoint, os.path.join(root, mode), is_chief=True, max_to_keep=1,
-                                        async_checkpoint=mode == "async") for mode in ("sync", "async")}
+        savers = {
+            mode: CheckpointSaver(
+                checkpoint, os.path.join(root, mode), is_chief=True, max_to_keep=1, async_checkpoint=mode == "async"
+            )
+            for mode in ("sync", "async")
+        }
         number = iter(range(1, 10**6))
         train(3)  # traced and warm
         step_s = train(5) / 5
@@ -89,8 +95,9 @@ def run_save_stall(*, params: int = 100_000_000, saves: int = 5, step_threads: i
         savers["async"].wait()
         window = max(3, math.ceil(2 * sync_save_s / step_s))
         sync_dir = os.path.join(root, "sync")
-        checkpoint_bytes = sum(os.path.getsize(os.path.join(sync_dir, n)) for n in os.listdir(sync_dir)
-                               if n.startswith("ckpt-"))
+        checkpoint_bytes = sum(
+            os.path.getsize(os.path.join(sync_dir, n)) for n in os.listdir(sync_dir) if n.startswith("ckpt-")
+        )
 
         def with_save(saver: CheckpointSaver) -> tuple[float, float, float]:
             started, cpu = time.perf_counter(), _cpu_seconds()
@@ -105,7 +112,7 @@ def run_save_stall(*, params: int = 100_000_000, saves: int = 5, step_threads: i
         save_cpu: list[float] = []
         before = train(window)
         for round_index in range(saves):
-            for mode in (("sync", "async") if round_index % 2 == 0 else ("async", "sync")):
+            for mode in ("sync", "async") if round_index % 2 == 0 else ("async", "sync"):
                 total, blocked, blocked_cpu = with_save(savers[mode])
                 after = train(window)
                 stalls[mode].append(total - (before + after) / 2)
@@ -147,15 +154,19 @@ def _cpu_seconds() -> float:
 
 def _print_table(result: dict, print_fn: Callable[[str], None]) -> None:
     threads = f"{result['step_threads']} thread(s)" if result["step_threads"] else "every core"
-    print_fn(f"save stall: {result['params'] / 1e6:.1f}M params, checkpoint {result['checkpoint_bytes'] / 1e9:.2f} GB, "
-             f"the step on {threads}, "
-             f"{len(result['sync_stalls'])} saves each, window = save + {result['steps_per_window']} steps "
-             f"({result['step_s']:.3f} s/step)")
+    print_fn(
+        f"save stall: {result['params'] / 1e6:.1f}M params, checkpoint {result['checkpoint_bytes'] / 1e9:.2f} GB, "
+        f"the step on {threads}, "
+        f"{len(result['sync_stalls'])} saves each, window = save + {result['steps_per_window']} steps "
+        f"({result['step_s']:.3f} s/step)"
+    )
     print_fn(f"{'':<7}{'stall (median)':>15}{'save() blocks':>15}   stalls (s)")
     for mode in ("sync", "async"):
         shown = " ".join(f"{s:.3f}" for s in result[f"{mode}_stalls"])
         print_fn(f"{mode:<7}{result[f'{mode}_stall_s']:>13.3f} s{result[f'{mode}_save_blocks_s']:>13.3f} s   {shown}")
     ratio, cpu, cores = result["async_over_sync"], result["sync_save_cpu_s"], result["cores"]
     shown = f"{ratio:.3f}" if ratio is not None else "n/a (no sync stall measured)"
-    print_fn(f"async/sync stall: {shown}; a save takes {cpu:.2f} CPU-s, which a step on all {cores} cores "
-             "shares its cores with (--save_stall_step_threads leaves some to the writer)")
+    print_fn(
+        f"async/sync stall: {shown}; a save takes {cpu:.2f} CPU-s, which a step on all {cores} cores "
+        "shares its cores with (--save_stall_step_threads leaves some to the writer)"
+    )

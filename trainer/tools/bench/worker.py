@@ -1,5 +1,6 @@
 """A worker process's main: builds the config, runs one variant, and on failure sends the
 parent one line (the traceback goes to the worker's log)."""
+
 from __future__ import annotations
 
 import re
@@ -16,15 +17,18 @@ from trainer.tools.bench.protocol import Channel, die_with_parent
 
 KNOWN_FIT_FAILURES = {
     "You must feed a value for placeholder tensor": "keras-team/keras#19246: fit with steps_per_execution > 1 under "
-                                                     "MirroredStrategy",
+    "MirroredStrategy",
 }
 
 
 def error_summary(error: BaseException, role: str) -> str:
     """One line: the TensorFlow status message if there is one, and a known issue it matches."""
     text = str(error).strip()
-    status = re.search(r"\b(?:INVALID_ARGUMENT|FAILED_PRECONDITION|UNIMPLEMENTED|INTERNAL|NOT_FOUND|UNKNOWN|"
-                       r"RESOURCE_EXHAUSTED|OUT_OF_RANGE|ABORTED|UNAVAILABLE):\s*(.+)", text)
+    status = re.search(
+        r"\b(?:INVALID_ARGUMENT|FAILED_PRECONDITION|UNIMPLEMENTED|INTERNAL|NOT_FOUND|UNKNOWN|"
+        r"RESOURCE_EXHAUSTED|OUT_OF_RANGE|ABORTED|UNAVAILABLE):\s*(.+)",
+        text,
+    )
     detail = status.group(1).strip() if status else (text.splitlines()[0] if text else "")
     summary = f"{type(error).__name__}: {detail}"
     known = next((issue for symptom, issue in KNOWN_FIT_FAILURES.items() if symptom in text), None)

@@ -8,6 +8,7 @@ Our step computes its loss itself; `fit` needs it named. The default is the loss
 reference to a loss function or object). This module imports no Keras, so that the tf_keras
 side can register and parse it before `keras` means tf_keras.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,10 @@ class ParityConfig:
 
     def __post_init__(self) -> None:
         if self.loss is not None and not isinstance(self.loss, str) and not callable(self.loss):
-            raise UserError(f"parity.loss must be a Keras loss name like 'mean_squared_error' or a @reference to "
-                            f"a loss function or object, got {self.loss!r}")
+            raise UserError(
+                f"parity.loss must be a Keras loss name like 'mean_squared_error' or a @reference to "
+                f"a loss function or object, got {self.loss!r}"
+            )
         if not isinstance(self.metric, str) or not self.metric:
             raise UserError(f"parity.metric must name an output of train.eval_step_fn, got {self.metric!r}")
 

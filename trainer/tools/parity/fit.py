@@ -6,6 +6,7 @@ and exactly the batches our loop trains on, of whatever structure the input func
 (fit unpacks them as `(x, y)` or `(x, y, sample_weight)`). Written against the `keras` module:
 in a tf_keras process (multi-worker, parameter server) it runs tf_keras fit.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,10 +18,10 @@ import tensorflow as tf
 
 from trainer import data
 from trainer.distribution.runtime import Runtime
-from trainer.task.task import Task, build_task
 from trainer.errors import UserError
-from trainer.tools.parity.config import ParityConfig
 from trainer.run.settings import Settings
+from trainer.task.task import Task, build_task
+from trainer.tools.parity.config import ParityConfig
 from trainer.tools.parity.runs import single_model
 
 
@@ -29,25 +30,35 @@ def build_fit_task(runtime: Runtime, inp: data.Input, settings: Settings) -> Tas
     copies our model's state into it) and the optimizer unwrapped: fit's `compile` adds its own
     loss scaling under mixed_float16. Layers still follow the global dtype policy."""
     unscaled = dataclasses.replace(runtime, policy="float32")  # read only by the optimizer wrapping
-    return build_task(unscaled, inp, model_fn=settings.model_fn, optimizer_fn=settings.optimizer_fn,
-                      step_fn=settings.step_fn, eval_step_fn=settings.eval_step_fn,
-                      global_batch_size=settings.global_batch_size, total_steps=settings.total_steps)
+    return build_task(
+        unscaled,
+        inp,
+        model_fn=settings.model_fn,
+        optimizer_fn=settings.optimizer_fn,
+        step_fn=settings.step_fn,
+        eval_step_fn=settings.eval_step_fn,
+        global_batch_size=settings.global_batch_size,
+        total_steps=settings.total_steps,
+    )
 
 
 def check_fit_example(inp: data.Input) -> None:
     """fit reads an example as (x, y) or (x, y, sample_weight); x itself may be any structure."""
     spec = inp.element_spec
     if type(spec) is not tuple or len(spec) not in (2, 3):
-        raise UserError("parity compares with Keras fit, which takes examples (x, y) or (x, y, sample_weight); "
-                        f"this input function yields {tf.nest.map_structure(lambda s: s.shape, spec)}")
+        raise UserError(
+            "parity compares with Keras fit, which takes examples (x, y) or (x, y, sample_weight); "
+            f"this input function yields {tf.nest.map_structure(lambda s: s.shape, spec)}"
+        )
 
 
 def compile_for_fit(runtime: Runtime, task: Task, config: ParityConfig, *, jit_compile: bool = False):
     """The task's one model compiled with its optimizer and fit's loss, one step per execution."""
     model = single_model(task)
     with runtime.strategy.scope():
-        model.compile(optimizer=task.optimizers, loss=config.keras_loss(), steps_per_execution=1,
-                      jit_compile=jit_compile)
+        model.compile(
+            optimizer=task.optimizers, loss=config.keras_loss(), steps_per_execution=1, jit_compile=jit_compile
+        )
     if hasattr(model, "distribute_reduction_method"):
         # tf_keras only: its default ('auto' = 'sum') adds up every replica's copy of a metric
         # that is already global under MultiWorkerMirrored, so fit logs N times the loss.
@@ -76,8 +87,9 @@ def fit_input(dist: tf.distribute.Strategy, inp: data.Input, settings: Settings,
         if not data.shards_by_file(inp, policy, context):  # the same test as data.distribute_train
             return data.replica_slices(stored(data.train_dataset(inp, gb, seed, shard_policy="OFF"), steps), context)
         batches_per_step = context.num_replicas_in_sync // context.num_input_pipelines
-        dataset = data.train_dataset(inp, context.get_per_replica_batch_size(gb), seed,
-                                     shard_policy=policy, input_context=context)
+        dataset = data.train_dataset(
+            inp, context.get_per_replica_batch_size(gb), seed, shard_policy=policy, input_context=context
+        )
         return stored(dataset, steps * batches_per_step)
 
     if settings.distribute_method == "function":
@@ -104,15 +116,22 @@ def run_fit(runtime: Runtime, task: Task, settings: Settings, config: ParityConf
     check_fit_example(task.input)
     model = compile_for_fit(runtime, task, config, jit_compile=settings.jit_compile)
     callback = _StepLosses()
-    model.fit(fit_input(runtime.strategy, task.input, settings, steps), epochs=1, steps_per_epoch=steps,
-              callbacks=[callback], verbose=0, shuffle=False)
+    model.fit(
+        fit_input(runtime.strategy, task.input, settings, steps),
+        epochs=1,
+        steps_per_epoch=steps,
+        callbacks=[callback],
+        verbose=0,
+        shuffle=False,
+    )
     if len(callback.losses) != steps:
         raise RuntimeError(f"fit ran {len(callback.losses)} steps instead of {steps}")
     return callback.losses
 
 
-def run_fit_ps(runtime: Runtime, task: Task, settings: Settings, config: ParityConfig, steps: int,
-               chunk: int) -> list[float]:
+def run_fit_ps(
+    runtime: Runtime, task: Task, settings: Settings, config: ParityConfig, steps: int, chunk: int
+) -> list[float]:
     """tf_keras fit under ParameterServerStrategy: `steps` steps as epochs of `chunk` steps.
 
     One worker: one step per epoch (chunk 1) on the stored first batches, so the epoch's

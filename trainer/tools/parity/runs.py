@@ -4,6 +4,7 @@ Our side is the real thing: `train`'s own setup (trainer/run/setup.py) and the c
 (trainer/loops/build.py), with the configured model, optimizer, step and input. Written
 against the `keras` module, so that a tf_keras process can import it too.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ from trainer.loops.evaluator import Evaluator, make_metrics
 from trainer.run.settings import Settings
 from trainer.task.task import Task, build_eval_models
 
+
 def settings_from_gin() -> Settings:
     """The parsed gin config's `train` bindings as the run's Settings."""
     from trainer import configurables
@@ -31,8 +33,10 @@ def settings_from_gin() -> Settings:
 def single_model(task: Task):
     """The one model fit can train (fit knows nothing of a dict of models or optimizers)."""
     if isinstance(task.models, Mapping) or isinstance(task.optimizers, Mapping):
-        raise UserError("parity compares with Keras fit, which trains one model with one optimizer; this "
-                        "train.model_fn/optimizer_fn returns a dict of them")
+        raise UserError(
+            "parity compares with Keras fit, which trains one model with one optimizer; this "
+            "train.model_fn/optimizer_fn returns a dict of them"
+        )
     return task.models
 
 
@@ -47,8 +51,10 @@ def run_ours(runtime: Runtime, task: Task, settings: Settings, steps: int, chunk
     for start in range(0, steps, chunk):
         outputs = loop.run(min(chunk, steps - start))
         if "loss" not in outputs:
-            raise UserError(f"the step returns {sorted(outputs)} but no 'loss'; parity compares the 'loss' "
-                            "output with Keras fit's loss")
+            raise UserError(
+                f"the step returns {sorted(outputs)} but no 'loss'; parity compares the 'loss' "
+                "output with Keras fit's loss"
+            )
         losses.append(outputs["loss"])
     return losses
 
@@ -60,9 +66,14 @@ def evaluate(settings: Settings, weights_list: list[np.ndarray]) -> dict[str, fl
     model.set_weights(weights_list)
     split, gb = inp.eval_splits[0], settings.global_batch_size
     metrics = make_metrics(settings.eval_metrics_fn)
-    return Evaluator(tf.distribute.get_strategy(), model, settings.eval_step_fn,
-                     data.eval_dataset(inp, gb, split=split), -(-inp.num_examples(split) // gb),
-                     metrics=metrics).evaluate()
+    return Evaluator(
+        tf.distribute.get_strategy(),
+        model,
+        settings.eval_step_fn,
+        data.eval_dataset(inp, gb, split=split),
+        -(-inp.num_examples(split) // gb),
+        metrics=metrics,
+    ).evaluate()
 
 
 def weights(model) -> list[np.ndarray]:

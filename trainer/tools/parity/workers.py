@@ -4,19 +4,20 @@ Each builds through `train`'s own setup (trainer/run/setup.py) in its own proces
 and parameter-server strategies own their process, and the tf_keras side needs `keras` to be
 tf_keras from the start.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 
 from trainer import data
-from trainer.run.setup import setup
-from trainer.distribution.runtime import Runtime
 from trainer.distribution import devices
+from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError
+from trainer.run.settings import Settings
+from trainer.run.setup import setup
 from trainer.tools.parity import runs
 from trainer.tools.parity.config import ParityConfig
-from trainer.run.settings import Settings
 
 
 def embedded_cluster(settings: Settings):
@@ -45,9 +46,13 @@ def worker_ours(settings: Settings, steps: int, work_dir: str) -> None:
         initial = runs.weights(model)
         losses = runs.run_ours(runtime, task, settings, steps, chunk=ps_chunk(runtime, settings))
         if runtime.is_chief:
-            runs.save(os.path.join(work_dir, "ours"), losses=losses, replicas=runtime.num_replicas,
-                      iterations=int(task.optimizers.iterations.numpy()),
-                      arrays={"initial": initial, "final": runs.weights(model)})
+            runs.save(
+                os.path.join(work_dir, "ours"),
+                losses=losses,
+                replicas=runtime.num_replicas,
+                iterations=int(task.optimizers.iterations.numpy()),
+                arrays={"initial": initial, "final": runs.weights(model)},
+            )
     print(f"ours: {steps} steps on {runtime.num_replicas} replicas, last loss {losses[-1]:.6f}", flush=True)
 
 
@@ -70,8 +75,13 @@ def worker_tf_keras_fit(settings: Settings, config: ParityConfig, steps: int, wo
         else:
             losses = fit.run_fit(runtime, task, settings, config, steps)
         if runtime.is_chief:
-            runs.save(os.path.join(work_dir, "tf_keras_fit"), losses=losses, replicas=runtime.num_replicas,
-                      iterations=int(task.optimizers.iterations.numpy()), arrays={"final": runs.weights(model)})
+            runs.save(
+                os.path.join(work_dir, "tf_keras_fit"),
+                losses=losses,
+                replicas=runtime.num_replicas,
+                iterations=int(task.optimizers.iterations.numpy()),
+                arrays={"final": runs.weights(model)},
+            )
     print(f"tf_keras fit: {steps} steps on {runtime.num_replicas} replicas, last loss {losses[-1]:.6f}", flush=True)
 
 
@@ -79,10 +89,12 @@ def worker_replicas(settings: Settings, steps: int, work_dir: str, count: int) -
     """Our loop on `count` logical CPUs under MirroredStrategy, from the first count's initial weights."""
     if count < 1 or settings.global_batch_size % count:
         raise UserError(f"--replicas: {count} does not divide train.global_batch_size {settings.global_batch_size}")
-    device_config = dataclasses.replace(settings.device_config or devices.DeviceConfig(), logical_cpus=count,
-                                        logical_cpus_without_gpu=0)
-    runtime, task = setup(dataclasses.replace(settings, strategy="mirrored", device_config=device_config,
-                                              parameter_server=None))
+    device_config = dataclasses.replace(
+        settings.device_config or devices.DeviceConfig(), logical_cpus=count, logical_cpus_without_gpu=0
+    )
+    runtime, task = setup(
+        dataclasses.replace(settings, strategy="mirrored", device_config=device_config, parameter_server=None)
+    )
     model = runs.single_model(task)
     init_path = os.path.join(work_dir, "initial")
     if runs.exists(init_path):
