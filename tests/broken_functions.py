@@ -165,10 +165,10 @@ def raising_callback():
 class MisspeltExtension(Extension):
     name = "misspelt"
 
-    def atach(self, setup):
-        self.weights = setup.task.models.trainable_variables
+    def atach(self, context):
+        self.weights = context.task.models.trainable_variables
 
-    def after_loop(self, run, step, metrics):
+    def after_loop(self, context, step, metrics):
         print(len(self.weights))
 
 

@@ -41,7 +41,7 @@ def profiled_run(tmp_path_factory):
         "--gin_bindings=train.log_every_steps=10",
         "--gin_bindings=train.eval_every_steps=20",
         "--gin_bindings=train.checkpoint_every_steps=40",
-        "--gin_bindings=train.hooks=[@profiler_hook()]",
+        "--gin_bindings=train.extensions=[@profiler_hook()]",
         "--gin_bindings=profiler_hook.steps=(7, 13)",
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -11,9 +11,9 @@ from tests.support import read_jsonl, run_main, run_module, run_python
 from tests.update_runs import CLIP, STEPS, max_difference
 from trainer.errors import UserError
 from trainer.extensions.registry import Registry
+from trainer.extensions.update_path import UpdatePath
 from trainer.run.settings import Settings
 from trainer.update import accumulation
-from trainer.update.update_path import UpdatePath
 
 
 def test_clipped_sgd_gives_the_same_weights_on_1_2_and_4_replicas():

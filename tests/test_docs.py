@@ -144,7 +144,7 @@ import trainer.configurables
 unresolved = []
 for reference in {references!r}:
     try:
-        gin.parse_config(f"train.hooks = [{{reference}}]")
+        gin.parse_config(f"train.extensions = [{{reference}}]")
     except Exception as e:
         unresolved.append(f"{{reference}}: {{str(e).splitlines()[0]}}")
     gin.clear_config()

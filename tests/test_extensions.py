@@ -14,9 +14,9 @@ from tests.support import REPO
 from trainer.distribution import modes
 from trainer.errors import UserError
 from trainer.extensions import capabilities, factory
-from trainer.extensions.protocol import Contributions, Extension, Setup
+from trainer.extensions.context import Context, Contributions
+from trainer.extensions.protocol import Extension
 from trainer.extensions.registry import Registry
-from trainer.hooks.base import Hook
 from trainer.run.settings import Settings
 
 PS = Settings(strategy="parameter_server")
@@ -31,14 +31,14 @@ class Recorder(Extension):
     def check(self, settings):
         self._log.append(("check", self.name))
 
-    def attach(self, setup):
+    def attach(self, context):
         self._log.append(("attach", self.name))
 
     def state_dict(self):
         return self._state
 
 
-class Plain(Hook):
+class Plain(Extension):
     name = "plain"
 
 
@@ -94,7 +94,7 @@ def test_stages_follow_after_and_the_checkpoint_runs_after_every_extension_with_
         checkpoint,
     ]
     registry = Registry(participants, Settings())
-    order = names(registry.hooks)
+    order = names(registry.extensions)
     assert order.index("a") < order.index("b")
     assert order.index("kept") < order.index("checkpoint") and order.index("plain") < order.index("checkpoint")
     assert order[:2] == ["progress", "eval"]  # what others read first, as given
@@ -109,7 +109,7 @@ def test_after_must_name_something_known_and_not_loop():
     Registry([Recorder("x", [], after=("warm_start",))], Settings())  # a built-in that is off constrains nothing
     with pytest.raises(UserError, match="form a cycle"):
         Registry([Recorder("x", [], after=("y",)), Recorder("y", [], after=("x",))], Settings())
-    with pytest.raises(UserError, match="two hooks or extensions of this run are named 'x'"):
+    with pytest.raises(UserError, match="two extensions of this run are named 'x'"):
         Registry([Recorder("x", []), Recorder("x", [])], Settings())
 
 
@@ -119,14 +119,25 @@ def test_state_cannot_be_ordered_after_the_checkpoint():
         Registry(participants, Settings())
 
 
-def test_a_named_value_has_one_provider():
+def test_a_named_value_has_one_provider_and_contributions_end_with_the_build():
     contributions = Contributions()
-    first = Setup(Recorder("ema", []), Settings(), None, None, contributions, print)
-    second = Setup(Recorder("swa", []), Settings(), None, None, contributions, print)
-    first.provide("export_weights", 1)
-    assert second.value("export_weights") == 1 and second.value("missing", "none") == "none"
+    context = Context(Settings(), None, None, contributions)
+    contributions.owner = "ema"
+    context.provide("export_weights", 1)
+    contributions.owner = "swa"
+    assert context.values["export_weights"] == 1 and "missing" not in context.values
     with pytest.raises(UserError, match="ema and swa both provide 'export_weights'"):
-        second.provide("export_weights", 2)
+        context.provide("export_weights", 2)
+    contributions.owner = None  # the registry, after every `restored`
+    with pytest.raises(UserError, match=r"context.wrap_step works in an extension's attach or restored only"):
+        context.wrap_step(lambda step_fn: step_fn)
+
+
+def test_train_hooks_is_refused_naming_train_extensions():
+    from trainer.run.train import train
+
+    with pytest.raises(UserError, match=r"^train.hooks is gone: .*bind train.extensions = \[@my_extension\(\)\]$"):
+        train(hooks=[Plain()])
 
 
 def test_update_wrappers_compose_in_order_and_after_update_actions_all_run():

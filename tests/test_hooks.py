@@ -14,19 +14,19 @@ def test_boundaries_need_not_divide_steps_per_loop_and_user_hooks_plug_in(tmp_pa
         textwrap.dedent("""
         import json
         import gin
-        from trainer.hooks.base import Hook
+        from trainer.extensions.protocol import Extension
 
         @gin.configurable
-        class StepRecorder(Hook):
+        class StepRecorder(Extension):
             def __init__(self, path, every_steps=6):
                 self.path, self.every_steps, self.seen = path, every_steps, []
 
-            def after_loop(self, run, step, metrics):
+            def after_loop(self, context, step, metrics):
                 self.seen.append((step, sorted(metrics)))
 
-            def end(self, run, step):
+            def end(self, context, step):
                 with open(self.path, "w") as f:
-                    json.dump({"seen": self.seen, "end": step, "chief": run.is_chief}, f)
+                    json.dump({"seen": self.seen, "end": step, "chief": context.runtime.is_chief}, f)
     """)
     )
     record = tmp_path / "seen.json"
@@ -34,7 +34,7 @@ def test_boundaries_need_not_divide_steps_per_loop_and_user_hooks_plug_in(tmp_pa
         textwrap.dedent(f"""
         import my_hooks
         include '{REPO}/gin/single.gin'
-        train.hooks = [@StepRecorder()]
+        train.extensions = [@StepRecorder()]
         StepRecorder.path = '{record}'
         train.total_steps = 30
         train.steps_per_loop = 7

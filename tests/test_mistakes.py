@@ -104,7 +104,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         bind("train.input_fn = @digits()", "train.data_source = @synthetic()"),
         "both train.input_fn and train.data_source",
     ),
-    "train_hooks_text": (bind("train.hooks = 'x'"), "train.hooks"),
+    "train_hooks_retired": (
+        bind("train.hooks = [@profiler_hook()]"),
+        "train.hooks is gone: hooks and extensions are one type now; bind train.extensions = [@my_extension()]",
+    ),
     "train_parameter_server_text": (bind("train.parameter_server = 'x'"), "train.parameter_server"),
     "train_device_config_text": (bind("train.device_config = 'gpu'"), "train.device_config"),
     "train_cluster_resolver_options_text": (
@@ -143,7 +146,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "progress_logger_refresh_text": (bind("progress_logger.refresh_secs = 'often'"), "progress_logger.refresh_secs"),
     "profiler_hook_steps_reversed": (
-        bind("train.hooks = [@profiler_hook()]", "profiler_hook.steps = (20, 10)"),
+        bind("train.extensions = [@profiler_hook()]", "profiler_hook.steps = (20, 10)"),
         "profiler_hook.steps",
     ),
     "cnn_dropout_above_one": (bind("cnn.dropout = 1.5"), "cnn.dropout"),
@@ -197,7 +200,6 @@ CASES: dict[str, tuple[list[str], str]] = {
         [IMPORT, *bind("train.eval_metrics_fn = @number_metrics")],
         "number_metrics returned {'auc': int}",
     ),
-    "hooks_not_hooks": (bind("train.hooks = [3]"), "train.hooks must be a list of hooks"),
     "extensions_not_extensions": (bind("train.extensions = ['swa']"), "train.extensions must be a list of extensions"),
     "keras_callbacks_not_callbacks": (
         bind("train.keras_callbacks = [3]"),

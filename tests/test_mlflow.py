@@ -16,7 +16,7 @@ import pytest
 from tests.support import read_jsonl, run_main, run_module, subprocess_env
 
 mlflow = pytest.importorskip("mlflow")
-HOOK = "--gin_bindings=train.hooks=[@mlflow_hook()]"
+HOOK = "--gin_bindings=train.extensions=[@mlflow_hook()]"
 SHORT = [
     "--gin_bindings=train.log_every_steps=20",
     "--gin_bindings=train.eval_every_steps=30",
@@ -70,7 +70,7 @@ def test_the_store_holds_params_metric_history_and_artifacts_of_a_resumed_run(tm
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
     params = run.data.params
     assert params["train.total_steps"] == "60" and params["make_optimizer.name"] == "adam"
-    assert params["train.hooks"] == "[@mlflow_hook()]" and params["gin_files"] == "gin/single.gin"
+    assert params["train.extensions"] == "[@mlflow_hook()]" and params["gin_files"] == "gin/single.gin"
     assert history(client, run.info.run_id, "train/loss") == from_jsonl(model_dir, "train", "loss")
     assert [s for s, _ in history(client, run.info.run_id, "train/loss")] == [20, 40, 60, 80, 90]
     assert history(client, run.info.run_id, "eval/accuracy") == from_jsonl(model_dir, "eval", "accuracy")

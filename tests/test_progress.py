@@ -14,6 +14,7 @@ import sys
 import tempfile
 import termios
 import time
+import types
 
 from tests.support import REPO, read_jsonl, subprocess_env
 
@@ -108,7 +109,7 @@ def test_without_a_terminal_the_output_is_plain_lines(profiled_run):
     assert all("loss" in line and "steps/s" in line and "ETA" in line for line in progress)
 
 
-# --- the hook on its own, in this process ----------------------------------------------------
+# --- the extension on its own, in this process ----------------------------------------------------
 
 
 class _Log:
@@ -124,19 +125,14 @@ class _Optimizer:
 
 
 def _run_context(is_chief: bool, printed: list[str]):
-    from trainer.hooks.base import Console, Run
+    from trainer.extensions.context import Context, Contributions
+    from trainer.run.settings import Settings
 
-    return Run(
-        model_dir="unused",
-        is_chief=is_chief,
-        total_steps=30,
-        start_step=0,
-        global_batch_size=8,
-        model=None,
-        optimizer=_Optimizer(),
-        console=Console(printed.append),
-        metrics_log=_Log(),
-    )
+    settings = Settings(total_steps=30, global_batch_size=8, print_fn=printed.append)
+    runtime = types.SimpleNamespace(is_chief=is_chief, spans_processes=False)
+    context = Context(settings, runtime, types.SimpleNamespace(optimizers=_Optimizer()), Contributions())
+    context.metrics_log = _Log()
+    return context
 
 
 def _drive(logger, run, calls, eval_at=None):
@@ -147,12 +143,12 @@ def _drive(logger, run, calls, eval_at=None):
         step += num_steps
         logger.after_loop(run, step, {"loss": 1.0 / step})
         if step == eval_at:
-            run.print_fn(f"eval at step {step}")  # as EvalHook prints, after the logger
+            run.print(f"eval at step {step}")  # as the eval extension prints, after the logger
     logger.end(run, step)
 
 
 def test_non_chief_workers_print_one_line_unless_asked():
-    from trainer.hooks.progress import ProgressLogger
+    from trainer.extensions.progress import ProgressLogger
 
     quiet, chatty = [], []
     _drive(ProgressLogger(10), _run_context(False, quiet), [10, 10, 10])
@@ -162,7 +158,7 @@ def test_non_chief_workers_print_one_line_unless_asked():
 
 
 def test_forced_bar_keeps_metrics_records_and_prints_other_lines_above_it():
-    from trainer.hooks.progress import ProgressLogger
+    from trainer.extensions.progress import ProgressLogger
 
     printed, screen = [], io.StringIO()
     logger = ProgressLogger(10, live=True, refresh_secs=0.0, stream=screen)
@@ -176,7 +172,7 @@ def test_forced_bar_keeps_metrics_records_and_prints_other_lines_above_it():
     assert set(run.metrics_log.records[0][2]) == {"loss", "learning_rate", "steps_per_sec", "examples_per_sec"}
     assert printed == ["eval at step 20"]
     text = screen.getvalue()
-    run.print_fn("after the run")  # the bar is gone: lines go straight through, the screen stays as it was
+    run.print("after the run")  # the bar is gone: lines go straight through, the screen stays as it was
     assert printed[-1] == "after the run" and screen.getvalue() == text
     assert [int(m.group(1)) for m in BAR.finditer(text)] == [5, 10, 20, 20, 30]  # 20 again after the eval line
     assert text.endswith("\n") and text.count("\n") == 1

@@ -16,24 +16,24 @@ RUN = textwrap.dedent('''
     from trainer.task import models
     from trainer.task import optimizers
     from trainer.run import train as train_lib
-    from trainer.hooks.base import Hook
+    from trainer.extensions.protocol import Extension
 
-    class Calls(Hook):
+    class Calls(Extension):
         """Records each loop call's length, its outputs and the loop's trace count."""
-        def begin(self, run):
-            self.step, self.lengths, self.losses = run.start_step, [], []
-        def after_loop(self, run, step, metrics):
+        def begin(self, context):
+            self.step, self.lengths, self.losses = context.start_step, [], []
+        def after_loop(self, context, step, metrics):
             self.lengths.append(step - self.step)
             self.step = step
             self.losses.append(metrics["loss"])
-            self.trace_count = run.loop.trace_count
-            self.optimizer = type(run.optimizer).__name__
+            self.trace_count = context.loop.trace_count
+            self.optimizer = type(context.task.optimizers).__name__
 
     def run(**kwargs):
         calls = Calls()
         kwargs.setdefault("optimizer_fn", optimizers.make_optimizer)
         with tempfile.TemporaryDirectory() as model_dir:
-            final = train_lib.train(model_dir=model_dir, hooks=[calls], print_fn=lambda line: None, **kwargs)
+            final = train_lib.train(model_dir=model_dir, extensions=[calls], print_fn=lambda line: None, **kwargs)
         return {"eval": final, "lengths": calls.lengths, "losses": calls.losses, "trace_count": calls.trace_count,
                 "optimizer": calls.optimizer, "policy_after": keras.mixed_precision.global_policy().name}
 ''')

@@ -23,9 +23,9 @@ from trainer import data  # noqa: E402
 from trainer.distribution import devices  # noqa: E402
 from trainer.distribution import local_cluster as local_cluster_lib  # noqa: E402
 from trainer.extensions import early_stopping, mlflow_tracking, profiler  # noqa: E402
-from trainer.hooks.checkpointing import CheckpointHook  # noqa: E402
-from trainer.hooks.evaluation import EvalHook  # noqa: E402
-from trainer.hooks.progress import ProgressLogger  # noqa: E402
+from trainer.extensions.checkpointing import CheckpointHook  # noqa: E402
+from trainer.extensions.evaluation import EvalHook  # noqa: E402
+from trainer.extensions.progress import ProgressLogger  # noqa: E402
 from trainer.loops import options as loop_options  # noqa: E402
 from trainer.loops import sidecar  # noqa: E402
 from trainer.run import settings as settings_lib  # noqa: E402

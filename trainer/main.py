@@ -88,7 +88,9 @@ def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
     except RecursionError as e:  # an include cycle; gin follows it until Python's stack runs out
         raise UserError(include_cycle_line(e) or gin_error_line(e, source)) from e
     except Exception as e:  # noqa: BLE001  (gin raises whatever its parser or an import raised)
-        raise UserError(gin_error_line(e, source)) from e
+        from trainer.run.settings import retired_binding
+
+        raise UserError(retired_binding(e) or gin_error_line(e, source)) from e
 
 
 def include_cycle_line(error: RecursionError) -> str | None:

@@ -7,7 +7,7 @@ weights. As an extension it shows every power a built-in feature has:
 - `supports`: the synchronous strategies (under parameter_server there is no single set of
   weights at a step to average); the run refuses it elsewhere in one line, before anything runs;
 - `check(settings)`: its own options against the run's, before any TensorFlow op;
-- `attach(setup)`: the averages are variables made under the strategy's scope and added to the
+- `attach(context)`: the averages are variables made under the strategy's scope and added to the
   checkpoint (`swa`), and, with `export=True`, offered to the export as the weights to write;
 - `state_dict`/`load_state_dict`: how many snapshots the mean holds, saved in every checkpoint,
   so a run killed and restarted averages exactly as one that never stopped;
@@ -28,9 +28,8 @@ import tensorflow as tf
 
 import gin
 from trainer.errors import UserError
-from trainer.extensions import SYNCHRONOUS, Extension, Outputs, Setup
+from trainer.extensions import SYNCHRONOUS, Context, Extension, Outputs
 from trainer.extensions.export import EXPORT_WEIGHTS, ExportWeights
-from trainer.hooks import Run
 
 
 class SwaAverages(tf.Module):
@@ -81,16 +80,16 @@ class StochasticWeightAveraging(Extension):
                 "nothing would be averaged"
             )
 
-    def attach(self, setup: Setup) -> None:
-        models = setup.task.models
+    def attach(self, context: Context) -> None:
+        models = context.task.models
         self._weights = [
             v for m in (models.values() if isinstance(models, dict) else [models]) for v in m.trainable_variables
         ]
-        with setup.scope():
+        with context.scope():
             self.averages = SwaAverages(self._weights)
-        setup.add_checkpoint_item("swa", self.averages)
+        context.add_checkpoint_item("swa", self.averages)
         if self.export:
-            setup.provide(EXPORT_WEIGHTS, ExportWeights("SWA weights", self.swapped_in, {"swa": self.averages}))
+            context.provide(EXPORT_WEIGHTS, ExportWeights("SWA weights", self.swapped_in, {"swa": self.averages}))
 
     def verify(self, outputs: Outputs) -> None:
         if not outputs.eval:
@@ -102,16 +101,16 @@ class StochasticWeightAveraging(Extension):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.count = int(state["count"])
 
-    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+    def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         if step >= self.start_step and step % self.every_steps == 0 and self._snapshots_at(step) > self.count:
             self._add_snapshot()
-        if run.evaluations.at(step) is not None and self.count and self._evaluated != step:
+        if context.evaluations.at(step) is not None and self.count and self._evaluated != step:
             with self.swapped_in():
-                run.evaluate(step, suffix="_swa", label=" (SWA)")
+                context.evaluate(step, suffix="_swa", label=" (SWA)")
             self._evaluated = step
 
-    def end(self, run: Run, step: int) -> None:
-        self.after_loop(run, step, {})  # the final eval, if it was not at a boundary
+    def end(self, context: Context, step: int) -> None:
+        self.after_loop(context, step, {})  # the final eval, if it was not at a boundary
 
     def _snapshots_at(self, step: int) -> int:
         return (step - self.start_step) // self.every_steps + 1

@@ -27,10 +27,10 @@ import tempfile
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.extensions.context import Context
 from trainer.extensions.monitoring import AnyWorker, Monitored
-from trainer.extensions.protocol import Extension, Outputs, Setup
+from trainer.extensions.protocol import Extension, Outputs
 from trainer.files.atomic import write_text_atomic
-from trainer.hooks.base import Run
 
 BEST_DIR = "best"
 STATE_FILE = "best.json"
@@ -68,17 +68,17 @@ class BestCheckpoints(Extension):
         if state.get("metric") == self.metric.name and state.get("mode") == self.metric.mode:
             self.kept = list(state.get("kept", []))
 
-    def attach(self, setup: Setup) -> None:
-        setup.provide(BEST_CHECKPOINT, self.best)
-        self._task_name = setup.runtime.cluster.task_name
+    def attach(self, context: Context) -> None:
+        context.provide(BEST_CHECKPOINT, self.best)
+        self._task_name = context.runtime.cluster.task_name
 
-    def restored(self, setup: Setup, path: str | None) -> None:
-        state = read_state(setup.settings.model_dir)
+    def restored(self, context: Context, path: str | None) -> None:
+        state = read_state(context.settings.model_dir)
         if path is not None and not self._from_checkpoint and state:  # a checkpoint older than extension state
             self.load_state_dict(state)
         elif state and (state.get("metric"), state.get("mode")) != (self.metric.name, self.metric.mode):
-            setup.print(
-                f"note: {os.path.join(setup.settings.model_dir, BEST_DIR)} ranks by {state.get('metric')!r} "
+            context.print(
+                f"note: {os.path.join(context.settings.model_dir, BEST_DIR)} ranks by {state.get('metric')!r} "
                 f"({state.get('mode')}), this run by {self.metric.name!r} ({self.metric.mode}); ranking anew"
             )
 
@@ -91,45 +91,45 @@ class BestCheckpoints(Extension):
             return None
         return BestCheckpoint(self.kept[0]["step"], os.path.join(self._dir, self.kept[0]["name"]), self.metric.name)
 
-    def begin(self, run: Run) -> None:
-        self._any_worker = AnyWorker(run.strategy)
-        self._dir = os.path.join(run.model_dir, BEST_DIR)
-        if run.is_chief and os.path.isdir(self._dir):
+    def begin(self, context: Context) -> None:
+        self._any_worker = AnyWorker(context.runtime.strategy)
+        self._dir = os.path.join(context.settings.model_dir, BEST_DIR)
+        if context.runtime.is_chief and os.path.isdir(self._dir):
             self._write_state()
             self._delete_unlisted()
 
-    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
-        results = run.evaluations.at(step)
+    def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
+        results = context.evaluations.at(step)
         if results is None or any(e["step"] == step for e in self.kept):
             return
         value = self.metric.value(results)
         ranks = len(self.kept) < self.keep or self._better(value, self.kept[-1]["value"])
         if self._any_worker(ranks):
-            self._save(run, step, value)
+            self._save(context, step, value)
 
-    def end(self, run: Run, step: int) -> None:
-        self.after_loop(run, step, {})  # the final eval, if it was not at a boundary
+    def end(self, context: Context, step: int) -> None:
+        self.after_loop(context, step, {})  # the final eval, if it was not at a boundary
 
     def _better(self, value: float, than: float) -> bool:
         return value == value and (value < than if self.metric.mode == "min" else value > than)
 
-    def _save(self, run: Run, step: int, value: float) -> None:
-        if not run.is_chief:
+    def _save(self, context: Context, step: int, value: float) -> None:
+        if not context.runtime.is_chief:
             temp_dir = tempfile.mkdtemp(prefix=f"trainer-{self._task_name}-best-")
             try:
-                run.saver.write_copy(os.path.join(temp_dir, f"ckpt-{step}"))
+                context.saver.write_copy(os.path.join(temp_dir, f"ckpt-{step}"))
             finally:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             self._rank(step, value)
             return
         os.makedirs(self._dir, exist_ok=True)
-        run.saver.write_copy(os.path.join(self._dir, f"ckpt-{step}"))
+        context.saver.write_copy(os.path.join(self._dir, f"ckpt-{step}"))
         dropped = self._rank(step, value)
         self._write_state()
         for entry in dropped:
             _delete_checkpoint(os.path.join(self._dir, entry["name"]))
         shown = ", ".join(f"{e['step']}: {e['value']:.6g}" for e in self.kept)
-        run.print_fn(f"best checkpoints by {self.metric.name} ({self.metric.mode}): {shown}")
+        context.print(f"best checkpoints by {self.metric.name} ({self.metric.mode}): {shown}")
 
     def _write_state(self) -> None:
         """`best.json` and the `checkpoint` state file, for readers of the directory (chief)."""

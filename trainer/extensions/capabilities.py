@@ -14,14 +14,14 @@ from trainer.extensions.early_stopping import EarlyStop
 from trainer.extensions.ema import Ema
 from trainer.extensions.export import Export
 from trainer.extensions.keras_callbacks import KerasCallbacks
+from trainer.extensions.loss_scaling import LossScalingCheck
 from trainer.extensions.mlflow_tracking import MlflowHook
+from trainer.extensions.nonfinite import NonFiniteHandling
 from trainer.extensions.preemption import Preemption
 from trainer.extensions.profiler import ProfilerHook
+from trainer.extensions.update_path import UpdatePath
 from trainer.extensions.warm_start import WarmStart
 from trainer.run.settings import CAPABILITIES
-from trainer.safety.loss_scaling import LossScalingCheck
-from trainer.safety.nonfinite import NonFiniteHandling
-from trainer.update.update_path import UpdatePath
 
 BUILT_IN = (
     UpdatePath,

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from trainer.extensions.context import Context
 from trainer.extensions.monitoring import AnyWorker, Monitored, monitored
 from trainer.extensions.protocol import Extension, Outputs
-from trainer.hooks.base import Run
 from trainer.validation import check_int
 
 
@@ -67,15 +67,15 @@ class EarlyStop(Extension):
     def verify(self, outputs: Outputs) -> None:
         self.metric.verify(outputs)
 
-    def begin(self, run: Run) -> None:
-        self._any_worker = AnyWorker(run.strategy)
-        self.rewind(run, run.start_step)
+    def begin(self, context: Context) -> None:
+        self._any_worker = AnyWorker(context.runtime.strategy)
+        self.rewind(context, context.start_step)
         best_step, wait = self._standing()
         if self._history and wait >= self.patience:
-            run.request_stop("early stopping")
-            run.print_fn(
+            context.request_stop()
+            context.print(
                 f"early stopping: {self.metric.name} has not improved since step {best_step} "
-                f"({wait} evals); this run stopped at step {run.start_step}, nothing more to train"
+                f"({wait} evals); this run stopped at step {context.start_step}, nothing more to train"
             )
 
     def _standing(self) -> tuple[int | None, int]:
@@ -88,28 +88,28 @@ class EarlyStop(Extension):
                 wait += 1
         return best_step, wait
 
-    def _record(self, run: Run, step: int) -> bool:
+    def _record(self, context: Context, step: int) -> bool:
         """Adds this step's eval to the history; False if there is none (or it is there already)."""
-        results = run.evaluations.at(step)
+        results = context.evaluations.at(step)
         if results is None or (self._history and self._history[-1][0] == step):
             return False
         self._history.append((step, self.metric.value(results)))
         return True
 
-    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
-        if not self._record(run, step):
+    def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
+        if not self._record(context, step):
             return
         best_step, wait = self._standing()
-        if self._any_worker(wait >= self.patience) and step < run.total_steps:
-            run.request_stop("early stopping")
-            run.print_fn(
+        if self._any_worker(wait >= self.patience) and step < context.settings.total_steps:
+            context.request_stop()
+            context.print(
                 f"early stopping at step {step}: {self.metric.name} {self._history[-1][1]:.6g} has not "
                 f"improved by more than {self.metric.min_delta:g} for {wait} evals (best "
                 f"{dict(self._history)[best_step]:.6g} at step {best_step})"
             )
 
-    def end(self, run: Run, step: int) -> None:
-        self._record(run, step)  # the final eval counts too (the final checkpoint holds it)
+    def end(self, context: Context, step: int) -> None:
+        self._record(context, step)  # the final eval counts too (the final checkpoint holds it)
 
-    def rewind(self, run: Run, step: int) -> None:
+    def rewind(self, context: Context, step: int) -> None:
         self._history = [(s, v) for s, v in self._history if s <= step]

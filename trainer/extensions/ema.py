@@ -27,9 +27,9 @@ from typing import Any, Iterator
 import tensorflow as tf
 
 from trainer.distribution import modes
+from trainer.extensions.context import Context
 from trainer.extensions.export import EXPORT_WEIGHTS, ExportWeights
-from trainer.extensions.protocol import Extension, Setup
-from trainer.hooks.base import Run
+from trainer.extensions.protocol import Extension
 from trainer.task.structure import trainable_variables
 from trainer.validation import check_number
 
@@ -101,22 +101,22 @@ class Ema(Extension):
         self.decay = float(decay)
         self._evaluated: int | None = None
 
-    def attach(self, setup: Setup) -> None:
-        with setup.scope():
-            self.average = WeightAverage(setup.task.models, self.decay)
-        setup.add_checkpoint_item("ema", self.average)  # before the restore: a resumed run continues it
-        setup.after_update(self.average.update)
-        setup.provide(EXPORT_WEIGHTS, ExportWeights("EMA weights", self.average.swapped_in, {"ema": self.average}))
+    def attach(self, context: Context) -> None:
+        with context.scope():
+            self.average = WeightAverage(context.task.models, self.decay)
+        context.add_checkpoint_item("ema", self.average)  # before the restore: a resumed run continues it
+        context.after_update(self.average.update)
+        context.provide(EXPORT_WEIGHTS, ExportWeights("EMA weights", self.average.swapped_in, {"ema": self.average}))
 
-    def restored(self, setup: Setup, path: str | None) -> None:
+    def restored(self, context: Context, path: str | None) -> None:
         if path is None:
             self.average.reset()
 
-    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
-        if run.evaluations.at(step) is not None and self._evaluated != step:
+    def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
+        if context.evaluations.at(step) is not None and self._evaluated != step:
             with self.average.swapped_in():
-                run.evaluate(step, suffix="_ema", label=" (EMA)")
+                context.evaluate(step, suffix="_ema", label=" (EMA)")
             self._evaluated = step
 
-    def end(self, run: Run, step: int) -> None:
-        self.after_loop(run, step, {})  # the final eval, if it was not at a boundary
+    def end(self, context: Context, step: int) -> None:
+        self.after_loop(context, step, {})  # the final eval, if it was not at a boundary

@@ -29,8 +29,8 @@ import tensorflow as tf
 from trainer.distribution import modes
 from trainer.errors import UserError
 from trainer.extensions.best_checkpoints import BEST_CHECKPOINT, BestCheckpoint
-from trainer.extensions.protocol import Extension, Setup
-from trainer.hooks.base import Run
+from trainer.extensions.context import Context
+from trainer.extensions.protocol import Extension
 from trainer.task.steps import call_model
 
 EXPORT_DIR = "export"
@@ -125,35 +125,42 @@ class Export(Extension):
     unsupported_fix = "export from a checkpoint with a synchronous strategy or unset train.export_saved_model"
     after = ("checkpoint", "best_checkpoints")  # the last checkpoint and the final ranking come first
 
-    def attach(self, setup: Setup) -> None:
-        check_exportable(setup.task.models)
-        self.spec = serving_spec(setup.task.input.element_spec)
-        self.task_name = setup.runtime.cluster.task_name
+    def attach(self, context: Context) -> None:
+        check_exportable(context.task.models)
+        self.spec = serving_spec(context.task.input.element_spec)
+        self.task_name = context.runtime.cluster.task_name
 
-    def end(self, run: Run, step: int) -> None:
-        weights: ExportWeights | None = run.values.get(EXPORT_WEIGHTS)
-        self._export(run, step, weights)
-        best: BestCheckpoint | None = run.values[BEST_CHECKPOINT]() if BEST_CHECKPOINT in run.values else None
+    def end(self, context: Context, step: int) -> None:
+        weights: ExportWeights | None = context.values.get(EXPORT_WEIGHTS)
+        self._export(context, step, weights)
+        best: BestCheckpoint | None = context.values[BEST_CHECKPOINT]() if BEST_CHECKPOINT in context.values else None
         if best is None or best.step == step:
             return
         # Every worker knows the same best step (the ranking is decided alike on all); only the chief
         # has its checkpoint, so the others take part with the weights they hold, which they then keep.
-        if not run.is_chief:
-            self._export(run, best.step, weights)
+        if not context.runtime.is_chief:
+            self._export(context, best.step, weights)
             return
         items = dict(weights.checkpoint_items) if weights is not None else {}
-        variables = [*getattr(run.model, "variables", []), *(v for t in items.values() for v in t.variables)]
+        variables = [*getattr(context.task.models, "variables", []), *(v for t in items.values() for v in t.variables)]
         held = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-        tf.train.Checkpoint(model=run.model, **items).read(best.path).expect_partial()
+        tf.train.Checkpoint(model=context.task.models, **items).read(best.path).expect_partial()
         try:
-            self._export(run, best.step, weights, what=f"the best checkpoint by {best.metric}")
+            self._export(context, best.step, weights, what=f"the best checkpoint by {best.metric}")
         finally:
             for variable, value in zip(variables, held):
                 variable.assign(value)
 
-    def _export(self, run: Run, step: int, weights: ExportWeights | None, what: str = "") -> None:
+    def _export(self, context: Context, step: int, weights: ExportWeights | None, what: str = "") -> None:
         with weights.swapped_in() if weights is not None else contextlib.nullcontext():
-            path = export(run.model, self.spec, run.model_dir, step, is_chief=run.is_chief, task_name=self.task_name)
-        if run.is_chief:
+            path = export(
+                context.task.models,
+                self.spec,
+                context.settings.model_dir,
+                step,
+                is_chief=context.runtime.is_chief,
+                task_name=self.task_name,
+            )
+        if context.runtime.is_chief:
             label = f" ({weights.label})" if weights is not None else ""
-            run.print_fn(f"exported SavedModel{label}{' of ' + what if what else ''} to {path}")
+            context.print(f"exported SavedModel{label}{' of ' + what if what else ''} to {path}")

@@ -1,37 +1,36 @@
-"""The one factory: the flat `train.*` settings turned into the run's hooks and extensions.
+"""The one factory: the flat `train.*` settings turned into the run's extensions.
 
 Gin files keep their flat bindings (`train.ema_decay = 0.999`, `train.keep_best = 2`, ...);
-here each becomes the extension that implements it, and `train.hooks` and `train.extensions`
-add the user's own. The list is in the default order the registry starts from: the core hooks
-that produce what others read (progress, eval, the config), the built-in extensions, the
-user's hooks and extensions, and the checkpoint (the registry moves what runs after it).
+here each becomes the extension that implements it, and `train.extensions` adds the user's own.
+The list is in the default order the registry starts from: the core extensions that produce
+what others read (progress, eval, the config), the other built-in ones, the user's, and the
+checkpoint (the registry moves what runs after it).
 """
 
 from __future__ import annotations
 
 from trainer.errors import UserError
 from trainer.extensions.best_checkpoints import BestCheckpoints
+from trainer.extensions.checkpointing import CheckpointHook
+from trainer.extensions.config_writer import ConfigWriter, HParamsWriter
 from trainer.extensions.early_stopping import EarlyStop, EarlyStopping
 from trainer.extensions.ema import Ema
+from trainer.extensions.evaluation import EvalHook
 from trainer.extensions.export import Export
 from trainer.extensions.keras_callbacks import KerasCallbacks, check_callbacks
+from trainer.extensions.loss_scaling import LossScalingCheck
 from trainer.extensions.monitoring import monitored
+from trainer.extensions.nonfinite import NonFiniteHandling
 from trainer.extensions.preemption import Preemption
+from trainer.extensions.progress import ProgressLogger
 from trainer.extensions.protocol import Extension
+from trainer.extensions.update_path import UpdatePath
 from trainer.extensions.warm_start import WarmStart
-from trainer.hooks.base import Hook
-from trainer.hooks.checkpointing import CheckpointHook
-from trainer.hooks.config import ConfigWriter, HParamsWriter
-from trainer.hooks.evaluation import EvalHook
-from trainer.hooks.progress import ProgressLogger
-from trainer.safety.loss_scaling import LossScalingCheck
-from trainer.safety.nonfinite import NonFiniteHandling
-from trainer.update.update_path import UpdatePath
 from trainer.validation import check_bool, check_int
 
 
-def participants(settings) -> list[Hook]:
-    """Every hook and extension a run of `settings` has, in the default order."""
+def participants(settings) -> list[Extension]:
+    """Every extension a run of `settings` has, in the default order."""
     core = [ProgressLogger(settings.log_every_steps), EvalHook(settings.eval_every_steps)]
     if settings.describe_config is not None:
         core.append(ConfigWriter(settings.describe_config))
@@ -40,7 +39,6 @@ def participants(settings) -> list[Hook]:
     return [
         *core,
         *built_in(settings),
-        *settings.hooks,
         *settings.extensions,
         CheckpointHook(settings.checkpoint_every_steps),
     ]

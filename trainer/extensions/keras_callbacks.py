@@ -1,5 +1,5 @@
 """Standard Keras 3 callbacks (EarlyStopping, ReduceLROnPlateau, CSVLogger, TerminateOnNaN, your own)
-run as one hook, with the calls they get from `fit`.
+run as one extension, with the calls they get from `fit`.
 
 An "epoch" is the interval between two evals (`train.eval_every_steps` steps; the last one may be
 shorter when `total_steps` is not a multiple). The calls, as `fit` makes them:
@@ -32,9 +32,9 @@ import keras
 
 from trainer.distribution import modes
 from trainer.errors import RunFailure, UserError
+from trainer.extensions.context import Context
 from trainer.extensions.monitoring import AnyWorker
-from trainer.extensions.protocol import Extension, Setup
-from trainer.hooks.base import Run
+from trainer.extensions.protocol import Extension
 from trainer.task.user_code import raised_by
 
 REFUSED = {
@@ -80,8 +80,8 @@ class KerasCallbacks(Extension):
         self._last_logs: dict[str, float] = {}
         self._any_worker: AnyWorker | None = None
 
-    def attach(self, setup: Setup) -> None:
-        model, optimizer = setup.task.models, setup.task.optimizers
+    def attach(self, context: Context) -> None:
+        model, optimizer = context.task.models, context.task.optimizers
         if not isinstance(model, keras.Model) or not isinstance(optimizer, keras.optimizers.Optimizer):
             raise UserError(
                 "train.keras_callbacks needs one Keras model and one Keras optimizer (train.model_fn / "
@@ -118,13 +118,13 @@ class KerasCallbacks(Extension):
                 return f"{type(owner).__name__}.{frame.f_code.co_name}"
         return "a Keras callback"
 
-    def begin(self, run: Run) -> None:
+    def begin(self, context: Context) -> None:
         with self._calling_callbacks():
-            self._begin(run)
+            self._begin(context)
 
-    def _begin(self, run: Run) -> None:
-        self._any_worker = AnyWorker(run.strategy)
-        if not run.is_chief:
+    def _begin(self, context: Context) -> None:
+        self._any_worker = AnyWorker(context.runtime.strategy)
+        if not context.runtime.is_chief:
             for callback in self._callbacks:
                 if isinstance(callback, keras.callbacks.CSVLogger):
                     self._temp_dirs.append(tempfile.mkdtemp(prefix="trainer-csvlogger-"))
@@ -136,37 +136,37 @@ class KerasCallbacks(Extension):
             model=self._model,
             verbose=0,
             steps=self._eval_every,
-            epochs=math.ceil(run.total_steps / self._eval_every),
+            epochs=math.ceil(context.settings.total_steps / self._eval_every),
         )
         self._list.on_train_begin()
-        self._epoch_start = run.start_step - run.start_step % self._eval_every
-        self._last_step = run.start_step
-        self._list.on_epoch_begin(self._epoch(run.start_step + 1))
+        self._epoch_start = context.start_step - context.start_step % self._eval_every
+        self._last_step = context.start_step
+        self._list.on_epoch_begin(self._epoch(context.start_step + 1))
 
     def _epoch(self, step: int) -> int:
         return math.ceil(step / self._eval_every) - 1
 
-    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+    def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         with self._calling_callbacks():
-            self._after_loop(run, step, metrics)
+            self._after_loop(context, step, metrics)
 
-    def _after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+    def _after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         steps, self._last_step = step - self._last_step, step
         self._count += steps
         for key, value in metrics.items():
             self._sums[key] = self._sums.get(key, 0.0) + value * steps
         logs = self._train_logs()
         self._list.on_train_batch_end(step - self._epoch_start - 1, logs)
-        if run.evaluations.at(step) is not None:
-            self._end_epoch(run, step, logs)
-            if step < run.total_steps:
+        if context.evaluations.at(step) is not None:
+            self._end_epoch(context, step, logs)
+            if step < context.settings.total_steps:
                 self._list.on_epoch_begin(self._epoch(step + 1))
         if self._any_worker(bool(self._model.stop_training)):
             self._model.stop_training = True
-            run.request_stop("a Keras callback")
+            context.request_stop()
 
-    def _end_epoch(self, run: Run, step: int, logs: dict[str, float]) -> None:
-        for index, (split, results) in enumerate(run.evaluations.latest.items()):
+    def _end_epoch(self, context: Context, step: int, logs: dict[str, float]) -> None:
+        for index, (split, results) in enumerate(context.evaluations.latest.items()):
             prefix = "val_" if index == 0 else f"val_{split}_"
             logs = logs | {prefix + k: v for k, v in results.items()}
         self._list.on_epoch_end(self._epoch(step), logs)
@@ -176,17 +176,18 @@ class KerasCallbacks(Extension):
     def _train_logs(self) -> dict[str, float]:
         return {k: v / self._count for k, v in self._sums.items()} if self._count else {}
 
-    def end(self, run: Run, step: int) -> None:
+    def end(self, context: Context, step: int) -> None:
         with self._calling_callbacks():
-            self._end(run, step)
+            self._end(context, step)
 
-    def _end(self, run: Run, step: int) -> None:
-        if run.evaluations.at(step) is not None and self._epoch_start != step:  # the final eval (or one after a stop)
-            self._end_epoch(run, step, self._train_logs())
+    def _end(self, context: Context, step: int) -> None:
+        # the final eval (or one after a stop)
+        if context.evaluations.at(step) is not None and self._epoch_start != step:
+            self._end_epoch(context, step, self._train_logs())
         self._list.on_train_end(self._last_logs)
         for temp_dir in self._temp_dirs:
             shutil.rmtree(temp_dir, ignore_errors=True)
 
-    def rewind(self, run: Run, step: int) -> None:
+    def rewind(self, context: Context, step: int) -> None:
         self._sums, self._count, self._last_step = {}, 0, step
         self._epoch_start = step - step % self._eval_every

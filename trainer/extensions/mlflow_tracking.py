@@ -1,9 +1,9 @@
-"""Experiment tracking in MLflow: `train.hooks = [@mlflow_hook()]` (optional extra `trainer[mlflow]`).
+"""Experiment tracking in MLflow: `train.extensions = [@mlflow_hook()]` (optional extra `trainer[mlflow]`).
 
 The chief logs into one MLflow run per model_dir:
   - params: the run's hparams (its flattened gin bindings, what HParamsWriter gives TensorBoard);
   - metrics by step: every record the run writes to metrics.jsonl, as `<split>/<name>`
-    (`train/loss`, `train/learning_rate`, `eval/accuracy`, ...). The hook subscribes to the
+    (`train/loss`, `train/learning_rate`, `eval/accuracy`, ...). The extension subscribes to the
     run's MetricsLog, so MLflow holds exactly what metrics.jsonl holds, nothing recomputed;
   - artifacts: operative_config.gin and run_record.json, at start and again at the end.
 The run id is kept in `model_dir/mlflow_run_id`, so a resumed run logs into the same MLflow
@@ -11,7 +11,7 @@ run; params it already holds are not logged again (MLflow refuses to change a pa
 
 Tracking URI: `mlflow_hook.tracking_uri`, else MLFLOW_TRACKING_URI, else a local file store
 `<model_dir>/mlruns` (no server). MLflow 3 keeps its file store in maintenance mode and
-refuses it unless MLFLOW_ALLOW_FILE_STORE is true: for a `file:` URI the hook sets that
+refuses it unless MLFLOW_ALLOW_FILE_STORE is true: for a `file:` URI the extension sets that
 variable unless the user set it (`sqlite:///...` needs full mlflow, for SQLAlchemy).
 """
 
@@ -22,11 +22,11 @@ import time
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.extensions.config_writer import OPERATIVE_CONFIG_FILE
+from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
 from trainer.files.atomic import write_text_atomic
 from trainer.files.run_record import RECORD_FILE
-from trainer.hooks.base import Run
-from trainer.hooks.config import OPERATIVE_CONFIG_FILE
 
 RUN_ID_FILE = "mlflow_run_id"
 _PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch
@@ -73,21 +73,21 @@ class MlflowHook(Extension):
         self._client = None
         self.run_id: str | None = None
 
-    def begin(self, run: Run) -> None:
-        if not run.is_chief:
+    def begin(self, context: Context) -> None:
+        if not context.runtime.is_chief:
             return
         from mlflow.tracking import MlflowClient
 
-        self._client = MlflowClient(tracking_uri=tracking_uri_for(run.model_dir, self.tracking_uri))
-        self.run_id = self._resumed_run(run.model_dir) or self._new_run(run.model_dir)
-        self._log_params(run)
-        run.metrics_log.subscribe(self._log_record)
-        self._log_artifacts(run)
+        self._client = MlflowClient(tracking_uri=tracking_uri_for(context.settings.model_dir, self.tracking_uri))
+        self.run_id = self._resumed_run(context.settings.model_dir) or self._new_run(context.settings.model_dir)
+        self._log_params(context)
+        context.metrics_log.subscribe(self._log_record)
+        self._log_artifacts(context)
 
-    def end(self, run: Run, step: int) -> None:
+    def end(self, context: Context, step: int) -> None:
         if self._client is None:
             return
-        self._log_artifacts(run)
+        self._log_artifacts(context)
         self._client.set_terminated(self.run_id, status="FINISHED")
 
     def _resumed_run(self, model_dir: str) -> str | None:
@@ -114,14 +114,14 @@ class MlflowHook(Extension):
         write_text_atomic(os.path.join(model_dir, RUN_ID_FILE), run_id + "\n")
         return run_id
 
-    def _log_params(self, run: Run) -> None:
+    def _log_params(self, context: Context) -> None:
         from mlflow.entities import Param
 
-        logged = self._client.get_run(self.run_id).data.params
-        changed = sorted(k for k, v in run.hparams.items() if k in logged and logged[k] != str(v))
+        logged, hparams = self._client.get_run(self.run_id).data.params, context.settings.hparams or {}
+        changed = sorted(k for k, v in hparams.items() if k in logged and logged[k] != str(v))
         if changed:
-            run.print_fn(f"mlflow: params {', '.join(changed)} differ from the resumed run's; it keeps the old values")
-        params = [Param(k, str(v)) for k, v in sorted(run.hparams.items()) if k not in logged]
+            context.print(f"mlflow: params {', '.join(changed)} differ from the resumed run's; it keeps the old values")
+        params = [Param(k, str(v)) for k, v in sorted(hparams.items()) if k not in logged]
         for i in range(0, len(params), _PARAMS_PER_BATCH):
             self._client.log_batch(self.run_id, params=params[i : i + _PARAMS_PER_BATCH])
 
@@ -134,8 +134,8 @@ class MlflowHook(Extension):
             metrics=[Metric(f"{split}/{name}", float(value), now, int(step)) for name, value in metrics.items()],
         )
 
-    def _log_artifacts(self, run: Run) -> None:
+    def _log_artifacts(self, context: Context) -> None:
         for name in (OPERATIVE_CONFIG_FILE, RECORD_FILE):
-            path = os.path.join(run.model_dir, name)
+            path = os.path.join(context.settings.model_dir, name)
             if os.path.exists(path):
                 self._client.log_artifact(self.run_id, path)

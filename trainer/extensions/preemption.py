@@ -27,7 +27,7 @@ The handler's watcher thread (`PeerTerminationWatcher-<id>`) blocks in a read fr
 chief's coordination service until some worker is preempted. After a run that was not
 preempted TensorFlow only stops it in the handler's `__del__`, which need not run before
 the chief exits; the read then fails and the thread prints a traceback (UnavailableError:
-Connection reset by peer) after a successful run. So the hook's `end` stops it the way
+Connection reset by peer) after a successful run. So the extension's `end` stops it the way
 `__del__` does (private API: TensorFlow has no public one), then waits at a barrier until
 every worker has, so no chief leaves while a peer's watcher still reads from it.
 """
@@ -45,8 +45,8 @@ from tensorflow.python.eager import context
 from tensorflow.python.util import deprecation
 
 from trainer.cli import INTERRUPTED_EXIT_CODE, flush_and_exit
+from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
-from trainer.hooks.base import Run
 
 PREEMPTED_EXIT_CODE = 42
 _END_BARRIER = "trainer_preemption_watchers_stopped"
@@ -129,19 +129,19 @@ class Preemption(Extension):
         self._handler = None
         self._signals: StopSignals | None = None
 
-    def begin(self, run: Run) -> None:
-        self._saver = run.saver
-        self._console = run.console
-        self._is_chief = run.is_chief
-        self._step = run.start_step
+    def begin(self, context: Context) -> None:
+        self._saver = context.saver
+        self._console = context.console
+        self._is_chief = context.runtime.is_chief
+        self._step = context.start_step
         previous_sigterm = signal.getsignal(signal.SIGTERM)
-        if run.spans_processes and run.mode.synchronous:
+        if context.runtime.spans_processes and context.runtime.mode.synchronous:
             # The handler only reads through this manager (it restores the newest checkpoint,
             # as we already did); every write goes through save_fn.
-            reader = tf.train.CheckpointManager(run.saver.checkpoint, run.saver.model_dir, max_to_keep=None)
+            reader = tf.train.CheckpointManager(context.saver.checkpoint, context.saver.model_dir, max_to_keep=None)
             config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, save_fn=self._save)
             self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
-                run.strategy.cluster_resolver, reader, termination_config=config
+                context.runtime.strategy.cluster_resolver, reader, termination_config=config
             )
             # The handler set its own SIGTERM handler; ours (below) decides.
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
@@ -149,7 +149,7 @@ class Preemption(Extension):
         self._signals = StopSignals(signums, on_first=self._claim, on_again=self._leave_at_once)
         self._signals.install()
 
-    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+    def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         self._step = step
         if self._handler is not None:
             with deprecation.silence():  # its API is deprecated in favour of `run`, which takes one step a call
@@ -158,14 +158,14 @@ class Preemption(Extension):
             self._save()
             self._exit()
 
-    def close(self, run: Run) -> None:
+    def close(self, context: Context) -> None:
         if self._signals is not None:
             self._signals.uninstall()
 
-    def end(self, run: Run, step: int) -> None:
+    def end(self, context: Context, step: int) -> None:
         """Puts the signal handlers back; stops the handler's threads, then waits for every
         worker to have stopped theirs."""
-        self.close(run)
+        self.close(context)
         handler = self._handler
         if handler is None:
             return

@@ -1,7 +1,7 @@
-"""A hook that traces a window of steps with TensorFlow's profiler, for TensorBoard's Profile tab.
+"""An extension that traces a window of steps with TensorFlow's profiler, for TensorBoard's Profile tab.
 
-Gin: `train.hooks = [@profiler_hook()]` (or `train.extensions`) and `profiler_hook.steps = (10, 20)`. The loop calls
-end exactly at both steps (this hook's boundaries), so the trace holds steps 11..20 and nothing
+Gin: `train.extensions = [@profiler_hook()]` and `profiler_hook.steps = (10, 20)`. The loop calls
+end exactly at both steps (this extension's boundaries), so the trace holds steps 11..20 and nothing
 else. The chief writes `<model_dir>/plugins/profile/<time>/<host>.xplane.pb`, where the profile
 plugin (`pip install -e '.[profile]'`, then `tensorboard --logdir <model_dir>`) finds it.
 """
@@ -14,8 +14,8 @@ import os
 import tensorflow as tf
 
 from trainer.errors import UserError
+from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
-from trainer.hooks.base import Run
 
 PROFILE_SUBDIR = os.path.join("plugins", "profile")
 
@@ -49,43 +49,43 @@ class ProfilerHook(Extension):
             return self.stop - step
         return None
 
-    def begin(self, run: Run) -> None:
-        if run.start_step >= self.stop:
-            if run.is_chief:
-                run.print_fn(
-                    f"profiler: the run starts at step {run.start_step}, after steps "
+    def begin(self, context: Context) -> None:
+        if context.start_step >= self.stop:
+            if context.runtime.is_chief:
+                context.print(
+                    f"profiler: the run starts at step {context.start_step}, after steps "
                     f"{self.start}-{self.stop}; nothing to trace"
                 )
-        elif run.start_step >= self.start:
-            self._start(run, run.start_step)
+        elif context.start_step >= self.start:
+            self._start(context, context.start_step)
 
-    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+    def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         if step == self.start:
-            self._start(run, step)
+            self._start(context, step)
         elif step == self.stop:
-            self._stop(run, step)
+            self._stop(context, step)
 
-    def end(self, run: Run, step: int) -> None:
-        self._stop(run, step)
+    def end(self, context: Context, step: int) -> None:
+        self._stop(context, step)
 
-    def _start(self, run: Run, step: int) -> None:
-        if not run.is_chief or self._active:
+    def _start(self, context: Context, step: int) -> None:
+        if not context.runtime.is_chief or self._active:
             return
         try:
-            tf.profiler.experimental.start(run.model_dir)
+            tf.profiler.experimental.start(context.settings.model_dir)
         except (tf.errors.AlreadyExistsError, tf.errors.UnavailableError) as e:
-            run.print_fn(f"profiler: not tracing, another profiler session is running ({e.message})")
+            context.print(f"profiler: not tracing, another profiler session is running ({e.message})")
             return
         self._active, self._from = True, step
 
-    def _stop(self, run: Run, step: int) -> None:
+    def _stop(self, context: Context, step: int) -> None:
         if not self._active:
             return
         tf.profiler.experimental.stop()
         self._active = False
-        run.print_fn(
+        context.print(
             f"profiler: traced steps {self._from + 1}-{step} into "
-            f"{os.path.join(run.model_dir, PROFILE_SUBDIR)} (TensorBoard's Profile tab)"
+            f"{os.path.join(context.settings.model_dir, PROFILE_SUBDIR)} (TensorBoard's Profile tab)"
         )
 
 

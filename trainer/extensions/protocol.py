@@ -1,54 +1,61 @@
 """The extension protocol: one way in for every optional feature, built in or a researcher's own.
 
-An extension is a hook (it gets `begin`, `after_loop`, `end`, `rewind`, `rollback_to` between
-loop calls, and may set `every_steps`) with powers over the run's setup. It declares
+An extension is one class: it may take part in how the run is built, and it gets `begin`,
+`after_loop`, `end`, `rewind`, `rollback_to` between loop calls (`every_steps` makes loop calls
+end on its multiples). Every stage but `check` and `verify` gets the same `Context`
+(trainer/extensions/context.py). It declares
 
   name        how messages and other extensions' `after` name it ('ema', 'swa');
   setting     how the user turned it on, for messages (e.g. 'train.ema_decay'; default: `name`);
   supports    the strategies it works under (`modes.ALL`, `modes.SYNCHRONOUS`, or
               `modes.support([...], "...")`), checked for every extension in one place
               (trainer/extensions/registry.py) before anything is built, with one wording;
-  after       the names of extensions or hooks it must run after, in every stage below.
+  after       the names of extensions it must run after, in every stage below.
 
 and may implement, in the order a run calls them:
 
   check(settings)         refuse settings it cannot work with (UserError), before any TensorFlow
                           op or write;
-  attach(setup)           the runtime and the task are built, nothing restored yet: add
+  attach(context)         the runtime and the task are built, nothing restored yet: add
                           checkpoint items, wrap the update path, add an action after each
-                          update, provide named values to other extensions (see `Setup`);
-  restored(setup, path)   the newest checkpoint was restored (`path`; None for a fresh run);
+                          update, provide named values to other extensions;
+  restored(context, path) the newest checkpoint was restored (`path`; None for a fresh run);
   verify(outputs)         the loops are traced: check the step's and eval's output names;
   state_dict()            JSON-able state of its own, saved in every checkpoint of the run and
-  load_state_dict(state)  given back on restore, so a resumed run decides as an uninterrupted one.
+  load_state_dict(state)  given back on restore, so a resumed run decides as an uninterrupted one;
+  begin, rollback_to, after_loop, rewind, end, close   between and around the loop calls.
 
-The built-in features (EMA, export, warm start, best checkpoints, early stopping, Keras
-callbacks, MLflow, the profiler, preemption checkpointing, non-finite handling, gradient
-accumulation and clipping, the loss-scaling check) are extensions of exactly this kind.
+The built-in features (progress, eval, checkpoints, the config, EMA, export, warm start, best
+checkpoints, early stopping, Keras callbacks, MLflow, the profiler, preemption checkpointing,
+non-finite handling, gradient accumulation and clipping, the loss-scaling check) are extensions
+of exactly this kind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from trainer.distribution import modes
 from trainer.errors import UserError
-from trainer.hooks.base import Hook, name_of
 
 if TYPE_CHECKING:
-    from trainer.distribution.runtime import Runtime
+    from trainer.extensions.context import Context
     from trainer.run.settings import Settings
-    from trainer.task.task import Task
-
-StepFn = Callable[..., Mapping[str, Any]]
 
 
-class Extension(Hook):
-    """Base class of every extension; override what you need (see the module docstring)."""
+class Extension:
+    """Base class of every extension; override what you need (see the module docstring).
 
+    `every_steps = 0`: no boundaries of its own. `name` (empty: the class name, see `name_of`)
+    identifies it in ordering constraints; `after` names the extensions that must run before it
+    (in every stage).
+    """
+
+    every_steps: int = 0
+    name: str = ""
+    after: tuple[str, ...] = ()
     supports: modes.Support = modes.ALL
     setting: str = ""
     unsupported_reason: str = ""  # why not under the other strategies, said in the refusal
@@ -57,10 +64,10 @@ class Extension(Hook):
     def check(self, settings: "Settings") -> None:
         """Refuse settings this extension cannot work with (a UserError line); no TensorFlow here."""
 
-    def attach(self, setup: "Setup") -> None:
-        """Take part in the built run (see `Setup`); called under no strategy scope."""
+    def attach(self, context: "Context") -> None:
+        """Take part in the built run; called under no strategy scope."""
 
-    def restored(self, setup: "Setup", path: str | None) -> None:
+    def restored(self, context: "Context", path: str | None) -> None:
         """After the restore: `path` is the checkpoint restored, None for a fresh run."""
 
     def verify(self, outputs: "Outputs") -> None:
@@ -73,6 +80,40 @@ class Extension(Hook):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The state `state_dict` returned, read back from the checkpoint being restored."""
 
+    def begin(self, context: "Context") -> None:
+        """Before the first loop call (also on a resumed run, at `context.start_step`)."""
+
+    def rollback_to(self, context: "Context", step: int, num_steps: int, metrics: Mapping[str, float]) -> int | None:
+        """After the call of `num_steps` steps from `step`, before any `after_loop`: the step to
+        roll back to if the call's results must be thrown away (None: keep them)."""
+        return None
+
+    def after_loop(self, context: "Context", step: int, metrics: dict[str, float]) -> None:
+        """After each loop call that ended at `step`; `metrics`: the step outputs' means over it."""
+
+    def end(self, context: "Context", step: int) -> None:
+        """After the last loop call (also when an extension asked to stop early)."""
+
+    def rewind(self, context: "Context", step: int) -> None:
+        """Training went back to `step` (a roll-back after a non-finite loss)."""
+
+    def close(self, context: "Context") -> None:
+        """After the run however it ended (an error, an exit, after `end`): give back what `begin`
+        took from the process (signal handlers), so a caller of `train` gets it back."""
+
+    def steps_to_boundary(self, step: int) -> int | None:
+        if self.every_steps <= 0:
+            return None
+        return self.every_steps - step % self.every_steps
+
+    def at_boundary(self, step: int) -> bool:
+        return self.every_steps > 0 and step % self.every_steps == 0
+
+
+def name_of(extension: Extension) -> str:
+    """The name an extension is known by: its `name`, else its class name."""
+    return getattr(extension, "name", "") or type(extension).__name__
+
 
 PROTOCOL_METHODS = frozenset(
     name for name in dir(Extension) if not name.startswith("_") and callable(getattr(Extension, name))
@@ -83,20 +124,20 @@ NEAR_MISS_RATIO = 0.85
 _MISSABLE = sorted(name for name in PROTOCOL_METHODS if len(name) >= 4)
 
 
-def check_method_names(participants: Sequence[Hook]) -> None:
-    """Refuses a hook or extension with a public method whose name is a near miss of a protocol
+def check_method_names(participants: Sequence[Extension]) -> None:
+    """Refuses an extension with a public method whose name is a near miss of a protocol
     method it does not define (`atach` for `attach`): the run would never call it, and the
     feature would fail later, far from the typo (an AttributeError after model_dir was written)."""
     for participant in participants:
         cls = type(participant)
-        own = {name for klass in cls.__mro__ if klass not in (Extension, Hook, object) for name in vars(klass)}
+        own = {name for klass in cls.__mro__ if klass not in (Extension, object) for name in vars(klass)}
         for name in sorted(own):
             if name.startswith("_") or name in PROTOCOL_METHODS or not callable(getattr(cls, name, None)):
                 continue
             close = [m for m in difflib.get_close_matches(name, _MISSABLE, n=3, cutoff=NEAR_MISS_RATIO) if m not in own]
             if close:
                 raise UserError(
-                    f"{cls.__name__}.{name} is not a method of the hook and extension protocol, and "
+                    f"{cls.__name__}.{name} is not a method of the extension protocol, and "
                     f"the run never calls it; did you mean {close[0]}? (rename it; a helper of its own "
                     "starts with _)"
                 )
@@ -114,90 +155,3 @@ class Outputs:
 
     train: tuple[str, ...]
     eval: Mapping[str, tuple[str, ...]]
-
-
-class Setup:
-    """What `attach` and `restored` get: the built runtime and task, and the ways to take part.
-
-    One per extension, so that the registry knows who provided what.
-    """
-
-    def __init__(
-        self,
-        extension: Extension,
-        settings: "Settings",
-        runtime: "Runtime",
-        task: "Task",
-        contributions: "Contributions",
-        print_fn: Callable[[str], None],
-    ):
-        self._extension = extension
-        self.settings, self.runtime, self.task = settings, runtime, task
-        self._contributions = contributions
-        self.print = print_fn
-
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[None]:
-        """The strategy's scope: create variables in it (they then live where the weights do)."""
-        with self.runtime.strategy.scope():
-            yield
-
-    def add_checkpoint_item(self, key: str, trackable: Any) -> None:
-        """Saves `trackable` (a tf.Module, a variable, ...) in every checkpoint as `key`; a resumed
-        run must have it too (restored strictly, as the model is)."""
-        items = self.task.checkpoint_items
-        if key in items:
-            raise ValueError(
-                f"checkpoint item {key!r} exists already; {name_of(self._extension)} must pick another key"
-            )
-        items[key] = trackable
-
-    def wrap_step(self, wrapper: Callable[[StepFn], StepFn]) -> None:
-        """The update path: the train step the loop runs becomes `wrapper(step)` (in `after` order)."""
-        self._contributions.step_wrappers.append(wrapper)
-
-    def after_update(self, action: Callable[[], None]) -> None:
-        """`action()` runs inside the compiled loop after every step's update, in cross-replica
-        context (read the updated weights there; assign to variables made under `scope()`)."""
-        self._contributions.after_update.append(action)
-
-    def provide(self, name: str, value: Any) -> None:
-        """Offers `value` to other extensions and hooks under `name` (`Setup.value`, `run.values`)."""
-        owners = self._contributions.providers
-        if name in owners:
-            raise UserError(
-                f"{owners[name]} and {name_of(self._extension)} both provide {name!r} (one run can use "
-                f"only one); turn one of them off"
-            )
-        owners[name] = name_of(self._extension)
-        self._contributions.values[name] = value
-
-    def value(self, name: str, default: Any = None) -> Any:
-        """A value another extension provided (declare `after` it), or `default`."""
-        return self._contributions.values.get(name, default)
-
-
-@dataclasses.dataclass
-class Contributions:
-    """What the extensions added to the run while attaching (collected by the registry)."""
-
-    step_wrappers: list[Callable[[StepFn], StepFn]] = dataclasses.field(default_factory=list)
-    after_update: list[Callable[[], None]] = dataclasses.field(default_factory=list)
-    values: dict[str, Any] = dataclasses.field(default_factory=dict)
-    providers: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    def wrap(self, step_fn: StepFn) -> StepFn:
-        for wrapper in self.step_wrappers:
-            step_fn = wrapper(step_fn)
-        return step_fn
-
-    def after_update_action(self) -> Callable[[], None] | None:
-        actions = list(self.after_update)
-        if not actions:
-            return None
-
-        def run_all() -> None:
-            for action in actions:
-                action()
-
-        return run_all

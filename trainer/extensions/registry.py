@@ -1,27 +1,26 @@
-"""The registry: every hook and extension of a run, checked, ordered, and taken through the stages.
+"""The registry: every extension of a run, checked, ordered, and taken through the stages.
 
-Made first, from the run's participants in their default order (core hooks, built-in
-extensions, the user's hooks and extensions, then the checkpoint and what runs after it), it
+Made first, from the run's extensions in their default order (progress, eval and the config,
+the other built-in extensions, the user's, then the checkpoint and what runs after it), it
 refuses, before anything is built:
 - an extension under a strategy it does not support (the one capability check of the run,
   `modes.require`, one wording for all);
 - two participants of one name, an `after` naming nothing known, a cycle;
 - an extension with state of its own ordered after the checkpoint (its state at step S would
   miss from the checkpoint of step S).
-Then every stage (check, attach, restored, verify, the hooks) runs in one order: the default
+Then every stage (check, attach, restored, verify, those between loop calls) runs in one order: the default
 order, moved only as far as the `after` declarations require.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 from trainer.distribution import modes
-from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError
-from trainer.extensions.protocol import Contributions, Extension, Outputs, Setup, setting_of
+from trainer.extensions.context import Context, Contributions
+from trainer.extensions.protocol import Extension, Outputs, name_of, setting_of
 from trainer.files.run_checkpoint import ExtensionState
-from trainer.hooks.base import Hook, name_of
 
 CHECKPOINT = "checkpoint"
 BUILT_IN_NAMES = frozenset(
@@ -49,58 +48,56 @@ BUILT_IN_NAMES = frozenset(
 
 
 class Registry:
-    """The run's hooks and extensions in their one order (`hooks`), and their stages."""
+    """The run's extensions in their one order, and their stages."""
 
-    def __init__(self, participants: Sequence[Hook], settings) -> None:
+    def __init__(self, participants: Sequence[Extension], settings) -> None:
         self._settings = settings
         names = [name_of(p) for p in participants]
         for name in names:
             if names.count(name) > 1:
                 raise UserError(
-                    f"two hooks or extensions of this run are named {name!r}; give one another name "
-                    "(its `name` attribute)"
+                    f"two extensions of this run are named {name!r}; give one another name (its `name` attribute)"
                 )
         for participant in participants:
-            if isinstance(participant, Extension):
-                modes.require(
-                    setting_of(participant),
-                    participant.supports,
-                    settings.strategy,
-                    reason=participant.unsupported_reason,
-                    fix=participant.unsupported_fix,
-                )
-        self.hooks: list[Hook] = _ordered(list(participants))
-        self.extensions: list[Extension] = [h for h in self.hooks if isinstance(h, Extension)]
+            modes.require(
+                setting_of(participant),
+                participant.supports,
+                settings.strategy,
+                reason=participant.unsupported_reason,
+                fix=participant.unsupported_fix,
+            )
+        self.extensions: list[Extension] = _ordered(list(participants))
         self.contributions = Contributions()
-        self._setups: dict[str, Setup] = {}
 
     def check(self) -> None:
         """Each extension's `check(settings)`: before any TensorFlow op or write."""
         for extension in self.extensions:
             extension.check(self._settings)
 
-    def attach(self, runtime: Runtime, task, print_fn: Callable[[str], None]) -> Contributions:
-        """Each extension's `attach`; returns what they contributed (update path, values, ...)."""
-        for extension in self.extensions:
-            setup = Setup(extension, self._settings, runtime, task, self.contributions, print_fn)
-            self._setups[name_of(extension)] = setup
-            extension.attach(setup)
-        return self.contributions
+    def attach(self, context: Context) -> None:
+        """Each extension's `attach`, taking part in the run through `context`."""
+        self._each_owning(lambda extension: extension.attach(context))
 
     def states(self) -> dict[str, ExtensionState]:
         """The checkpoint holders of the extensions that keep state of their own, by name."""
         return {name_of(e): ExtensionState(e) for e in self.extensions if e.state_dict() is not None}
 
-    def restored(self, path: str | None) -> None:
+    def restored(self, context: Context, path: str | None) -> None:
+        """Each extension's `restored`; after it nothing more joins the run's build (`contributions`)."""
+        self._each_owning(lambda extension: extension.restored(context, path))
+        self.contributions.owner = None
+
+    def _each_owning(self, stage) -> None:
         for extension in self.extensions:
-            extension.restored(self._setups[name_of(extension)], path)
+            self.contributions.owner = name_of(extension)
+            stage(extension)
 
     def verify(self, outputs: Outputs) -> None:
         for extension in self.extensions:
             extension.verify(outputs)
 
 
-def _ordered(participants: list[Hook]) -> list[Hook]:
+def _ordered(participants: list[Extension]) -> list[Extension]:
     """The participants in their given order, each moved after what its `after` names (and the
     checkpoint after every extension with state), as little as that requires."""
     names = [name_of(p) for p in participants]
@@ -111,11 +108,11 @@ def _ordered(participants: list[Hook]) -> list[Hook]:
         unknown = [a for a in after if a not in present and a not in BUILT_IN_NAMES]
         if unknown:
             raise UserError(
-                f"{name} runs after {unknown[0]!r}, which is neither a hook or extension of this run nor a "
+                f"{name} runs after {unknown[0]!r}, which is neither an extension of this run nor a "
                 f"built-in one ({', '.join(sorted(BUILT_IN_NAMES))}); fix its `after`"
             )
         needs[name] = {a for a in after if a in present}
-    stateful = [n for p, n in zip(participants, names) if isinstance(p, Extension) and p.state_dict() is not None]
+    stateful = [n for p, n in zip(participants, names) if p.state_dict() is not None]
     if CHECKPOINT in present:
         for name in stateful:
             if _reaches(needs, name, CHECKPOINT):

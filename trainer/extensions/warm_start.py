@@ -34,7 +34,8 @@ import tensorflow as tf
 
 from trainer.distribution import modes
 from trainer.errors import UserError
-from trainer.extensions.protocol import Extension, Setup
+from trainer.extensions.context import Context
+from trainer.extensions.protocol import Extension
 
 WEIGHTS_SUFFIX = ".weights.h5"
 
@@ -260,6 +261,6 @@ class WarmStart(Extension):
             resolve(p)  # a missing source is refused now, before anything is built
         self.path = dict(path) if isinstance(path, Mapping) else path
 
-    def restored(self, setup: Setup, path: str | None) -> None:
+    def restored(self, context: Context, path: str | None) -> None:
         if path is None:  # a fresh run only; a shape mismatch stops here, nothing written
-            warm_start(setup.task.models, self.path, setup.print if setup.runtime.is_chief else lambda _: None)
+            warm_start(context.task.models, self.path, context.print if context.runtime.is_chief else lambda _: None)

@@ -1,11 +1,11 @@
-"""The controller: the outer loop of every mode, compiled calls with hooks between them.
+"""The controller: the outer loop of every mode, compiled calls with extensions between them.
 
 The synchronous loop (`sync.TrainLoop`: strategy.run/reduce inside tf.function) and the
 asynchronous one (`ps.PSTrainLoop`: closures scheduled on a ClusterCoordinator) implement the
 same `TrainLoopLike` protocol, and their evaluators `EvaluatorLike`; trainer/loops/build.py
-chooses between them. `drive` runs either: each call ends on the nearest hook boundary; after
-it, any hook may throw the call's results away (`rollback_to`: the non-finite guard), else
-every hook's `after_loop` runs, in the registry's order.
+chooses between them. `drive` runs either: each call ends on the nearest boundary of an
+extension; after it, any extension may throw the call's results away (`rollback_to`: the
+non-finite guard), else every extension's `after_loop` runs, in the registry's order.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Protocol, Sequence
 import tensorflow as tf
 
 from trainer.errors import RunFailure
-from trainer.hooks.base import Hook, Run
+from trainer.extensions.context import Context
+from trainer.extensions.protocol import Extension
 
 PEER_ERRORS = (
     tf.errors.UnavailableError,
@@ -75,50 +76,54 @@ def peer_failure(error: Exception, step: int, num_steps: int, latest_checkpoint:
     )
 
 
-def drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: int) -> int:
-    """The outer loop: compiled calls that end on the nearest hook boundary, hooks in between.
+def drive(context: Context, extensions: Sequence[Extension], steps_per_loop: int) -> int:
+    """The outer loop: compiled calls of `context.loop` that end on the nearest boundary, the
+    extensions in between.
 
-    Returns the step the run ended at (before `total_steps` if a hook asked to stop). Whatever
-    happens, the pending checkpoint write is finished (or its failure said in one line), the
-    metrics log closed and every hook's `close` called: a run that stops (a non-finite loss,
-    preemption, Ctrl-C, a lost peer) keeps its event records too.
+    Returns the step the run ended at (before `total_steps` if an extension asked to stop).
+    Whatever happens, the pending checkpoint write is finished (or its failure said in one line),
+    the metrics log closed and every extension's `close` called: a run that stops (a non-finite
+    loss, preemption, Ctrl-C, a lost peer) keeps its event records too.
     """
     try:
-        return _drive(loop, run, hooks, steps_per_loop)
+        return _drive(context, extensions, steps_per_loop)
     finally:
         try:
-            if run.saver is not None:
-                run.saver.wait()
+            if context.saver is not None:
+                context.saver.wait()
         finally:
-            run.metrics_log.close()
-            for hook in hooks:
-                hook.close(run)
+            context.metrics_log.close()
+            for extension in extensions:
+                extension.close(context)
 
 
-def _drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: int) -> int:
-    run.metrics_log.resumed(run.start_step)  # what an earlier run logged past start_step is trained again
-    for hook in hooks:
-        hook.begin(run)
-    step = run.start_step
-    while step < run.total_steps and not run.stop_requested:  # a hook may end the run early (every worker alike)
-        boundaries = [b for h in hooks if (b := h.steps_to_boundary(step)) is not None]
-        num_steps = min([steps_per_loop, run.total_steps - step, *boundaries])
+def _drive(context: Context, extensions: Sequence[Extension], steps_per_loop: int) -> int:
+    total_steps, saver, metrics_log = context.settings.total_steps, context.saver, context.metrics_log
+    metrics_log.resumed(context.start_step)  # what an earlier run logged past start_step is trained again
+    for extension in extensions:
+        extension.begin(context)
+    step = context.start_step
+    while step < total_steps and not context.stop_requested:  # an extension may end the run early (every worker)
+        boundaries = [b for e in extensions if (b := e.steps_to_boundary(step)) is not None]
+        num_steps = min([steps_per_loop, total_steps - step, *boundaries])
         started = time.monotonic()
         try:
-            metrics = loop.run(num_steps)
+            metrics = context.loop.run(num_steps)
         except PEER_ERRORS as e:
-            raise peer_failure(e, step, num_steps, run.saver.latest() if run.saver else None) from e
-        run.clock.train_seconds += time.monotonic() - started
-        back = next((s for h in hooks if (s := h.rollback_to(run, step, num_steps, metrics)) is not None), None)
+            raise peer_failure(e, step, num_steps, saver.latest() if saver else None) from e
+        context.clock.train_seconds += time.monotonic() - started
+        back = next(
+            (s for e in extensions if (s := e.rollback_to(context, step, num_steps, metrics)) is not None), None
+        )
         if back is not None:
             step = back
-            run.metrics_log.resumed(step)  # what was logged past the checkpoint rolled back to is trained again
-            for hook in hooks:
-                hook.rewind(run, step)
+            metrics_log.resumed(step)  # what was logged past the checkpoint rolled back to is trained again
+            for extension in extensions:
+                extension.rewind(context, step)
             continue
         step += num_steps
-        for hook in hooks:
-            hook.after_loop(run, step, metrics)
-    for hook in hooks:
-        hook.end(run, step)
+        for extension in extensions:
+            extension.after_loop(context, step, metrics)
+    for extension in extensions:
+        extension.end(context, step)
     return step

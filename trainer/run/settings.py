@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import re
 from typing import Any, Callable, Mapping, Sequence
 
 from trainer import data
@@ -21,7 +22,6 @@ from trainer.distribution import devices, modes
 from trainer.distribution.runtime import RuntimeConfig
 from trainer.errors import UserError
 from trainer.extensions.protocol import Extension
-from trainer.hooks.base import Hook
 from trainer.loops.options import LoopOptions, ParameterServerConfig
 from trainer.task import contract, models, optimizers, steps
 from trainer.validation import check_bool, check_callable, check_int
@@ -29,6 +29,8 @@ from trainer.validation import check_bool, check_callable, check_int
 ASYNC_REASON = "asynchronous closures on remote workers"
 CAPABILITIES = (("train.jit_compile", modes.SYNCHRONOUS), ("train.async_checkpoint", modes.SYNCHRONOUS))
 """Options of the core (not extensions) that work under some strategies only."""
+RETIRED = {"hooks": "hooks and extensions are one type now; bind train.extensions = [@my_extension()]"}
+"""Parameters `train` had, each with what replaces it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Settings:
     allow_resume_changes.
     Optional features, each an extension: preemption_checkpointing, grad_accum_steps,
     clip_global_norm, ema_decay, export_saved_model, warm_start, keep_best/best_metric/best_mode,
-    early_stopping, keras_callbacks; hooks and extensions of your own.
+    early_stopping, keras_callbacks; extensions of your own.
     Set by the entry point: model_dir, describe_config (the operative config's text), hparams
     (the flat bindings, for TensorBoard and MLflow), print_fn.
     """
@@ -99,7 +101,6 @@ class Settings:
     best_mode: str = "min"
     early_stopping: Any = None  # trainer.extensions.early_stopping.EarlyStopping
     keras_callbacks: Sequence[Any] = ()
-    hooks: Sequence[Hook] = ()
     extensions: Sequence[Extension] = ()
     describe_config: Callable[[], str] | None = None
     hparams: Mapping[str, bool | int | float | str] | None = None
@@ -115,14 +116,13 @@ class Settings:
             )
         for name, rule in (("step_fn", contract.STEP), ("eval_step_fn", contract.EVAL_STEP)):
             object.__setattr__(self, name, contract.adapt(getattr(self, name), rule))  # by name, else position
-        _check_items("train.hooks", self.hooks, Hook, "hooks (instances of trainer.hooks.Hook, bound as @my_hook())")
         _check_items(
             "train.extensions",
             self.extensions,
             Extension,
             "extensions (instances of trainer.extensions.Extension, bound as @my_extension())",
         )
-        for name in ("hooks", "extensions", "keras_callbacks"):
+        for name in ("extensions", "keras_callbacks"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
@@ -200,9 +200,21 @@ class Settings:
     def of(cls, bindings: Mapping[str, Any]) -> "Settings":
         """Settings from `train.*` bindings (names of fields), refusing a name that is none."""
         unknown = sorted(set(bindings) - {f.name for f in dataclasses.fields(cls)})
+        if retired := [name for name in unknown if name in RETIRED]:
+            raise UserError(retired_line(retired[0]))
         if unknown:
             raise UserError(f"train has no parameter {unknown[0]!r}; see `python -m trainer.configurables`")
         return cls(**bindings)
+
+
+def retired_line(name: str) -> str:
+    return f"train.{name} is gone: {RETIRED[name]}"
+
+
+def retired_binding(gin_error: Exception) -> str | None:
+    """The line for a gin binding of a parameter `train` no longer has (None for any other error)."""
+    found = re.search(r"'train' doesn't have a parameter named '(\w+)'", str(gin_error))
+    return retired_line(found.group(1)) if found and found.group(1) in RETIRED else None
 
 
 def absolute_model_dir(model_dir: str) -> str:

@@ -1,7 +1,8 @@
 """`train`: the facade, a short composition readable top to bottom.
 
-settings (checked) -> hooks and extensions (checked, ordered) -> runtime -> task -> extensions
-attached -> restore -> loops (traced, outputs verified) -> model_dir (chief) -> controller.
+settings (checked) -> extensions (checked, ordered) -> runtime -> task -> extensions attached
+to the run's one `Context` -> restore -> loops (traced, outputs verified) -> model_dir (chief)
+-> controller.
 Nothing in `model_dir` is written before the settings, the data, the user's functions, every
 extension and the checkpoint have been checked; what shows only when the first step runs (an
 op that cannot take the data's values, a user's callback that raises) removes again what the
@@ -18,6 +19,8 @@ import tensorflow as tf
 
 from trainer.errors import UserError
 from trainer.extensions import factory
+from trainer.extensions.context import Context
+from trainer.extensions.nonfinite import SKIPPED
 from trainer.extensions.protocol import Outputs, check_method_names
 from trainer.extensions.registry import Registry
 from trainer.files import model_dir as model_dir_lib
@@ -25,13 +28,11 @@ from trainer.files import run_record
 from trainer.files.checkpoints import CheckpointSaver
 from trainer.files.metrics_log import MetricsLog
 from trainer.files.run_checkpoint import RunCheckpoint
-from trainer.hooks.base import Console, Run
 from trainer.loops.build import build_loops
 from trainer.loops.controller import drive, op_error_summary
 from trainer.run.settings import Settings, signature
 from trainer.run.setup import setup
 from trainer.run.unfinished import undone_unless_a_step_finishes
-from trainer.safety.nonfinite import SKIPPED
 from trainer.task import precision
 from trainer.task.contract import function_name
 from trainer.task.structure import flat
@@ -50,13 +51,13 @@ def train(**arguments: Any) -> dict[str, float]:
     Returns the final eval results of the first eval split (empty if the run had nothing left
     to train). Raises UserError for mistakes the user can fix, before anything is written.
     """
-    settings = Settings(**arguments)
-    console = Console(settings.print_fn)
+    settings = Settings.of(arguments)
     registry = checked_registry(settings)
     runtime, task = setup(settings)
-    contributions = registry.attach(runtime, task, console.print)
+    context = Context(settings, runtime, task, registry.contributions)
+    registry.attach(context)
     record = _checked_record(settings, runtime, task)
-    saver = CheckpointSaver(
+    context.saver = saver = CheckpointSaver(
         RunCheckpoint(task.checkpoint_items, registry.states()),
         settings.model_dir,
         is_chief=runtime.is_chief,
@@ -64,18 +65,19 @@ def train(**arguments: Any) -> dict[str, float]:
         max_to_keep=settings.keep_checkpoints,
         async_checkpoint=settings.async_checkpoint,
     )
-    restored = saver.restore_latest(console.print)
-    registry.restored(restored)
-    start_step = int(task.global_step.numpy())
+    restored = saver.restore_latest(context.print)
+    registry.restored(context, restored)
+    context.start_step = start_step = int(task.global_step.numpy())
     if start_step >= settings.total_steps:
-        console.print(
+        context.print(
             f"already trained: {restored} is at step {start_step} >= train.total_steps "
             f"{settings.total_steps}; nothing to do"
         )
         return {}
     if restored:
-        console.print(f"restored {restored}; continuing from step {start_step}")
-    loop, evaluators = build_loops(
+        context.print(f"restored {restored}; continuing from step {start_step}")
+    contributions = registry.contributions
+    context.loop, context.evaluators = build_loops(
         runtime,
         task,
         settings.loop,
@@ -85,51 +87,32 @@ def train(**arguments: Any) -> dict[str, float]:
         eval_metrics_fn=settings.eval_metrics_fn,
         parameter_server=settings.parameter_server,
         after_update=contributions.after_update_action(),
-        print_fn=console.print,
+        print_fn=context.print,
     )
     registry.verify(
         Outputs(
-            train=loop.trace(function_name(task.step_fn)),
-            eval={split: evaluator.trace() for split, evaluator in evaluators.items()},
+            train=context.loop.trace(function_name(task.step_fn)),
+            eval={split: evaluator.trace() for split, evaluator in context.evaluators.items()},
         )
     )
     with undone_unless_a_step_finishes(
         settings.model_dir, is_chief=runtime.is_chief, finished=lambda: int(task.global_step.numpy()) > start_step
     ):
         model_dir_lib.prepare(settings.model_dir, record, is_chief=runtime.is_chief, fresh=start_step == 0)
-        run = Run(
-            model_dir=settings.model_dir,
-            is_chief=runtime.is_chief,
-            total_steps=settings.total_steps,
-            start_step=start_step,
-            global_batch_size=settings.global_batch_size,
-            model=task.models,
-            optimizer=task.optimizers,
-            console=console,
-            metrics_log=MetricsLog(settings.model_dir, enabled=runtime.is_chief),
-            saver=saver,
-            strategy=runtime.strategy,
-            mode=runtime.mode,
-            spans_processes=runtime.spans_processes,
-            task_name=runtime.cluster.task_name,
-            evaluators=evaluators,
-            loop=loop,
-            hparams=dict(settings.hparams or {}),
-            values=contributions.values,
-        )
-        console.print(_start_line(settings, runtime, task, start_step))
+        context.metrics_log = MetricsLog(settings.model_dir, enabled=runtime.is_chief)
+        context.print(_start_line(settings, runtime, task, start_step))
         try:
-            drive(loop, run, registry.hooks, settings.steps_per_loop)
+            drive(context, registry.extensions, settings.steps_per_loop)
         except DATA_ERRORS as e:
             raise data_error(e, settings, int(task.global_step.numpy())) from None
-    return run.evaluations.first_split
+    return context.evaluations.first_split
 
 
 train.__signature__ = signature()  # gin reads the parameters (Settings' fields) from here
 
 
 def checked_registry(settings: Settings) -> Registry:
-    """The run's hooks and extensions, each having checked the settings (what it supports under
+    """The run's extensions, each having checked the settings (what it supports under
     the strategy, its own options), and model_dir checked: what a run refuses from its settings
     alone, before TensorFlow runs anything. Raises UserError. An entry point that starts an
     embedded cluster calls it first too, so that such a mistake starts no server."""

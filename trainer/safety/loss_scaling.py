@@ -52,7 +52,6 @@ import tensorflow as tf
 from trainer import data
 from trainer.distribution import modes
 from trainer.errors import UserError
-from trainer.extensions.protocol import Extension, Outputs, Setup
 from trainer.safety.scaling_findings import EXACT_RTOL, LOW_PRECISION_RTOL, SKIP_HINT, compare, message
 from trainer.task import combine
 from trainer.task.structure import all_variables, flat
@@ -207,27 +206,3 @@ class _Snapshot:
     def restore(self) -> None:
         for local, value in self._saved:
             local.assign(value)
-
-
-class LossScalingCheck(Extension):
-    """`train.check_loss_scaling`: the probe above, after the loops are traced and before anything
-    is written (the user's own step, before any update-path wrapper)."""
-
-    name = "loss_scaling"
-    setting = "train.check_loss_scaling"
-
-    def attach(self, setup: Setup) -> None:
-        self._setup = setup
-
-    def verify(self, outputs: Outputs) -> None:
-        setup = self._setup
-        check_loss_scaling(
-            setup.runtime.strategy,
-            setup.task.models,
-            setup.task.optimizers,
-            setup.task.step_fn,
-            setup.task.input,
-            global_batch_size=setup.settings.global_batch_size,
-            seed=setup.settings.seed,
-            print_fn=setup.print,
-        )

@@ -7,12 +7,12 @@ from __future__ import annotations
 import sys
 import tempfile
 
-from trainer.hooks.base import Hook
+from trainer.extensions.protocol import Extension
 from trainer.tools.bench.config import refuse_asynchronous
 from trainer.tools.bench.protocol import Channel
 
 
-class Pacer(Hook):
+class Pacer(Extension):
     """Ends a loop call at each step the parent asks for, reports (with the checkpoints and train records
     written since the last report, and the seconds the run spent in its compiled step calls), waits for
     the next; ends the run when told to finish. It runs before the checkpoint hook, so the save at a
@@ -25,9 +25,9 @@ class Pacer(Hook):
         self.work = {"checkpoints": 0, "records": 0}
         self.train_seconds = 0.0  # the run's seconds in compiled step calls when the chunk began
 
-    def begin(self, run):
-        self.until = run.start_step + 1  # the first call: one step
-        run.metrics_log.subscribe(self._record)
+    def begin(self, context):
+        self.until = context.start_step + 1  # the first call: one step
+        context.metrics_log.subscribe(self._record)
 
     def _record(self, step, split, metrics):
         self.work["records"] += split == "train"
@@ -35,24 +35,26 @@ class Pacer(Hook):
     def steps_to_boundary(self, step):
         return self.until - step if self.until is not None and self.until > step else None
 
-    def after_loop(self, run, step, metrics):
+    def after_loop(self, context, step, metrics):
         self.channel.done = step
-        if run.saver.last_saved_step != self.saved_step:
-            self.saved_step = run.saver.last_saved_step
+        if context.saver.last_saved_step != self.saved_step:
+            self.saved_step = context.saver.last_saved_step
             self.work["checkpoints"] += 1
         if step != self.until:
             return
-        if step == run.start_step + 1:
+        if step == context.start_step + 1:
             self.until = self.channel.ready()
         else:
-            self.until = self.channel.chunk_done(step_seconds=run.train_seconds - self.train_seconds, **self.work)
+            self.until = self.channel.chunk_done(
+                step_seconds=context.clock.train_seconds - self.train_seconds, **self.work
+            )
         self.work = dict.fromkeys(self.work, 0)
-        self.train_seconds = run.train_seconds
+        self.train_seconds = context.clock.train_seconds
         if self.until is None:  # the bench has measured enough: the run ends now, however many steps are left
-            run.request_stop("the bench has measured its rounds")
+            context.request_stop()
 
-    def end(self, run, step):
-        self.channel.finished(run.loop.trace_count)  # only once the run has ended: a run that went on is seen
+    def end(self, context, step):
+        self.channel.finished(context.loop.trace_count)  # only once the run has ended: a run that went on is seen
 
 
 def run_ours(settings, channel: Channel, total_steps: int, *, async_checkpoint: bool = False) -> None:
@@ -68,7 +70,7 @@ def run_ours(settings, channel: Channel, total_steps: int, *, async_checkpoint: 
             model_dir=model_dir,
             total_steps=total_steps + 1,
             eval_every_steps=total_steps + 1,
-            hooks=[*settings.hooks, Pacer(channel)],
+            extensions=[*settings.extensions, Pacer(channel)],
             describe_config=gin.operative_config_str,
             print_fn=lambda line: print(line, file=sys.stderr, flush=True),
             async_checkpoint=async_checkpoint or settings.async_checkpoint,

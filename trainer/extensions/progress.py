@@ -14,8 +14,9 @@ from typing import IO
 
 import keras
 
-from trainer.hooks.base import Hook, Run
-from trainer.hooks.live_bar import LiveBar, is_terminal
+from trainer.extensions.console import LiveBar, is_terminal
+from trainer.extensions.context import Context
+from trainer.extensions.protocol import Extension
 from trainer.task import combine
 from trainer.validation import check_bool, check_number
 
@@ -40,13 +41,13 @@ def format_duration(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(max(seconds, 0))))
 
 
-class ProgressLogger(Hook):
+class ProgressLogger(Extension):
     """Progress on stdout, and every N steps a train record in metrics (loss, ..., steps/s).
 
     On a terminal (the chief's stdout is a tty) a live bar (step/total, loss, steps/s, ETA)
     redraws in place after loop calls, at most every `refresh_secs`; on a single worker the
     driver also ends loop calls about every `refresh_secs` so the bar moves. Lines printed by
-    other hooks (eval) appear above it. Elsewhere (CI, log files) a plain line every N steps.
+    other extensions (eval) appear above it. Elsewhere (CI, log files) a plain line every N steps.
     Non-chief workers print only a finish line (train prints the start), unless `all_workers`.
 
     Args:
@@ -87,18 +88,18 @@ class ProgressLogger(Hook):
         self._paced_from: tuple[int, float] | None = None  # (step, time) after the first call
         self._drawn_at = 0.0
 
-    def begin(self, run: Run) -> None:
-        self._last_step = self._call_step = run.start_step
-        self._last_train_seconds = self._call_train_seconds = run.train_seconds
+    def begin(self, context: Context) -> None:
+        self._last_step = self._call_step = context.start_step
+        self._last_train_seconds = self._call_train_seconds = context.clock.train_seconds
         stream = self._stream or sys.stdout
-        if run.is_chief and (is_terminal(stream) if self.live is None else self.live):
+        if context.runtime.is_chief and (is_terminal(stream) if self.live is None else self.live):
             self._bar = LiveBar(stream)
-            run.console.show_live(self._bar)  # other lines print above the bar
+            context.console.show_live(self._bar)  # other lines print above the bar
             # Loop calls must stay alike on every worker (collectives), and a PS call schedules
             # closures: cut them short only for one synchronous worker.
-            self._split = self.refresh_secs > 0 and not run.spans_processes
-        if run.is_chief and run.start_step:
-            run.print_fn(f"starting at step {run.start_step}/{run.total_steps}")
+            self._split = self.refresh_secs > 0 and not context.runtime.spans_processes
+        if context.runtime.is_chief and context.start_step:
+            context.print(f"starting at step {context.start_step}/{context.settings.total_steps}")
 
     def steps_to_boundary(self, step: int) -> int | None:
         to_log = super().steps_to_boundary(step)
@@ -106,15 +107,17 @@ class ProgressLogger(Hook):
             return to_log
         return self._chunk if to_log is None else min(to_log, self._chunk)
 
-    def rewind(self, run: Run, step: int) -> None:
+    def rewind(self, context: Context, step: int) -> None:
         self._sums, self._count = {}, 0
         self._last_step = self._call_step = step
-        self._last_train_seconds = self._call_train_seconds = run.train_seconds
+        self._last_train_seconds = self._call_train_seconds = context.clock.train_seconds
 
-    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+    def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         steps = step - self._last_step - self._count
         self._count += steps
-        extremes = {k: kind for k, kind in getattr(run.loop, "rule", {}).items() if kind in (combine.MAX, combine.MIN)}
+        extremes = {
+            k: kind for k, kind in getattr(context.loop, "rule", {}).items() if kind in (combine.MAX, combine.MIN)
+        }
         for k, v in metrics.items():
             if k in extremes:  # declared max/min: over the whole interval (trainer/task/combine.py)
                 pick = max if extremes[k] == combine.MAX else min
@@ -123,16 +126,16 @@ class ProgressLogger(Hook):
                 self._sums[k] = self._sums.get(k, 0.0) + v * steps
         self._extremes = set(extremes)
         if self._bar is not None:
-            self._update_bar(run, step)
-        if self.at_boundary(step) or step >= run.total_steps:
-            self._flush(run, step)
+            self._update_bar(context, step)
+        if self.at_boundary(step) or step >= context.settings.total_steps:
+            self._flush(context, step)
 
     def _means(self) -> dict[str, float]:
         return {k: v if k in self._extremes else v / self._count for k, v in self._sums.items()}
 
-    def _update_bar(self, run: Run, step: int) -> None:
+    def _update_bar(self, context: Context, step: int) -> None:
         now = time.monotonic()
-        call_seconds = run.train_seconds - self._call_train_seconds
+        call_seconds = context.clock.train_seconds - self._call_train_seconds
         steps = step - self._call_step  # not positive after a rewind
         rate = steps / call_seconds if steps > 0 and call_seconds > 0 else None
         if rate is not None and self._split:  # the first call's rate is low: safe for this
@@ -141,54 +144,56 @@ class ProgressLogger(Hook):
             self._paced_from = (step, now)
         elif rate is not None:
             self._rate = rate if self._rate is None else 0.7 * self._rate + 0.3 * rate
-        self._call_step, self._call_train_seconds = step, run.train_seconds
-        if now - self._drawn_at < self.refresh_secs and step < run.total_steps:
+        self._call_step, self._call_train_seconds = step, context.clock.train_seconds
+        if now - self._drawn_at < self.refresh_secs and step < context.settings.total_steps:
             return
         paced_step, paced_time = self._paced_from
         if step > paced_step:  # evals and checkpoints count, tracing does not
-            eta = (run.total_steps - step) * (now - paced_time) / (step - paced_step)
+            eta = (context.settings.total_steps - step) * (now - paced_time) / (step - paced_step)
         else:
-            eta = _eta_secs(run, step)
+            eta = _eta_secs(context, step)
         means = self._means() if self._count else {}
-        line = self._bar.render(step, run.total_steps, means, steps_per_sec=self._rate, eta=format_duration(eta))
+        line = self._bar.render(
+            step, context.settings.total_steps, means, steps_per_sec=self._rate, eta=format_duration(eta)
+        )
         self._bar.draw(line)
         self._drawn_at = now
 
-    def _flush(self, run: Run, step: int) -> None:
+    def _flush(self, context: Context, step: int) -> None:
         if not self._count:
             return
         means = self._means()
-        seconds = max(run.train_seconds - self._last_train_seconds, 1e-9)
+        seconds = max(context.clock.train_seconds - self._last_train_seconds, 1e-9)
         steps_per_sec = self._count / seconds
         record = (
             means
-            | learning_rates(run.optimizer)
+            | learning_rates(context.task.optimizers)
             | {
                 "steps_per_sec": steps_per_sec,
-                "examples_per_sec": steps_per_sec * run.global_batch_size,
+                "examples_per_sec": steps_per_sec * context.settings.global_batch_size,
             }
         )
-        run.metrics_log.record(step, "train", record)
-        if self._bar is None and (run.is_chief or self.all_workers):
+        context.metrics_log.record(step, "train", record)
+        if self._bar is None and (context.runtime.is_chief or self.all_workers):
             shown = "  ".join(f"{k} {v:.4f}" for k, v in means.items())
-            run.print_fn(
-                f"step {step}/{run.total_steps}  {shown}  {steps_per_sec:.1f} steps/s  "
-                f"{record['examples_per_sec']:.0f} ex/s  ETA {format_duration(_eta_secs(run, step))}"
+            context.print(
+                f"step {step}/{context.settings.total_steps}  {shown}  {steps_per_sec:.1f} steps/s  "
+                f"{record['examples_per_sec']:.0f} ex/s  ETA {format_duration(_eta_secs(context, step))}"
             )
         self._sums, self._count = {}, 0
-        self._last_step, self._last_train_seconds = step, run.train_seconds
+        self._last_step, self._last_train_seconds = step, context.clock.train_seconds
 
-    def end(self, run: Run, step: int) -> None:
-        self._flush(run, step)
+    def end(self, context: Context, step: int) -> None:
+        self._flush(context, step)
         if self._bar is not None:
             self._bar.finish()
-            run.console.hide_live()
+            context.console.hide_live()
             self._bar, self._chunk = None, None
-        if not run.is_chief:
-            run.print_fn(f"finished at step {step}/{run.total_steps}")
+        if not context.runtime.is_chief:
+            context.print(f"finished at step {step}/{context.settings.total_steps}")
 
 
-def _eta_secs(run: Run, step: int) -> float:
+def _eta_secs(context: Context, step: int) -> float:
     """Wall time left at the run's average pace so far (evals and checkpoints included)."""
-    done = step - run.start_step
-    return (run.total_steps - step) * (time.monotonic() - run.clock.start_time) / max(done, 1)
+    done = step - context.start_step
+    return (context.settings.total_steps - step) * (time.monotonic() - context.clock.start_time) / max(done, 1)

@@ -10,7 +10,8 @@ neither a sum over micro-batches nor a global norm across replicas exists there.
 from __future__ import annotations
 
 from trainer.distribution import modes
-from trainer.extensions.protocol import Extension, Setup
+from trainer.extensions.context import Context
+from trainer.extensions.protocol import Extension
 from trainer.update import accumulation
 
 
@@ -38,13 +39,13 @@ class UpdatePath(Extension):
             or "train.grad_accum_steps"
         )
 
-    def attach(self, setup: Setup) -> None:
+    def attach(self, context: Context) -> None:
         accumulation.prepare(
             self.options,
-            setup.task.optimizers,
-            num_replicas=setup.runtime.num_replicas,
-            global_batch_size=setup.settings.global_batch_size,
-            jit_compile=setup.settings.jit_compile,
+            context.task.optimizers,
+            num_replicas=context.runtime.num_replicas,
+            global_batch_size=context.settings.global_batch_size,
+            jit_compile=context.settings.jit_compile,
         )
         if self.options.takes_over:
-            setup.wrap_step(lambda step_fn: accumulation.update_step(step_fn, self.options))
+            context.wrap_step(lambda step_fn: accumulation.update_step(step_fn, self.options))

@@ -1,13 +1,13 @@
-"""A one-line progress bar that redraws in place on a terminal (`\\r`, no newline until done).
+"""Where a run's lines go: the console, and the one-line progress bar it keeps below them.
 
-Only the rendering lives here; when to draw is decided by `hooks.ProgressLogger`.
+The bar only renders and redraws here; when to draw it is decided by `progress.ProgressLogger`.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from typing import IO, Mapping
+from typing import IO, Any, Callable, Mapping
 
 
 def is_terminal(stream: IO[str]) -> bool:
@@ -84,3 +84,32 @@ class LiveBar:
             self._stream.flush()
             self._shown = 0
         self._last = ""
+
+
+class Console:
+    """Where the run's lines go. A live line (the bar) registered with `show_live` is cleared
+    before each line and drawn again after it, so lines appear above it."""
+
+    def __init__(self, print_fn: Callable[[str], None] = print):
+        self._print_fn = print_fn
+        self._live: Any = None  # has clear() and redraw()
+
+    def print(self, line: str) -> None:
+        if self._live is None:
+            self._print_fn(line)
+            return
+        self._live.clear()
+        self._print_fn(line)
+        self._live.redraw()
+
+    def show_live(self, live: Any) -> None:
+        self._live = live
+
+    def hide_live(self) -> None:
+        self._live = None
+
+    def close_live(self) -> None:
+        """Blanks the live line for good: a run that ends early (Ctrl-C) ends on its last line."""
+        if self._live is not None:
+            self._live.clear()
+            self._live = None

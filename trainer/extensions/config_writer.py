@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from trainer.extensions.context import Context
+from trainer.extensions.protocol import Extension
 from trainer.files.atomic import write_text_atomic
-from trainer.hooks.base import Hook, Run
 
 OPERATIVE_CONFIG_FILE = "operative_config.gin"
 
 
-class ConfigWriter(Hook):
+class ConfigWriter(Extension):
     """Writes the operative config (chief): at start, so a crashed run still has it, and
     again after the first loop call, once tracing has called the step and its parameters
     are known. Also a text summary, so TensorBoard shows the config beside the curves."""
@@ -23,21 +24,21 @@ class ConfigWriter(Hook):
         self._describe_config = describe_config
         self._complete = False
 
-    def begin(self, run: Run) -> None:
-        self._write(run)
+    def begin(self, context: Context) -> None:
+        self._write(context)
 
-    def after_loop(self, run: Run, step: int, metrics: dict[str, float]) -> None:
+    def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         if not self._complete:
-            self._write(run)
-            run.metrics_log.text(step, "operative_config", "```\n" + self._describe_config() + "\n```")
+            self._write(context)
+            context.metrics_log.text(step, "operative_config", "```\n" + self._describe_config() + "\n```")
             self._complete = True
 
-    def _write(self, run: Run) -> None:
-        if run.is_chief:
-            write_text_atomic(os.path.join(run.model_dir, OPERATIVE_CONFIG_FILE), self._describe_config())
+    def _write(self, context: Context) -> None:
+        if context.runtime.is_chief:
+            write_text_atomic(os.path.join(context.settings.model_dir, OPERATIVE_CONFIG_FILE), self._describe_config())
 
 
-class HParamsWriter(Hook):
+class HParamsWriter(Extension):
     """Writes the run's hyperparameters (e.g. its flattened gin bindings) at start as a
     TensorBoard hparams summary (chief), so sibling run directories compare in the HParams tab."""
 
@@ -46,5 +47,7 @@ class HParamsWriter(Hook):
     def __init__(self, hparams: dict[str, bool | int | float | str]):
         self._hparams = dict(hparams)
 
-    def begin(self, run: Run) -> None:
-        run.metrics_log.hparams(self._hparams, trial_id=os.path.basename(os.path.normpath(run.model_dir)))
+    def begin(self, context: Context) -> None:
+        context.metrics_log.hparams(
+            self._hparams, trial_id=os.path.basename(os.path.normpath(context.settings.model_dir))
+        )

@@ -1,0 +1,37 @@
+"""Eval: every eval split over all of its examples, every N steps and at the end.
+
+Its results are the run's `evaluations`: extensions that act on eval results (best
+checkpoints, early stopping, Keras callbacks, an EMA's own eval) run after it and read
+`context.evaluations.at(step)`, which holds the results only at a step where an eval ran.
+"""
+
+from __future__ import annotations
+
+from trainer.extensions.context import Context
+from trainer.extensions.protocol import Extension
+
+
+class EvalHook(Extension):
+    """Evaluates every eval split every `every_steps` steps and at the end of the run.
+
+    At the end it does not evaluate again a step it already evaluated, nor a run that trained
+    no step (one started again after early stopping: its last eval is already recorded).
+    """
+
+    name = "eval"
+
+    def __init__(self, every_steps: int):
+        self.every_steps = every_steps
+        self._last_step: int | None = None
+
+    def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
+        if self.at_boundary(step):
+            self._evaluate(context, step)
+
+    def end(self, context: Context, step: int) -> None:
+        if self._last_step != step and step != context.start_step:
+            self._evaluate(context, step)
+
+    def _evaluate(self, context: Context, step: int) -> None:
+        context.evaluations.record(step, context.evaluate(step))
+        self._last_step = step
