@@ -128,6 +128,9 @@ def test_a_named_value_has_one_provider_and_contributions_end_with_the_build():
     assert context.values["export_weights"] == 1 and "missing" not in context.values
     with pytest.raises(UserError, match="ema and swa both provide 'export_weights'"):
         context.provide("export_weights", 2)
+    context.saver = "made"  # train, after every `attach`: the checkpoint holds its items now
+    with pytest.raises(UserError, match=r"context.add_checkpoint_item works in an extension's attach only"):
+        context.add_checkpoint_item("late", object())
     contributions.owner = None  # the registry, after every `restored`
     with pytest.raises(UserError, match=r"context.wrap_step works in an extension's attach or restored only"):
         context.wrap_step(lambda step_fn: step_fn)

@@ -121,7 +121,7 @@ class Context:
     def add_checkpoint_item(self, key: str, trackable: Any) -> None:
         """Saves `trackable` (a tf.Module, a variable, ...) in every checkpoint as `key`; a resumed
         run must have it too (restored strictly, as the model is). In `attach`."""
-        owner = self._owner("add_checkpoint_item")
+        owner = self._owner("add_checkpoint_item", "attach")
         items = self.task.checkpoint_items
         if key in items:
             raise UserError(f"checkpoint item {key!r} exists already; {owner} must pick another key")
@@ -148,10 +148,11 @@ class Context:
         providers[name] = owner
         self._contributions.values[name] = value
 
-    def _owner(self, method: str) -> str:
-        """The extension taking part now; refuses a contribution once the loops are being built."""
-        if self._contributions.owner is None:
-            raise UserError(f"context.{method} works in an extension's attach or restored only, where the run is built")
+    def _owner(self, method: str, stages: str = "attach or restored") -> str:
+        """The extension taking part now; refuses a contribution the run can no longer take (the
+        checkpoint is made after `attach`, the loops after `restored`)."""
+        if self._contributions.owner is None or (stages == "attach" and self.saver is not None):
+            raise UserError(f"context.{method} works in an extension's {stages} only, where the run is built")
         return self._contributions.owner
 
     def request_stop(self) -> None:
