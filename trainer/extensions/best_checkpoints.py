@@ -70,7 +70,6 @@ class BestCheckpoints(Extension):
 
     def attach(self, context: Context) -> None:
         context.provide(BEST_CHECKPOINT, self.best)
-        self._task_name = context.runtime.cluster.task_name
 
     def restored(self, context: Context, path: str | None) -> None:
         state = read_state(context.settings.model_dir)
@@ -115,7 +114,7 @@ class BestCheckpoints(Extension):
 
     def _save(self, context: Context, step: int, value: float) -> None:
         if not context.runtime.is_chief:
-            temp_dir = tempfile.mkdtemp(prefix=f"trainer-{self._task_name}-best-")
+            temp_dir = tempfile.mkdtemp(prefix=f"trainer-{context.runtime.cluster.task_name}-best-")
             try:
                 context.saver.write_copy(os.path.join(temp_dir, f"ckpt-{step}"))
             finally:

@@ -31,7 +31,8 @@ StepFn = Callable[..., Mapping[str, Any]]
 
 @dataclasses.dataclass
 class Clock:
-    """`train_seconds`: time inside compiled train calls; `start_time`: when the run started."""
+    """`train_seconds`: time inside compiled train calls; `start_time`: when training started (the
+    controller sets it, so the time to build and trace the run is in neither)."""
 
     train_seconds: float = 0.0
     start_time: float = dataclasses.field(default_factory=time.monotonic)

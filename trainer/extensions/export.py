@@ -128,7 +128,6 @@ class Export(Extension):
     def attach(self, context: Context) -> None:
         check_exportable(context.task.models)
         self.spec = serving_spec(context.task.input.element_spec)
-        self.task_name = context.runtime.cluster.task_name
 
     def end(self, context: Context, step: int) -> None:
         weights: ExportWeights | None = context.values.get(EXPORT_WEIGHTS)
@@ -159,7 +158,7 @@ class Export(Extension):
                 context.settings.model_dir,
                 step,
                 is_chief=context.runtime.is_chief,
-                task_name=self.task_name,
+                task_name=context.runtime.cluster.task_name,
             )
         if context.runtime.is_chief:
             label = f" ({weights.label})" if weights is not None else ""

@@ -41,7 +41,7 @@ import threading
 from typing import Callable
 
 import tensorflow as tf
-from tensorflow.python.eager import context
+from tensorflow.python.eager import context as eager_context
 from tensorflow.python.util import deprecation
 
 from trainer.cli import INTERRUPTED_EXIT_CODE, flush_and_exit
@@ -174,7 +174,7 @@ class Preemption(Extension):
         handler._stop_poll_termination_signal_thread()
         if watched_peers:
             try:
-                context.context().wait_at_barrier(_END_BARRIER, _END_BARRIER_TIMEOUT_MS)
+                eager_context.context().wait_at_barrier(_END_BARRIER, _END_BARRIER_TIMEOUT_MS)
             except tf.errors.OpError:
                 pass  # a peer already gone: this run is done and saved either way
 
@@ -184,7 +184,7 @@ class Preemption(Extension):
             return  # after_loop sees `received`
         try:
             try:
-                context.context().set_config_key_value(_STOP_SIGNAL_KEY, str(signum))
+                eager_context.context().set_config_key_value(_STOP_SIGNAL_KEY, str(signum))
             except tf.errors.AlreadyExistsError:
                 pass  # a peer claimed first, with its signal
             self._handler._maybe_set_received_own_sigterm()  # what the handler's own SIGTERM handler does
@@ -199,11 +199,11 @@ class Preemption(Extension):
         if self._handler is None:
             return self._signals.received
         try:
-            signum = int(context.context().get_config_key_value(_STOP_SIGNAL_KEY, _EXIT_TIMEOUT_MS))
+            signum = int(eager_context.context().get_config_key_value(_STOP_SIGNAL_KEY, _EXIT_TIMEOUT_MS))
         except tf.errors.OpError:  # the chief gone already: this worker's own signal, else preemption
             return self._signals.received or signal.SIGTERM
         try:
-            context.context().wait_at_barrier(_EXIT_BARRIER, _EXIT_TIMEOUT_MS)
+            eager_context.context().wait_at_barrier(_EXIT_BARRIER, _EXIT_TIMEOUT_MS)
         except tf.errors.OpError:
             pass  # a peer gone: it read the signal already, or never will
         return signum

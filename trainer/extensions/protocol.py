@@ -1,34 +1,13 @@
-"""The extension protocol: one way in for every optional feature, built in or a researcher's own.
+"""The extension protocol: the one plug-in type of every feature around the loop, built in or a
+researcher's own (docs/extensions.md lists all of it).
 
-An extension is one class: it may take part in how the run is built, and it gets `begin`,
-`after_loop`, `end`, `rewind`, `rollback_to` between loop calls (`every_steps` makes loop calls
-end on its multiples). Every stage but `check` and `verify` gets the same `Context`
-(trainer/extensions/context.py). It declares
-
-  name        how messages and other extensions' `after` name it ('ema', 'swa');
-  setting     how the user turned it on, for messages (e.g. 'train.ema_decay'; default: `name`);
-  supports    the strategies it works under (`modes.ALL`, `modes.SYNCHRONOUS`, or
-              `modes.support([...], "...")`), checked for every extension in one place
-              (trainer/extensions/registry.py) before anything is built, with one wording;
-  after       the names of extensions it must run after, in every stage below.
-
-and may implement, in the order a run calls them:
-
-  check(settings)         refuse settings it cannot work with (UserError), before any TensorFlow
-                          op or write;
-  attach(context)         the runtime and the task are built, nothing restored yet: add
-                          checkpoint items, wrap the update path, add an action after each
-                          update, provide named values to other extensions;
-  restored(context, path) the newest checkpoint was restored (`path`; None for a fresh run);
-  verify(outputs)         the loops are traced: check the step's and eval's output names;
-  state_dict()            JSON-able state of its own, saved in every checkpoint of the run and
-  load_state_dict(state)  given back on restore, so a resumed run decides as an uninterrupted one;
-  begin, rollback_to, after_loop, rewind, end, close   between and around the loop calls.
-
-The built-in features (progress, eval, checkpoints, the config, EMA, export, warm start, best
-checkpoints, early stopping, Keras callbacks, MLflow, the profiler, preemption checkpointing,
-non-finite handling, gradient accumulation and clipping, the loss-scaling check) are extensions
-of exactly this kind.
+An extension declares its `name` (for messages and others' `after`), the strategies it
+`supports` (checked for all in one place, trainer/extensions/registry.py, with one wording),
+what it must run `after`, and `every_steps` (loop calls end on its multiples). It may take
+part in how the run is built (`check`, `attach`, `restored`, `verify`), keep state of its own in
+every checkpoint (`state_dict`), and act between and around loop calls (`begin`, `rollback_to`,
+`after_loop`, `rewind`, `end`, `close`). Every stage but `check` and `verify` gets the same
+`Context` (trainer/extensions/context.py).
 """
 
 from __future__ import annotations
@@ -46,12 +25,7 @@ if TYPE_CHECKING:
 
 
 class Extension:
-    """Base class of every extension; override what you need (see the module docstring).
-
-    `every_steps = 0`: no boundaries of its own. `name` (empty: the class name, see `name_of`)
-    identifies it in ordering constraints; `after` names the extensions that must run before it
-    (in every stage).
-    """
+    """Base class of every extension; override what you need (`name` empty: the class name)."""
 
     every_steps: int = 0
     name: str = ""

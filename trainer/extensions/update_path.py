@@ -19,7 +19,6 @@ class UpdatePath(Extension):
     """Gradient accumulation over micro-batches and/or clipping by the global norm after the sum."""
 
     name = "update_path"
-    setting = "train.grad_accum_steps, train.clip_global_norm"
     supports = modes.SYNCHRONOUS
     unsupported_reason = "asynchronous updates"
 
@@ -27,17 +26,11 @@ class UpdatePath(Extension):
         self.options = accumulation.UpdateOptions(grad_accum_steps=grad_accum_steps, clip_global_norm=clip_global_norm)
         if not self.options.takes_over:
             self.supports = modes.ALL  # only the check of Keras' clipping: everywhere
-        self.setting = (
-            " and ".join(
-                name
-                for name, on in (
-                    ("train.grad_accum_steps", grad_accum_steps != 1),
-                    ("train.clip_global_norm", clip_global_norm is not None),
-                )
-                if on
-            )
-            or "train.grad_accum_steps"
-        )
+        turned_on = {
+            "train.grad_accum_steps": grad_accum_steps != 1,
+            "train.clip_global_norm": clip_global_norm is not None,
+        }
+        self.setting = " and ".join(name for name, on in turned_on.items() if on) or "train.grad_accum_steps"
 
     def attach(self, context: Context) -> None:
         accumulation.prepare(

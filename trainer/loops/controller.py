@@ -100,6 +100,7 @@ def drive(context: Context, extensions: Sequence[Extension], steps_per_loop: int
 def _drive(context: Context, extensions: Sequence[Extension], steps_per_loop: int) -> int:
     total_steps, saver, metrics_log = context.settings.total_steps, context.saver, context.metrics_log
     metrics_log.resumed(context.start_step)  # what an earlier run logged past start_step is trained again
+    context.clock.start_time = time.monotonic()
     for extension in extensions:
         extension.begin(context)
     step = context.start_step
