@@ -42,8 +42,8 @@ class Plain(Extension):
     name = "plain"
 
 
-def names(hooks) -> list[str]:
-    return [getattr(h, "name", "") or type(h).__name__ for h in hooks]
+def names(extensions) -> list[str]:
+    return [getattr(e, "name", "") or type(e).__name__ for e in extensions]
 
 
 def test_every_built_in_refused_under_parameter_server_says_so_in_one_wording():

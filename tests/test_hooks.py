@@ -1,4 +1,4 @@
-"""Hooks fire exactly on their boundaries, whatever steps_per_loop is; users add hooks by gin."""
+"""Extensions act exactly on their boundaries, whatever steps_per_loop is; users add their own by gin."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import textwrap
 from tests.support import REPO, read_jsonl, run_main, subprocess_env
 
 
-def test_boundaries_need_not_divide_steps_per_loop_and_user_hooks_plug_in(tmp_path):
+def test_boundaries_need_not_divide_steps_per_loop_and_user_extensions_plug_in(tmp_path):
     (tmp_path / "my_hooks.py").write_text(
         textwrap.dedent("""
         import json
@@ -52,7 +52,7 @@ def test_boundaries_need_not_divide_steps_per_loop_and_user_hooks_plug_in(tmp_pa
     loop_ends = [step for step, _ in seen["seen"]]
     assert seen["end"] == 30 and seen["chief"] is True
     assert all(keys == ["accuracy", "loss"] for _, keys in seen["seen"])
-    # Every boundary of every hook (4s, 6s, 10s, 15s) and no call longer than steps_per_loop.
+    # Every boundary of every extension (4s, 6s, 10s, 15s) and no call longer than steps_per_loop.
     for boundary in [*range(4, 31, 4), *range(6, 31, 6), 10, 20, 15, 30]:
         assert boundary in loop_ends, boundary
     assert all(b - a <= 7 for a, b in zip([0, *loop_ends], loop_ends))

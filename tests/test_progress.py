@@ -70,7 +70,7 @@ def test_on_a_terminal_the_bar_redraws_in_place_and_eval_lines_print_above_it(tm
         [
             "--gin_file=gin/single.gin",
             f"--model_dir={model_dir}",
-            # One loop call of 60 steps, broken only at the eval step 30 by the other hooks: any
+            # One loop call of 60 steps, broken only at the eval step 30 by the other extensions: any
             # other step the bar shows comes from the driver ending calls early for the bar.
             "--gin_bindings=train.total_steps=60",
             "--gin_bindings=train.steps_per_loop=60",

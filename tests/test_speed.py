@@ -7,7 +7,7 @@ import textwrap
 
 from tests.support import run_python
 
-# Runs `train` in this process with a hook that records each loop call; prints its findings.
+# Runs `train` in this process with an extension that records each loop call; prints its findings.
 RUN = textwrap.dedent('''
     import json, math, tempfile
     import keras
