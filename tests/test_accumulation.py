@@ -17,6 +17,7 @@ from trainer.errors import UserError
 from trainer.update import accumulation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "mirrored"])
 def test_four_micro_batches_update_like_the_whole_batch(replicas):
     result = run_python(f"from tests.update_runs import main; main({replicas}, [[1, None], [4, None]])", timeout=180)
@@ -48,6 +49,7 @@ def test_bad_grad_accum_steps_is_one_line(value):
         accumulation.UpdateOptions(grad_accum_steps=value)
 
 
+@pytest.mark.slow
 def test_batch_not_divisible_by_micro_batches_times_replicas_exits_2(tmp_path):
     model_dir = str(tmp_path / "run")
     proc = run_main(
@@ -62,6 +64,7 @@ def test_batch_not_divisible_by_micro_batches_times_replicas_exits_2(tmp_path):
     assert not os.path.exists(model_dir) or not os.listdir(model_dir)
 
 
+@pytest.mark.slow
 def test_accumulated_run_resumes_exactly(tmp_path):
     """10 steps of 2 micro-batches (the CNN with dropout) straight, and as 5 + 5 across a restart."""
     common = [

@@ -16,6 +16,7 @@ from trainer.update import accumulation
 from trainer.update.update_path import UpdatePath
 
 
+@pytest.mark.slow
 def test_clipped_sgd_gives_the_same_weights_on_1_2_and_4_replicas():
     runs = {
         n: run_python(
@@ -40,6 +41,7 @@ def test_clipped_sgd_gives_the_same_weights_on_1_2_and_4_replicas():
     assert max_difference(reference["weights"], unclipped["weights"]) > 0.1  # clipping changed the training
 
 
+@pytest.mark.slow
 def test_keras_global_clipnorm_on_2_replicas_exits_2(tmp_path):
     model_dir = str(tmp_path / "run")
     proc = run_main(
@@ -68,6 +70,7 @@ def test_parameter_server_refuses_both_options():
             Registry([UpdatePath(**{name: value})], Settings(strategy="parameter_server"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_multiworker_workers_clip_and_accumulate_like_one_device(tmp_path):
     """Real `trainer.launch` processes: 2 MultiWorkerMirrored workers with 2 micro-batches and clipping

@@ -14,6 +14,8 @@ from trainer.extensions import ema
 from trainer.extensions.registry import Registry
 from trainer.run.settings import Settings
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 SMALL = [
     "--gin_file=gin/single.gin",
     "--gin_bindings=cnn.filters=(8,)",

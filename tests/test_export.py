@@ -56,6 +56,7 @@ def compare(model_dir: str, with_ema: bool, checkpoint: str | None = None, step:
     return run_python(code.replace("CHECKPOINT", repr(checkpoint)).replace("STEP", repr(step)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("gin_file,with_ema", [("gin/single.gin", False), ("gin/mirrored.gin", True)])
 def test_exported_saved_model_predicts_like_the_restored_model(tmp_path, gin_file, with_ema):
@@ -71,6 +72,7 @@ def test_exported_saved_model_predicts_like_the_restored_model(tmp_path, gin_fil
     assert result["max_diff"] <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_best_checkpoint_is_exported_too(tmp_path):
     model_dir = str(tmp_path / "run")
@@ -93,6 +95,7 @@ def test_the_best_checkpoint_is_exported_too(tmp_path):
     assert best["max_diff"] <= 1e-6 and final["max_diff"] <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,expected",
     [

@@ -15,6 +15,8 @@ from tests.support import read_jsonl, run_main, run_module, run_python, subproce
 from tests.test_early_stopping import SHORT, best_steps, top_k_steps
 from tests.test_multiworker import trainer_pids_for
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 # Must-show 6: the run and `fit` on the same model, optimizer and data, epochs = eval intervals,
 # both fed the run's log sequence (fit's own logs must have the same keys), the callbacks compared.
 COMPARE_WITH_FIT = textwrap.dedent("""

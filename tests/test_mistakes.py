@@ -337,6 +337,7 @@ def outcomes(tmp_path_factory) -> dict:
         del os.environ["MISTAKES"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mistake_is_one_line_exit_2_and_model_dir_unchanged(outcomes, name):
     outcome, expected = outcomes[name], CASES[name][1]
@@ -350,6 +351,7 @@ def test_mistake_is_one_line_exit_2_and_model_dir_unchanged(outcomes, name):
     assert outcome["seconds"] < 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     [
@@ -366,11 +368,13 @@ def test_what_user_code_raises_shows_only_its_frames(outcomes, name):
     assert frames and all("tests/broken_functions.py" in line for line in frames), stderr
 
 
+@pytest.mark.slow
 def test_an_endless_dataset_says_how_far_its_count_got(outcomes):
     stdout = outcomes["input_fn_endless_generator"]["stdout"]
     assert "counting split 'train' (its size is unknown to tf.data):" in stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gin_unclosed_parenthesis", "optimizer_momentum_text", "step_returns_list"])
 def test_the_same_mistakes_from_a_real_process(tmp_path, name):
     for text_name, text in (("unclosed", UNCLOSED),):
@@ -388,6 +392,7 @@ def test_the_same_mistakes_from_a_real_process(tmp_path, name):
     assert tree_digest(str(model_dir)) == before and os.path.isdir(REPO)
 
 
+@pytest.mark.slow
 def test_a_run_that_dies_of_its_data_at_the_first_step_leaves_no_model_dir(tmp_path):
     model_dir = tmp_path / "new"
     proc = run_main(*CASES["labels_one_based"][0], f"--model_dir={model_dir}")
@@ -400,6 +405,7 @@ def test_a_run_that_dies_of_its_data_at_the_first_step_leaves_no_model_dir(tmp_p
     assert not model_dir.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gin_file", ["gin/mirrored.gin", "gin/mwms.gin"])
 def test_a_model_built_at_import_is_named(tmp_path, gin_file):
     line = refused_run(

@@ -15,6 +15,8 @@ import pytest
 
 from tests.support import read_jsonl, run_main, run_module, subprocess_env
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 mlflow = pytest.importorskip("mlflow")
 HOOK = "--gin_bindings=train.hooks=[@mlflow_hook()]"
 SHORT = [

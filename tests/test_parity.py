@@ -12,6 +12,8 @@ import pytest
 
 from tests.support import run_module
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 SMALL = ["--gin_bindings=cnn.filters=(8, 8, 8)", "--gin_bindings=cnn.dense_units=16"]
 
 

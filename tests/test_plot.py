@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.support import run_module, subprocess_env
+
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import REPO, run_main, subprocess_env
 
 GIN_FILES = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "gin", "*.gin")))
@@ -71,6 +73,7 @@ def _check_output(path: str, out: str, extra: list[str]) -> None:
         assert re.search(rf"^# {name}: ", out, re.M), (path, name)
 
 
+@pytest.mark.slow
 def test_print_config_of_every_gin_file_shows_each_bound_value_and_trains_nothing(tmp_path):
     assert len(GIN_FILES) >= 5, GIN_FILES
     jobs = [(path, str(tmp_path / os.path.basename(path)), EXTRA.get(path, [])) for path in GIN_FILES]
@@ -93,6 +96,7 @@ def test_print_config_of_every_gin_file_shows_each_bound_value_and_trains_nothin
         _check_output(path, result["out"], extra)
 
 
+@pytest.mark.slow
 def test_print_config_from_the_command_line(tmp_path):
     model_dir = tmp_path / "never"
     extra = EXTRA["gin/mirrored.gin"]

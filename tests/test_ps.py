@@ -63,6 +63,7 @@ def assert_one_line_error(stderr: str, *needles: str) -> str:
     return last
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.xdist_group("embedded_ps_run")
 def test_embedded_cluster_trains_to_accuracy_and_sidecar_evaluates_each_checkpoint(embedded_ps_run):
@@ -89,6 +90,7 @@ def test_embedded_cluster_trains_to_accuracy_and_sidecar_evaluates_each_checkpoi
     assert_all_gone(server_pids(run.stdout))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_launcher_runs_chief_workers_and_ps_as_separate_processes(tmp_path):
     """Must-show 2: `trainer.launch --num_workers=2 --num_ps=1 -- --gin_file=gin/ps.gin`."""
@@ -105,6 +107,7 @@ def test_launcher_runs_chief_workers_and_ps_as_separate_processes(tmp_path):
     assert_all_gone(pids)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_one_worker_trains_exactly_like_one_device(trained_single_dir, tmp_path):
     """Must-show 3: with one worker the updates are sequential, so the weights are bit-identical."""
@@ -136,6 +139,7 @@ def test_one_worker_trains_exactly_like_one_device(trained_single_dir, tmp_path)
     assert_all_gone(server_pids(proc.stderr))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_worker_killed_mid_run_is_worked_around(tmp_path):
     """Must-show 4: SIGKILL one of two workers (not restarted); the other one finishes the run."""
@@ -159,6 +163,7 @@ def test_a_worker_killed_mid_run_is_worked_around(tmp_path):
     assert_all_gone(server_pids(run.stderr))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_lost_ps_stops_the_chief_with_one_line_and_a_rerun_continues(tmp_path):
     """Must-show 5: SIGKILL the ps; exit 1 with one line; the same command resumes at the checkpoint."""
@@ -202,6 +207,7 @@ def test_a_lost_ps_stops_the_chief_with_one_line_and_a_rerun_continues(tmp_path)
     assert_all_gone(server_pids(rerun.stderr))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_tf_module_variables_shard_across_ps_tasks_and_sigterm_ends_the_cluster(tmp_path):
     """Sharding by gin for a tf.Module model; then SIGTERM: exit 143, every server stopped.
@@ -260,6 +266,7 @@ WIDE_AND_DEEP = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sharded_module_tables_train_beside_a_keras_tower_and_a_sharded_keras_layer_is_refused(tmp_path):
     """Must-show 9: wide and deep under a partitioner, in a dict of models: the tf.Module's table
@@ -288,6 +295,7 @@ def test_sharded_module_tables_train_beside_a_keras_tower_and_a_sharded_keras_la
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_keras_layers_held_by_a_tf_module_are_named_as_the_cause(tmp_path):
     """tf.Module collects only tf.Variables and nested tf.Modules; a Keras 3 layer is neither, so a
@@ -305,6 +313,7 @@ def test_keras_layers_held_by_a_tf_module_are_named_as_the_cause(tmp_path):
     assert "subclass keras.Layer or keras.Model instead of tf.Module" in line
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_workers_and_ps_tasks_are_refused_by_main_and_servers_check_tf_config(tmp_path):
     cluster = '{"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}'
@@ -331,6 +340,7 @@ ONE_NODE_STEP = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "localhost"
 SLURM_JOBS = "{'jobs': {'chief': 1, 'ps': 1, 'worker': 2}, 'gpus_per_node': 0}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_ps_run_resolved_from_slurm_starts_no_cluster_of_its_own(tmp_path):
     """The chief of a SLURM job must join the job's tasks: outside an srun step it says what is
@@ -345,6 +355,7 @@ def test_a_ps_run_resolved_from_slurm_starts_no_cluster_of_its_own(tmp_path):
     assert not local_cluster.needs_local_cluster("parameter_server", "slurm")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_server_resolved_from_slurm_checks_its_flags_and_its_task():
     bad_kind = run_module("trainer.server", "--cluster_resolver=k8s", timeout=60)

@@ -28,6 +28,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_strategies_on_two_logical_cpus():
     r = run_python(SCRIPT, timeout=180)
