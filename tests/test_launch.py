@@ -67,7 +67,6 @@ def reported_configs(stdout: str) -> dict[str, dict]:
     return {name: json.loads(config) for name, config in found}
 
 
-@pytest.mark.slow
 def test_two_workers_succeed_with_consistent_tf_configs(tmp_path):
     result = run_launcher(["--num_workers=2"], ["--sleep=0.2"], tmp_path)
     assert result.returncode == 0, result.stderr
@@ -83,7 +82,6 @@ def test_two_workers_succeed_with_consistent_tf_configs(tmp_path):
     assert_none_alive(tmp_path)
 
 
-@pytest.mark.slow
 def test_a_failing_worker_ends_the_group_with_its_code(tmp_path):
     start = time.monotonic()
     result = run_launcher(["--num_workers=2"], ["--sleep=60", "--fail_task=worker:1", "--exit_code=3"], tmp_path)
@@ -94,7 +92,6 @@ def test_a_failing_worker_ends_the_group_with_its_code(tmp_path):
     assert_none_alive(tmp_path)
 
 
-@pytest.mark.slow
 def test_tasks_that_ignore_sigterm_are_killed_with_what_they_started(tmp_path):
     start = time.monotonic()
     result = run_launcher(
@@ -118,7 +115,6 @@ def is_running(pid: int) -> bool:
     return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_to_the_launcher_reaches_every_task(tmp_path, signum, code):
     process = subprocess.Popen(
@@ -142,7 +138,6 @@ def test_a_signal_to_the_launcher_reaches_every_task(tmp_path, signum, code):
     assert_none_alive(tmp_path)
 
 
-@pytest.mark.slow
 def test_restart_after_a_failure_on_the_first_attempt(tmp_path):
     result = run_launcher(
         ["--num_workers=2", "--max_restarts=1"], ["--fail_task=worker:1", "--fail_once", "--exit_code=42"], tmp_path
@@ -153,7 +148,6 @@ def test_restart_after_a_failure_on_the_first_attempt(tmp_path):
     assert_none_alive(tmp_path)
 
 
-@pytest.mark.slow
 def test_restarts_run_out(tmp_path):
     result = run_launcher(["--num_workers=1", "--max_restarts=1"], ["--fail_task=worker:0", "--exit_code=42"], tmp_path)
     assert result.returncode == 42
@@ -161,7 +155,6 @@ def test_restarts_run_out(tmp_path):
     assert_none_alive(tmp_path)
 
 
-@pytest.mark.slow
 def test_a_user_mistake_is_not_restarted(tmp_path):
     result = run_launcher(["--num_workers=1", "--max_restarts=2"], ["--fail_task=worker:0", "--exit_code=2"], tmp_path)
     assert result.returncode == 2
@@ -169,7 +162,6 @@ def test_a_user_mistake_is_not_restarted(tmp_path):
     assert_none_alive(tmp_path)
 
 
-@pytest.mark.slow
 def test_parameter_server_mode_ends_the_servers_when_the_chief_is_done(tmp_path):
     result = run_launcher(["--num_workers=2", "--num_ps=1"], [], tmp_path)
     assert result.returncode == 0, result.stderr
