@@ -7,6 +7,7 @@ Every test checks that no server it started is left running.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -473,3 +474,64 @@ def test_other_closure_errors_and_a_fourth_rejection_still_end_the_call():
     with pytest.raises(tf.errors.InternalError, match="a kernel failed"):
         loop.run(30)
     assert int(step.numpy()) == 0
+
+
+def _ended(pids) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
+
+
+def test_the_embedded_cluster_restarts_a_dead_worker_and_ends_every_server(tmp_path, monkeypatch):
+    """LocalCluster with stand-in servers (tests/fake_server.py, no TensorFlow): the chief's
+    TF_CONFIG, a worker that dies restarted on its port, every process ended and reaped at the end."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("FAKE_SERVER_DIR", str(tmp_path))
+    monkeypatch.setenv("FAKE_SERVER_DIES", "worker:1")
+    printed: list[str] = []
+    config = local_cluster.LocalClusterConfig(num_workers=2, num_ps=1, grace_secs=1, max_worker_restarts=1)
+    with local_cluster.LocalCluster(config, print_fn=printed.append, server_module="tests.fake_server") as cluster:
+        first = cluster.pids
+        assert json.loads(cluster.coordinator_tf_config()) == {
+            "cluster": cluster.cluster,
+            "task": {"type": "chief", "index": 0},
+        }
+        assert {kind: len(addresses) for kind, addresses in cluster.cluster.items()} == {
+            "chief": 1,
+            "worker": 2,
+            "ps": 1,
+        }
+        assert re.fullmatch(
+            r"local cluster: ps 0 pid \d+ at localhost:\d+, worker 0 .*; this process is the coordinator \(chief\)",
+            printed[0],
+        )
+        deadline = time.monotonic() + 20
+        while len(printed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        restarted = cluster.pids
+        assert printed[1] == (
+            f"local cluster: worker 1 exited with code 3; restarted it as pid {restarted['worker 1']} (1/1)"
+        ), printed
+        assert restarted["worker 1"] != first["worker 1"] and restarted["ps 0"] == first["ps 0"]
+    assert _ended([*first.values(), *restarted.values()])
+
+
+def test_an_embedded_server_that_fails_to_start_ends_the_cluster_with_its_last_lines(tmp_path, monkeypatch):
+    from trainer.errors import RunFailure, UserError
+
+    with pytest.raises(UserError, match="local_cluster.num_workers must be a positive integer"):
+        local_cluster.LocalCluster(local_cluster.LocalClusterConfig(num_workers=0))
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("FAKE_SERVER_FAILS", "worker:0")
+    cluster = local_cluster.LocalCluster(
+        local_cluster.LocalClusterConfig(num_workers=1, grace_secs=1), print_fn=print, server_module="tests.fake_server"
+    )
+    with pytest.raises(RunFailure) as failure:
+        with cluster:
+            pass
+    assert str(failure.value) == ("local cluster: worker 0 exited with code 4 while starting (no such flag --bogus)")
+    assert cluster.pids and _ended(cluster.pids.values())
