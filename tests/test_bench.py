@@ -265,6 +265,7 @@ def test_an_interval_width_of_zero_is_one_error_line():
     assert len(errors) == 1 and "--max_width must be above 0" in errors[0], proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_waiting_worker_is_stopped_until_its_turn(tmp_path):
     """The parent stops a worker between its answer and its next request (every thread: state T in /proc)."""
 
