@@ -535,3 +535,21 @@ def test_an_embedded_server_that_fails_to_start_ends_the_cluster_with_its_last_l
             pass
     assert str(failure.value) == ("local cluster: worker 0 exited with code 4 while starting (no such flag --bogus)")
     assert cluster.pids and _ended(cluster.pids.values())
+
+
+def test_whether_a_run_starts_an_embedded_cluster_is_read_from_its_flags_and_gin_text(tmp_path, monkeypatch):
+    """early_isolation reads it before TensorFlow starts threads: the last strategy and resolver of
+    the gin files (includes spliced in, comments left out) and bindings; eval modes, print_config
+    and a TF_CONFIG start none."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    mine = tmp_path / "mine.gin"
+    mine.write_text("include 'gin/single.gin'\n# train.strategy = 'parameter_server'\n")
+    expects = early_isolation.expects_embedded_cluster
+    assert expects([PS]) and expects(["--gin_file", "gin/ps.gin", "--mode=train"])
+    assert not expects([f"--gin_file={mine}"])
+    assert expects([f"--gin_file={mine}", "--gin_bindings=train.strategy = 'parameter_server'"])
+    assert not expects([PS, "--gin_bindings=train.strategy='mirrored'"])
+    assert not expects([PS, "--mode=eval_continuous"]) and not expects([PS, "--print_config"])
+    assert expects([PS, "--print_config=false"])
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:1"]}}')
+    assert not expects([PS]) and not local_cluster.needs_local_cluster("parameter_server")
