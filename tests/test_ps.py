@@ -553,3 +553,41 @@ def test_whether_a_run_starts_an_embedded_cluster_is_read_from_its_flags_and_gin
     assert expects([PS, "--print_config=false"])
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:1"]}}')
     assert not expects([PS]) and not local_cluster.needs_local_cluster("parameter_server")
+
+
+def test_the_sidecar_evaluates_each_checkpoint_of_a_run_once_in_step_order(tmp_path):
+    """The sidecar evaluator (loops/sidecar.py) in process, after a short run of gin/single.gin in
+    process: one metrics line per checkpoint, the step restored from it, done at total_steps."""
+    import gin
+    from trainer import configurables
+
+    gin.clear_config()
+    try:
+        gin.add_config_file_search_path(REPO)
+        bindings = [
+            "train.model_fn = @mlp",
+            "mlp.hidden = (8,)",
+            "train.total_steps = 4",
+            "train.steps_per_loop = 2",
+            "train.checkpoint_every_steps = 2",
+            "train.eval_every_steps = 4",
+            "train.log_every_steps = 2",
+            "eval_continuous.timeout_secs = 5",
+            "eval_continuous.poll_secs = 0.1",
+        ]
+        gin.parse_config_files_and_bindings(["gin/single.gin"], bindings, finalize_config=False)
+        configurables.train(model_dir=str(tmp_path), print_fn=lambda line: None)
+        inline = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["split"] == "eval"]
+        printed: list[str] = []
+        results = configurables.evaluate_continuously(model_dir=str(tmp_path), print_fn=printed.append)
+    finally:
+        gin.clear_config()
+    lines = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if "num_examples" in r]
+    assert [(r["step"], r["split"]) for r in lines] == [(2, "eval"), (4, "eval")]
+    assert lines[-1]["loss"] == pytest.approx(inline[-1]["loss"], rel=1e-5) and results["loss"] == lines[-1]["loss"]
+    assert [line.split(":")[0] for line in printed[1:]] == [
+        "sidecar eval of ckpt-2 at step 2",
+        "sidecar eval of ckpt-4 at step 4",
+        "sidecar evaluator",
+    ]
+    assert printed[-1] == "sidecar evaluator: reached train.total_steps 4; done"
