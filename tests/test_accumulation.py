@@ -17,6 +17,7 @@ from trainer.errors import UserError
 from trainer.update import accumulation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2], ids=["single", "mirrored"])
 def test_four_micro_batches_update_like_the_whole_batch(replicas):
     result = run_python(f"from tests.update_runs import main; main({replicas}, [[1, None], [4, None]])", timeout=180)
@@ -48,6 +49,7 @@ def test_bad_grad_accum_steps_is_one_line(value):
         accumulation.UpdateOptions(grad_accum_steps=value)
 
 
+@pytest.mark.slow
 def test_batch_not_divisible_by_micro_batches_times_replicas_exits_2(tmp_path):
     model_dir = str(tmp_path / "run")
     proc = run_main(
@@ -62,6 +64,7 @@ def test_batch_not_divisible_by_micro_batches_times_replicas_exits_2(tmp_path):
     assert not os.path.exists(model_dir) or not os.listdir(model_dir)
 
 
+@pytest.mark.slow
 def test_accumulated_run_resumes_exactly(tmp_path):
     """10 steps of 2 micro-batches (the CNN with dropout) straight, and as 5 + 5 across a restart."""
     common = [
@@ -86,3 +89,45 @@ def test_accumulated_run_resumes_exactly(tmp_path):
     ]
     assert finals[0]["step"] == finals[1]["step"] == 10
     assert finals[0]["loss"] == finals[1]["loss"]
+
+
+def test_micro_batches_update_like_the_whole_batch_on_one_device_in_process():
+    """update_step on the default strategy: two micro-batches give the whole batch's loss and update;
+    with clipping the norm is an output and the update is at most lr * clip."""
+    import keras
+    import numpy as np
+
+    def step(model, optimizer, batch, global_batch_size):
+        x, y = batch
+        with tf.GradientTape() as tape:
+            per_example = tf.reduce_sum(tf.square(model(x) - y), axis=-1)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return {"loss": loss}
+
+    rng = np.random.default_rng(0)
+    batch = (tf.constant(rng.normal(size=(8, 3)), tf.float32), tf.constant(rng.normal(size=(8, 1)), tf.float32))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    initial = model.get_weights()
+
+    def trained(options: accumulation.UpdateOptions) -> tuple[dict, list]:
+        model.set_weights(initial)
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+        accumulation.prepare(options, optimizer, num_replicas=1, global_batch_size=8)
+        outputs = accumulation.update_step(step, options)(model, optimizer, batch, 8)  # eagerly: quicker here
+        assert int(optimizer.iterations) == 1  # one update, whatever the micro-batches
+        return {k: float(v) for k, v in outputs.items()}, model.get_weights()
+
+    assert accumulation.update_step(step, accumulation.UpdateOptions()) is step
+    whole, micro = trained(accumulation.UpdateOptions()), trained(accumulation.UpdateOptions(grad_accum_steps=2))
+    assert micro[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-6)
+    for a, b in zip(whole[1], micro[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    outputs, weights = trained(accumulation.UpdateOptions(grad_accum_steps=4, clip_global_norm=1e-3))
+    assert outputs["grad_norm"] > 1e-3 and outputs["loss"] == pytest.approx(whole[0]["loss"], rel=1e-6)
+    moved = np.sqrt(sum(np.sum(np.square(w - i)) for w, i in zip(weights, initial)))
+    assert moved == pytest.approx(0.1 * 1e-3, rel=1e-3)  # float32 weights
+    with pytest.raises(UserError, match="not divisible by train.grad_accum_steps 3 x 2 replica"):
+        accumulation.prepare(accumulation.UpdateOptions(grad_accum_steps=3), [], num_replicas=2, global_batch_size=8)

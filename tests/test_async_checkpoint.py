@@ -25,6 +25,8 @@ from tests.support import REPO, run_main, run_python, subprocess_env, tree_diges
 from tests.test_nonfinite import BAD_STEP, poisoned  # noqa: F401  (a fixture)
 from tests.test_resume import kill_group, kill_while_writing, per_step_losses, wait_for_step
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 ASYNC = "--gin_bindings=train.async_checkpoint=True"
 SMALL = [
     "--gin_file=gin/mirrored.gin",

@@ -10,7 +10,7 @@ import pytest
 from tests.support import run_main, tree_digest
 
 # The module-scoped fixture below is shared by this file's tests: one worker runs them all.
-pytestmark = pytest.mark.xdist_group("bad_input")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bad_input")]
 
 SHORT = [
     "--gin_bindings=train.total_steps=20",

@@ -41,6 +41,7 @@ TINY = (
 HAVE_ORBIT = importlib.util.find_spec("orbit") is not None
 
 
+@pytest.mark.slow
 def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
     """One tiny run of every variant (orbit where it is installed)."""
     out, report_path = tmp_path / "bench.json", tmp_path / "bench.md"
@@ -152,6 +153,7 @@ def check_orbit_trained_beside_ours(result: dict, report: str) -> None:
     assert "| Orbit Controller + StandardTrainer |" in report
 
 
+@pytest.mark.slow
 def test_without_orbit_the_variant_is_one_line_and_the_rest_runs(tmp_path):
     hidden = tmp_path / "hide"
     hidden.mkdir()
@@ -239,6 +241,7 @@ def test_readme_shows_every_run_of_a_config_with_its_verdicts(tmp_path):
     assert "| cnn_single" not in text and "RUNS=2 experiments/bench/run.sh" in text
 
 
+@pytest.mark.slow
 def test_unknown_mode_is_one_error_line():
     proc = run_module("trainer.bench", "--gin_file=gin/single.gin", "--mode=fast", timeout=120)
     assert proc.returncode == 2
@@ -246,6 +249,7 @@ def test_unknown_mode_is_one_error_line():
     assert len(errors) == 1 and "--mode" in errors[0], proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_cores_that_are_not_ours_are_one_error_line():
     proc = run_module("trainer.bench", "--gin_file=gin/single.gin", "--cpus=4096", timeout=120)
     assert proc.returncode == 2
@@ -253,6 +257,7 @@ def test_cores_that_are_not_ours_are_one_error_line():
     assert len(errors) == 1 and "--cpus" in errors[0] and "subset" in errors[0], proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_an_interval_width_of_zero_is_one_error_line():
     proc = run_module("trainer.bench", "--gin_file=gin/single.gin", "--max_width=0", timeout=120)
     assert proc.returncode == 2
@@ -260,6 +265,7 @@ def test_an_interval_width_of_zero_is_one_error_line():
     assert len(errors) == 1 and "--max_width must be above 0" in errors[0], proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_waiting_worker_is_stopped_until_its_turn(tmp_path):
     """The parent stops a worker between its answer and its next request (every thread: state T in /proc)."""
 
@@ -297,6 +303,7 @@ print("heap" if block < libc.sbrk(0) else "own mapping")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tunables, where", [(KEEP_FREED_MEMORY, "heap"), ("", "own mapping")])
 def test_a_worker_keeps_the_memory_it_frees(tunables, where):
     """glibc ignores a tunable it does not know, so check that the workers' settings take effect: a 1 MiB
@@ -506,6 +513,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_a_bench_that_is_killed_leaves_no_worker_behind(signum):
     """SIGTERM: the parent ends its workers (stopped ones too) and exits 143; SIGKILL: the kernel kills

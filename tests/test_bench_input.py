@@ -6,6 +6,7 @@ No rate is asserted beyond being measured: this machine is shared, its numbers v
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.support import run_python
 from trainer import data, write_tfrecords
@@ -20,6 +21,7 @@ print(json.dumps({"result": result, "table": "\\n".join(lines)}))
 """
 
 
+@pytest.mark.slow
 def test_input_bench_measures_memory_tfrecord_and_the_step():
     answer = run_python(BENCH, timeout=120)  # a fresh process: the bench sets up devices as train does
     result, table = answer["result"], answer["table"]

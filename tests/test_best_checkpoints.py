@@ -21,6 +21,8 @@ from tests.test_early_stopping import (
     top_k_steps,
 )
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 
 def bind(**values) -> list[str]:
     return [f"--gin_bindings=train.{k}={v}" for k, v in values.items()]

@@ -16,6 +16,7 @@ from trainer.run.settings import Settings
 from trainer.update import accumulation
 
 
+@pytest.mark.slow
 def test_clipped_sgd_gives_the_same_weights_on_1_2_and_4_replicas():
     runs = {
         n: run_python(
@@ -40,6 +41,7 @@ def test_clipped_sgd_gives_the_same_weights_on_1_2_and_4_replicas():
     assert max_difference(reference["weights"], unclipped["weights"]) > 0.1  # clipping changed the training
 
 
+@pytest.mark.slow
 def test_keras_global_clipnorm_on_2_replicas_exits_2(tmp_path):
     model_dir = str(tmp_path / "run")
     proc = run_main(
@@ -68,6 +70,7 @@ def test_parameter_server_refuses_both_options():
             Registry([UpdatePath(**{name: value})], Settings(strategy="parameter_server"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_multiworker_workers_clip_and_accumulate_like_one_device(tmp_path):
     """Real `trainer.launch` processes: 2 MultiWorkerMirrored workers with 2 micro-batches and clipping
@@ -107,3 +110,53 @@ def test_two_multiworker_workers_clip_and_accumulate_like_one_device(tmp_path):
     assert evals[0]["step"] == evals[1]["step"] == 20
     assert abs(evals[0]["loss"] - evals[1]["loss"]) < 1e-5
     assert trains[0]["grad_norm"] > CLIP
+
+
+def test_the_global_norm_is_taken_after_the_sum_and_keras_own_clipping_is_refused_where_it_differs():
+    """One device (the default replica context): the sum is the gradients themselves, clipped to
+    the global norm; Keras' per-replica clipping is refused beside clip_global_norm or on replicas."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from trainer.update import clipping
+
+    clipped, norm = clipping.sum_and_clip([tf.constant([3.0]), None, tf.constant([[4.0]])], clip_norm=1.0)
+    assert clipped[1] is None and float(norm) == 5.0
+    np.testing.assert_allclose([clipped[0].numpy(), clipped[2].numpy()[0]], [[0.6], [0.8]], rtol=1e-6)
+
+    clipping.check_keras_clipping({"d": keras.optimizers.SGD(clipnorm=1.0)}, num_replicas=1, clip_global_norm=None)
+    clipping.check_keras_clipping(keras.optimizers.SGD(), num_replicas=2, clip_global_norm=0.5)
+    with pytest.raises(UserError, match="Keras' clipvalue=0.1 and train.clip_global_norm = 0.5 is set too"):
+        clipping.check_keras_clipping(keras.optimizers.SGD(clipvalue=0.1), num_replicas=1, clip_global_norm=0.5)
+    with pytest.raises(UserError, match=r"on 2 replicas .* set train.clip_global_norm = 2.0 \(the global norm"):
+        clipping.check_keras_clipping(keras.optimizers.SGD(global_clipnorm=2.0), num_replicas=2, clip_global_norm=None)
+
+    optimizer = keras.optimizers.SGD()
+    clipping.take_over_gradient_sum(optimizer)
+    assert getattr(optimizer, clipping.SUM_METHOD)([(1, "v")]) == [(1, "v")]  # applied as given
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    with pytest.raises(UserError, match="does not work with mixed_float16 loss scaling"):
+        clipping.take_over_gradient_sum(scaled)
+
+
+def test_the_recorder_keeps_what_the_step_would_apply_and_refuses_a_second_update():
+    import keras
+    import tensorflow as tf
+
+    from trainer.update.recorder import ONCE_MESSAGE, GradientRecorder
+
+    optimizer = keras.optimizers.SGD(learning_rate=0.5)
+    weight = keras.Variable([1.0, 2.0])
+    recorder = GradientRecorder(optimizer)
+    sparse = tf.IndexedSlices(tf.constant([[3.0]]), tf.constant([1]), tf.constant([2, 1]))
+    recorder.apply_gradients([(sparse, weight)])
+    assert recorder.calls == 1 and recorder.variables == [weight] and recorder.learning_rate == 0.5
+    assert recorder.gradients[0].numpy().tolist() == [[0.0], [3.0]]  # made dense
+    assert weight.numpy().tolist() == [1.0, 2.0]  # recorded, not applied
+    with pytest.raises(ValueError, match=ONCE_MESSAGE[:40]):
+        recorder.apply([tf.constant([1.0, 1.0])], [weight])
+    every = GradientRecorder(optimizer, once=False)
+    every.apply([tf.constant([1.0, 1.0])], [weight])
+    every.apply_gradients([(tf.constant([2.0, 2.0]), weight)])
+    assert every.calls == 2 and [g.numpy().tolist() for g in every.gradients] == [[1.0, 1.0], [2.0, 2.0]]

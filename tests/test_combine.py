@@ -82,6 +82,7 @@ def assert_records(records: dict[int, dict], expected: dict[int, dict], name: st
 PER_3 = ["--gin_bindings=train.steps_per_loop = 3", "--gin_bindings=train.log_every_steps = 3"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_diagnostics_read_the_same_on_one_and_two_replicas_and_over_calls_and_micro_batches(expected, tmp_path):
     # one device, one step per call: the progress hook combines three calls into one record
@@ -104,6 +105,7 @@ def test_diagnostics_read_the_same_on_one_and_two_replicas_and_over_calls_and_mi
     assert_records(accumulated, expected, "accumulated", keys=("loss", "max_logit", "min_logit"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_diagnostics_read_the_same_under_parameter_server(expected, tmp_path):
     # one worker: closures of 2 and 1 steps, combined on the coordinator
@@ -113,6 +115,7 @@ def test_diagnostics_read_the_same_under_parameter_server(expected, tmp_path):
     assert_records(ps, expected, "parameter_server")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_diagnostics_read_the_same_on_two_multi_worker_processes(expected, tmp_path):
     # max and min of the other process's replica: gathered across processes
@@ -134,6 +137,7 @@ def test_diagnostics_read_the_same_on_two_multi_worker_processes(expected, tmp_p
     assert_records({r["step"]: r for r in records if r["split"] == "train"}, expected, "multi_worker_mirrored")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_an_undeclared_max_is_refused_by_the_guard_and_a_misnamed_declaration_is_one_line(tmp_path):
     error = refused_run(

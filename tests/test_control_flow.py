@@ -30,6 +30,7 @@ def _critic_updates(model_dir) -> int:
     return int(reader.get_tensor("optimizer/discriminator/_iterations/.ATTRIBUTES/VARIABLE_VALUE"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_critic_loop_over_tf_range_trains_on_one_device(tmp_path):
     proc = run_main("--gin_file=gin/single.gin", *CRITIC, f"--model_dir={tmp_path}")
@@ -38,6 +39,7 @@ def test_a_critic_loop_over_tf_range_trains_on_one_device(tmp_path):
     assert all(r["d_loss"] > 0 for r in read_jsonl(os.path.join(tmp_path, "metrics.jsonl")))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_under_mirrored_and_parameter_servers_it_is_one_line_naming_a_python_range(tmp_path):
     for mode, extra in (("mirrored", ()), ("ps", ("--gin_bindings=local_cluster.num_workers=1",))):

@@ -13,7 +13,7 @@ from tests.support import read_jsonl, refused_run, run_main, run_module, subproc
 from tests.test_multiworker import model_weights
 
 # The module-scoped fixture below is shared by this file's tests: one worker runs them all.
-pytestmark = pytest.mark.xdist_group("cross_replica")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cross_replica")]
 
 GIN = "--gin_file=experiments/contrastive/contrastive.gin"
 SGD_30 = [

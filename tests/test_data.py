@@ -210,6 +210,7 @@ def test_fashion_mnist_of_the_original_size_must_have_its_label_counts(tmp_path)
     assert "not 1000 each" in str(unlike.value)
 
 
+@pytest.mark.slow
 def test_write_tfrecords_round_trip(tmp_path):
     result = _run(
         [sys.executable, "-m", "trainer.write_tfrecords", "--dataset=digits", f"--out_dir={tmp_path}", "--num_shards=3"]
@@ -229,6 +230,7 @@ def test_write_tfrecords_round_trip(tmp_path):
     assert _batches(data.train_dataset(source, 32, seed=0), 1)[0][0].shape == (32, 8, 8, 1)
 
 
+@pytest.mark.slow
 def test_write_tfrecords_user_error_exits_2(tmp_path):
     result = _run(
         [
@@ -337,11 +339,13 @@ os._exit(0)  # in-process gRPC servers never shut down
 """
 
 
+@pytest.mark.slow
 def test_distribute_train_and_eval_under_mirrored_with_two_cpus():
     result = _run([sys.executable, "-c", textwrap.dedent(MIRRORED_SCRIPT)])
     assert result.returncode == 0 and "MIRRORED OK" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_file_sharding_needs_as_many_files_as_workers():
     assert data.num_workers(tf.distribute.get_strategy()) == 1
     result = _run([sys.executable, "-c", textwrap.dedent(PARAMETER_SERVER_SCRIPT)])

@@ -16,6 +16,8 @@ import pytest
 
 from tests.support import REPO, subprocess_env
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 ARGS = [
     "--gin_file=gin/single.gin",
     "--gin_bindings=train.total_steps=60",

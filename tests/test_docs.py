@@ -18,6 +18,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 
+import pytest
+
 from tests.support import REPO, read_jsonl, run_module, run_python, subprocess_env
 
 # `pip install [flags] TARGET`: the target as the shell sees it (quoted, or up to a space or
@@ -133,6 +135,7 @@ def test_every_pip_install_installs_from_the_repository_or_a_named_package():
     } <= {(where.split(":")[0], target) for where, _, target in lines}
 
 
+@pytest.mark.slow
 def test_every_gin_reference_the_configurables_listing_shows_resolves():
     listing = run_module("trainer.configurables", timeout=120)
     assert listing.returncode == 0 and listing.stderr == "", listing.stderr[-3000:]
@@ -153,6 +156,7 @@ print(json.dumps(unresolved))
     assert result == [], result
 
 
+@pytest.mark.slow
 def test_write_tfrecords_prints_bindings_that_train_when_pasted(tmp_path):
     # The command as docs/your-data.md shows it (its relative --out_dir), from a directory of one's own.
     with open(os.path.join(REPO, "docs", "your-data.md")) as f:
@@ -214,3 +218,25 @@ def test_the_default_model_dir_is_named_one_way():
         for name in re.findall(r"(?<![\w.])(?:\./)?runs/<[^>]*>[\w<>-]*", text)
     }
     assert named and {name for _, name in named} == {"runs/<time>-<pid>"}, named
+
+
+def test_ci_checks_the_style_first_and_runs_the_readme_s_test_command():
+    """.ci/run runs ruff on the paths the README's Development section formats, before the README's
+    test command (verbatim); ruff comes with the test extra, and the fast tier's mark is registered
+    (`--strict-markers` refuses any other)."""
+    readme = open(os.path.join(REPO, "README.md")).read()
+    ci = open(os.path.join(REPO, ".ci", "run")).read().splitlines()
+    test_command = "pip install -e '.[test]' && python -m pytest -q"
+    quickstart = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    assert f"\n{test_command}\n" in quickstart
+    development = readme.split("## Development", 1)[1]
+    (formatted,) = re.findall(r"^ruff format ([\w ]+) && ruff check \1$", development, re.M)
+    assert re.search(r'^python -m pytest -q -m "not slow"$', development, re.M)
+    style = [f"ruff check {formatted}", f"ruff format --check {formatted}"]
+    assert all(ci.count(line) == 1 for line in [*style, test_command]), ci
+    assert ci.index(style[0]) < ci.index(style[1]) < ci.index(test_command) == len(ci) - 1
+    assert "ruff" in {package_name(r) for r in project()["optional-dependencies"]["test"]}
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        options = tomllib.load(f)["tool"]["pytest"]["ini_options"]
+    assert "--strict-markers" in options["addopts"].split()
+    assert [marker.split(":")[0] for marker in options["markers"]] == ["slow"]

@@ -61,6 +61,7 @@ def test_the_rule_is_keras_rule_and_a_function_of_the_history():
     assert (up.split, up.key) == ("train_b", "accuracy") and up.improves(0.5, 0.4) and not up.improves(0.4, 0.4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_stopped_run_ends_with_exit_0_a_checkpoint_there_and_a_rerun_trains_no_more(tmp_path):
     model_dir = str(tmp_path / "run")
@@ -80,6 +81,7 @@ def test_a_stopped_run_ends_with_exit_0_a_checkpoint_there_and_a_rerun_trains_no
     assert max(r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl"))) == 60
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "binding,needle",
@@ -107,6 +109,7 @@ def test_bad_values_are_one_line_and_write_nothing(tmp_path, binding, needle):
     assert tree_digest(str(model_dir)) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_multiworker_mirrored_workers_stop_at_the_same_step_and_keep_the_best(tmp_path):
     """Must-show 4: a real 2-worker launch; every worker prints its decision, from its own numbers."""
@@ -173,6 +176,7 @@ def killed_and_restarted(flags: list[str], model_dir: str, kill_at: int) -> subp
     return subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=200)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_a_killed_and_restarted_run_stops_where_an_uninterrupted_one_does(tmp_path):
     """The patience count is in the checkpoint: resumed from step 30 after a kill at 40 or 50, the run

@@ -30,6 +30,7 @@ def evals(model_dir: str, split: str) -> dict[int, dict]:
     return {r["step"]: r for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == split}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_ema_eval_differs_from_raw_and_resumes_exactly(tmp_path):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
@@ -49,6 +50,7 @@ def test_ema_eval_differs_from_raw_and_resumes_exactly(tmp_path):
     assert evals(resumed, "eval")[40]["loss"] == raw[40]["loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ema_under_mirrored_and_central_storage_matches_one_device():
     script = """
@@ -103,6 +105,7 @@ print(json.dumps(result))
     assert result["mirrored"]["copies"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ema_and_export_of_final_and_best_under_two_multi_worker_mirrored_workers(tmp_path):
     model_dir, scratch = str(tmp_path / "run"), tmp_path / "scratch"
@@ -134,6 +137,7 @@ def test_ema_and_export_of_final_and_best_under_two_multi_worker_mirrored_worker
     assert [p for p in scratch.rglob("*") if "trainer" in p.name] == []  # worker 1's temp exports deleted
 
 
+@pytest.mark.slow
 def test_bad_decay_is_one_line_and_parameter_server_is_refused(tmp_path):
     model_dir = tmp_path / "run"
     proc = run_main(
@@ -145,3 +149,23 @@ def test_bad_decay_is_one_line_and_parameter_server_is_refused(tmp_path):
     assert not model_dir.exists()
     with pytest.raises(UserError, match="train.ema_decay is not supported with parameter_server"):
         Registry([ema.Ema(0.9)], Settings(strategy="parameter_server"))  # before the runtime is made
+
+
+def test_the_average_moves_by_the_decay_swaps_in_and_out_and_resets():
+    """WeightAverage on one device: average := d * average + (1 - d) * weight after each update."""
+    import keras
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, kernel_initializer="ones")])
+    average = ema.WeightAverage(model, decay=0.75)
+    kernel = model.trainable_variables[0]
+    kernel.assign(tf.fill(kernel.shape, 5.0))
+    tf.function(average.update)()
+    np.testing.assert_allclose(average.averages[0].numpy(), 0.75 * 1.0 + 0.25 * 5.0)
+    with average.swapped_in():
+        np.testing.assert_allclose(kernel.numpy(), 2.0)  # the model evaluates with the averages
+    np.testing.assert_allclose(kernel.numpy(), 5.0)
+    np.testing.assert_allclose(average.averages[0].numpy(), 2.0)
+    average.reset()
+    np.testing.assert_allclose(average.averages[0].numpy(), 5.0)
+    assert not any(v.trainable for v in average.averages) and len(average.averages) == 2  # kernel and bias

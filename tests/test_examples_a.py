@@ -117,12 +117,14 @@ def mirrored_dirs(tmp_path_factory) -> dict[str, str]:
     return dirs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_example_trains_to_quality_mirrored(example, mirrored_dirs):
     assert_quality(example, mirrored_dirs[example])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_dict_model_on_two_multi_worker_mirrored_workers(tmp_path):
     model_dir = str(tmp_path / "run")
@@ -134,6 +136,7 @@ def test_dict_model_on_two_multi_worker_mirrored_workers(tmp_path):
     assert_quality("two_inputs", model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_regression_on_the_embedded_parameter_server_cluster(tmp_path):
     model_dir = str(tmp_path / "run")
@@ -144,6 +147,7 @@ def test_regression_on_the_embedded_parameter_server_cluster(tmp_path):
     assert_quality("regression", model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_killed_dict_model_resumes_exactly_mirrored(tmp_path, mirrored_dirs):
     """SIGKILL after the first checkpoint, the same command again: the same per-step losses, bit for bit."""

@@ -18,7 +18,7 @@ import pytest
 from tests.support import read_jsonl, run_main
 
 # The module-scoped fixture below is shared by this file's tests: one worker runs them all.
-pytestmark = pytest.mark.xdist_group("examples_b")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("examples_b")]
 
 MODES = ("single", "mirrored")
 

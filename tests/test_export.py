@@ -56,6 +56,7 @@ def compare(model_dir: str, with_ema: bool, checkpoint: str | None = None, step:
     return run_python(code.replace("CHECKPOINT", repr(checkpoint)).replace("STEP", repr(step)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("gin_file,with_ema", [("gin/single.gin", False), ("gin/mirrored.gin", True)])
 def test_exported_saved_model_predicts_like_the_restored_model(tmp_path, gin_file, with_ema):
@@ -71,6 +72,7 @@ def test_exported_saved_model_predicts_like_the_restored_model(tmp_path, gin_fil
     assert result["max_diff"] <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_best_checkpoint_is_exported_too(tmp_path):
     model_dir = str(tmp_path / "run")
@@ -93,6 +95,7 @@ def test_the_best_checkpoint_is_exported_too(tmp_path):
     assert best["max_diff"] <= 1e-6 and final["max_diff"] <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,expected",
     [
@@ -113,3 +116,22 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, args, expected):
 def test_parameter_server_is_refused():
     with pytest.raises(UserError, match="train.export_saved_model is not supported with parameter_server"):
         Registry([export.Export()], Settings(strategy="parameter_server"))  # before the runtime is made
+
+
+def test_the_serving_signature_batches_the_features_of_one_example():
+    import tensorflow as tf
+
+    image = tf.TensorSpec([8, 8, 1], tf.float32)
+    label = tf.TensorSpec([], tf.int64)
+    assert export.serving_spec((image, label)) == tf.TensorSpec([None, 8, 8, 1], tf.float32, name="features")
+    assert export.serving_spec(image) == tf.TensorSpec([None, 8, 8, 1], tf.float32, name="features")
+    ids = tf.TensorSpec([5], tf.int32)
+    assert export.serving_spec(({"ids": ids, "image": image}, label, tf.TensorSpec([], tf.float32))) == {
+        "ids": tf.TensorSpec([None, 5], tf.int32, name="ids"),
+        "image": tf.TensorSpec([None, 8, 8, 1], tf.float32, name="image"),
+    }
+    with pytest.raises(UserError, match=r"needs the model's input to be a tensor or a dict of tensors"):
+        export.serving_spec(((image, image), label))
+    with pytest.raises(UserError, match=r"returned models \['critic', 'generator'\]; export them yourself"):
+        export.check_exportable({"generator": None, "critic": None})
+    export.check_exportable(object())

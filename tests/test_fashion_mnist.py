@@ -110,6 +110,7 @@ def test_valid_pooling_is_the_tutorials_sequential_with_logits():
     assert models.cnn((28, 28, 1), 10, filters=(32, 64, 128)).count_params() == 549_994
 
 
+@pytest.mark.slow
 def test_tutorial_config_trains_end_to_end_on_fashion_mnist_files(tmp_path):
     data_dir, model_dir = str(tmp_path / "fashion"), str(tmp_path / "run")
     os.makedirs(data_dir)
@@ -154,6 +155,7 @@ def test_tutorial_config_trains_end_to_end_on_fashion_mnist_files(tmp_path):
     assert "(150 examples)" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "old, new",
     [
@@ -180,6 +182,7 @@ def test_a_gin_file_with_an_old_option_form_is_refused_naming_the_new_one(tmp_pa
     assert tree_digest(str(model_dir)) == before
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not all(
         os.path.isfile(os.path.join(fashion_mnist_files.SYSTEM_DIR, name))

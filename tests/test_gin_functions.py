@@ -159,6 +159,7 @@ def test_a_function_without_bindings_is_handed_over_as_it_is(config):
     assert gin_functions.plain_function("not a reference") is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bound_input_step_and_eval_step_parameters_reach_a_run(tmp_path):
     """A run whose input function, step and eval step each have a bound parameter where the loop's
@@ -188,6 +189,7 @@ def test_bound_input_step_and_eval_step_parameters_reach_a_run(tmp_path):
     assert [r["training"] for r in evals] == [1.0]
 
 
+@pytest.mark.slow
 def test_a_gin_configurable_step_trains_exactly_as_the_plain_function():
     result = run_python("""
 import dataclasses, functools, json, tempfile

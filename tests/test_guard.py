@@ -39,6 +39,7 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(160)
 @pytest.mark.parametrize(
     "step, expected",
@@ -74,6 +75,7 @@ def test_mis_scaled_step_is_stopped_before_training(tmp_path, step, expected):
     assert not model_dir.exists() or not any(model_dir.iterdir()), "the run wrote to model_dir"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(160)
 def test_correct_step_is_not_stopped(tmp_path):
     model_dir = tmp_path / "run"
@@ -84,6 +86,7 @@ def test_correct_step_is_not_stopped(tmp_path):
     assert any(name.startswith("ckpt-") for name in os.listdir(model_dir))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(160)
 def test_check_can_be_switched_off(tmp_path):
     proc = run_mirrored(tmp_path / "run", "train.step_fn=@per_replica_mean_step", "train.check_loss_scaling=False")
@@ -139,6 +142,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_probe_is_exact_with_batchnorm_and_dropout_and_rolls_everything_back():
     results = run_python(PROBE_SCRIPT, timeout=110)

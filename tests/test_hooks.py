@@ -6,7 +6,11 @@ import json
 import os
 import textwrap
 
+import pytest
+
 from tests.support import REPO, read_jsonl, run_main, subprocess_env
+
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
 
 
 def test_boundaries_need_not_divide_steps_per_loop_and_user_extensions_plug_in(tmp_path):

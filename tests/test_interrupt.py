@@ -15,6 +15,8 @@ import pytest
 from tests.support import REPO, Main, subprocess_env
 from tests.test_multiworker import trainer_pids_for, wait_for
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 INTERRUPTED = re.compile(
     r"^(\[worker 0\] )?interrupted at step (\d+), saved ckpt-(\d+); rerun the same command to continue$"
 )

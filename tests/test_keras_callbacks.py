@@ -85,6 +85,7 @@ def read_csv(path: str) -> list[list[str]]:
         return list(csv.reader(f))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_early_stopping_reduce_lr_and_csvlogger_behave_as_under_fit(tmp_path):
     result = run_python(COMPARE_WITH_FIT.format(out=str(tmp_path)), timeout=220)
@@ -100,6 +101,7 @@ def test_early_stopping_reduce_lr_and_csvlogger_behave_as_under_fit(tmp_path):
     assert [row[0] for row in mine] == [row[0] for row in theirs] and len(mine) == fit["epochs"] + 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "gin_file,strategy",
@@ -133,6 +135,7 @@ def test_all_three_features_under_each_single_process_strategy(tmp_path, gin_fil
     assert best_steps(model_dir) == top_k_steps(model_dir, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_model_stop_training_is_agreed_by_two_multiworker_mirrored_workers(tmp_path):
     model_dir = str(tmp_path / "run")
@@ -172,6 +175,7 @@ def test_model_stop_training_is_agreed_by_two_multiworker_mirrored_workers(tmp_p
     assert not trainer_pids_for(model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "bindings,needle",
@@ -201,3 +205,23 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, bindings, needle):
     assert last.startswith("error: ") and needle in last, last
     assert tree_digest(str(model_dir)) == {}
     assert not re.search(r"Traceback", proc.stderr)
+
+
+def test_only_a_list_of_callbacks_the_loop_can_drive_is_taken():
+    import keras
+
+    from trainer.errors import UserError
+    from trainer.extensions.keras_callbacks import check_callbacks
+
+    logger = keras.callbacks.CSVLogger("log.csv")
+    assert check_callbacks((logger,)) == [logger] and check_callbacks([]) == []
+    for wrong in (logger, [logger, "early_stopping"], None):
+        with pytest.raises(UserError, match="must be a list of keras.callbacks.Callback instances"):
+            check_callbacks(wrong)
+    for refused, instead in (
+        (keras.callbacks.ModelCheckpoint("x.keras"), "ModelCheckpoint is not needed here: the run checkpoints"),
+        (keras.callbacks.BackupAndRestore("x"), "BackupAndRestore is not needed here: the run resumes"),
+        (keras.callbacks.TensorBoard("x"), "TensorBoard is not needed here: the run writes TensorBoard"),
+    ):
+        with pytest.raises(UserError, match=f"train.keras_callbacks: keras.callbacks.{instead}"):
+            check_callbacks([logger, refused])

@@ -96,6 +96,7 @@ def layer_runs() -> dict:
     return run_python(SCRIPT, timeout=220)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dropout_trains_under_central_storage_and_mirrored(layer_runs):
     r = layer_runs
@@ -116,6 +117,7 @@ def test_dropout_trains_under_central_storage_and_mirrored(layer_runs):
     assert r["mirrored"]["same_masks"] and r["central_storage"]["same_masks"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_batchnorm_statistics_train_and_stay_equal_on_every_replica(layer_runs):
     for name in ("central_storage", "mirrored"):

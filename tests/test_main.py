@@ -10,7 +10,11 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from tests.support import REPO, read_jsonl, run_main, subprocess_env, tree_digest
+
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
 
 SHORT = ["--gin_bindings=train.log_every_steps=20", "--gin_bindings=train.steps_per_loop=25"]
 

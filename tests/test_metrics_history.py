@@ -67,6 +67,7 @@ def test_a_file_without_resume_lines_reads_as_before_and_a_broken_one_is_one_err
         read_history(str(tmp_path / "nowhere"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_run_resumed_from_an_older_checkpoint_draws_each_step_once(tmp_path):
     """Killed past step 55 with ckpt-50 its newest checkpoint, then rerun: steps 55, 60, ... are in
@@ -120,6 +121,7 @@ def test_a_run_resumed_from_an_older_checkpoint_draws_each_step_once(tmp_path):
             assert steps == sorted(set(steps)), (ax.get_title(), steps)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_roll_back_marks_the_steps_it_trains_again(poisoned, tmp_path):  # noqa: F811
     """A NaN at step 7, checkpoints every 5 steps, a line every step: the roll-back to step 5 marks

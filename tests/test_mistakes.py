@@ -339,6 +339,7 @@ def outcomes(tmp_path_factory) -> dict:
         del os.environ["MISTAKES"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mistake_is_one_line_exit_2_and_model_dir_unchanged(outcomes, name):
     outcome, expected = outcomes[name], CASES[name][1]
@@ -352,6 +353,7 @@ def test_mistake_is_one_line_exit_2_and_model_dir_unchanged(outcomes, name):
     assert outcome["seconds"] < 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     [
@@ -368,11 +370,13 @@ def test_what_user_code_raises_shows_only_its_frames(outcomes, name):
     assert frames and all("tests/broken_functions.py" in line for line in frames), stderr
 
 
+@pytest.mark.slow
 def test_an_endless_dataset_says_how_far_its_count_got(outcomes):
     stdout = outcomes["input_fn_endless_generator"]["stdout"]
     assert "counting split 'train' (its size is unknown to tf.data):" in stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gin_unclosed_parenthesis", "optimizer_momentum_text", "step_returns_list"])
 def test_the_same_mistakes_from_a_real_process(tmp_path, name):
     for text_name, text in (("unclosed", UNCLOSED),):
@@ -390,6 +394,7 @@ def test_the_same_mistakes_from_a_real_process(tmp_path, name):
     assert tree_digest(str(model_dir)) == before and os.path.isdir(REPO)
 
 
+@pytest.mark.slow
 def test_a_run_that_dies_of_its_data_at_the_first_step_leaves_no_model_dir(tmp_path):
     model_dir = tmp_path / "new"
     proc = run_main(*CASES["labels_one_based"][0], f"--model_dir={model_dir}")
@@ -402,6 +407,7 @@ def test_a_run_that_dies_of_its_data_at_the_first_step_leaves_no_model_dir(tmp_p
     assert not model_dir.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gin_file", ["gin/mirrored.gin", "gin/mwms.gin"])
 def test_a_model_built_at_import_is_named(tmp_path, gin_file):
     line = refused_run(
@@ -439,3 +445,90 @@ def test_a_near_miss_of_a_protocol_method_is_refused_with_the_suggestion(name, s
         return
     with pytest.raises(UserError, match=rf"^Mine\.{name} is not a method .*; did you mean {suggestion}\?"):
         check_method_names([extension])
+
+
+def test_a_model_dir_that_cannot_hold_a_run_is_refused_and_none_is_made(tmp_path):
+    from trainer.errors import UserError
+    from trainer.files.model_dir import check_model_dir
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory\n")
+    for model_dir, message in (
+        ("", "model_dir is empty; pass --model_dir=DIR"),
+        (str(a_file), f"model_dir {a_file} exists and is not a directory; pick another --model_dir"),
+        (str(a_file / "run"), f"model_dir {a_file / 'run'} cannot be created: {a_file} is not a writable directory"),
+    ):
+        with pytest.raises(UserError) as error:
+            check_model_dir(model_dir)
+        assert str(error.value) == message
+    check_model_dir(str(tmp_path / "new" / "run"))  # made at the first write, not by the check
+    check_model_dir(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+def test_a_resume_that_would_change_the_run_is_refused_naming_what_differs(tmp_path):
+    import keras
+
+    from trainer.errors import UserError
+    from trainer.files import model_dir, run_record
+
+    def record(batch: int, units: int) -> dict:
+        layers = [keras.Input((3,)), keras.layers.Dense(units, name="hidden"), keras.layers.Dense(units, name="out")]
+        model = keras.Sequential(layers, name="net")  # named: Keras numbers unnamed layers process-wide
+        arguments = dict(strategy="mirrored", num_replicas=2, num_workers=1, model=model, config_text="x = 1")
+        return run_record.make_record(global_batch_size=batch, **arguments)
+
+    started = record(64, 4)
+    model_dir.prepare(str(tmp_path / "worker"), started, is_chief=False, fresh=True)
+    model_dir.prepare(str(tmp_path), started, is_chief=True, fresh=True)
+    assert not (tmp_path / "worker").exists() and run_record.read_record(str(tmp_path)) == started
+    model_dir.prepare(str(tmp_path), record(32, 4), is_chief=True, fresh=True)  # the first record stays
+    assert run_record.read_record(str(tmp_path)) == started
+
+    run_record.check_resume(str(tmp_path), record(64, 4), allow_changes=False)
+    with pytest.raises(UserError) as error:
+        run_record.check_resume(str(tmp_path), record(32, 4), allow_changes=False)
+    assert str(error.value) == (
+        f"model_dir {tmp_path} was started with other settings (global_batch_size 64 -> 32); resume with the "
+        "original settings, use a fresh --model_dir, or set train.allow_resume_changes = True"
+    )
+    changed = record(64, 5)
+    found = run_record.differences(started, changed)
+    assert len(found) == 4 and all(
+        " [3, 4] -> [3, 5]" in f or " [4] -> [5]" in f or " [4, 4] -> [5, 5]" in f for f in found
+    )
+    with pytest.raises(UserError, match=r"\(variable .*; and 1 more\)"):
+        run_record.check_resume(str(tmp_path), changed, allow_changes=False)
+    run_record.check_resume(str(tmp_path), changed, allow_changes=True)
+    run_record.check_resume(str(tmp_path / "fresh"), changed, allow_changes=False)  # nothing recorded
+
+
+def test_what_a_run_refused_before_its_first_step_added_is_removed_and_what_it_rewrote_put_back(tmp_path):
+    from trainer.errors import UserError
+    from trainer.run.unfinished import undone_unless_a_step_finishes
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("the user's\n")
+    (existing / "operative_config.gin").write_text("train.total_steps = 10\n")
+    before = tree_digest(str(existing))
+
+    def refused(model_dir, *, is_chief=True, finished=False, error=None):
+        error = error or UserError("bad labels")
+        with pytest.raises(type(error)):
+            with undone_unless_a_step_finishes(str(model_dir), is_chief=is_chief, finished=lambda: finished):
+                model_dir.mkdir(exist_ok=True)
+                (model_dir / "operative_config.gin").write_text("train.total_steps = 20\n")
+                (model_dir / "train").mkdir()
+                (model_dir / "train" / "events").write_text("written\n")
+                raise error
+
+    refused(existing)
+    assert tree_digest(str(existing)) == before
+    refused(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    for kept, arguments in (("finished", {"finished": True}), ("other", {"error": RuntimeError("a bug")})):
+        refused(tmp_path / kept, **arguments)  # a step finished, or no user mistake: nothing is undone
+        assert sorted(tree_digest(str(tmp_path / kept))) == ["operative_config.gin", "train/events"]
+    refused(tmp_path / "worker", is_chief=False)
+    assert (tmp_path / "worker" / "train").exists()  # only the chief writes, and undoes

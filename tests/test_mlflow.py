@@ -40,6 +40,7 @@ def from_jsonl(model_dir, split: str, key: str) -> list[tuple[int, float]]:
     return sorted((r["step"], r[key]) for r in read_jsonl(model_dir / "metrics.jsonl") if r["split"] == split)
 
 
+@pytest.mark.slow
 def test_the_store_holds_params_metric_history_and_artifacts_of_a_resumed_run(tmp_path):
     model_dir = tmp_path / "run"
     first = run_main(
@@ -84,6 +85,7 @@ def test_the_store_holds_params_metric_history_and_artifacts_of_a_resumed_run(tm
     assert config == (model_dir / "operative_config.gin").read_text() and "train.total_steps = 90" in config
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_multiworker_workers_log_one_run_from_the_chief(tmp_path):
     model_dir = tmp_path / "run"
@@ -105,6 +107,7 @@ def test_two_multiworker_workers_log_one_run_from_the_chief(tmp_path):
     assert [s for s, _ in history(client, runs[0].info.run_id, "eval/loss")] == [30, 40]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "binding, needle",
     [
@@ -128,3 +131,18 @@ def test_no_mlflow_or_a_bad_name_is_one_error_line_and_writes_nothing(tmp_path, 
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
     assert lines == [proc.stderr.strip().splitlines()[-1]] and needle in lines[0], proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_store_is_the_binding_else_the_environment_else_the_model_dir(tmp_path, monkeypatch):
+    from trainer.extensions.mlflow_tracking import tracking_uri_for
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    assert tracking_uri_for("runs/a", "http://mlflow:5000") == "http://mlflow:5000"
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ  # a server's store needs no file-store opt-in
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///tracking.db")
+    assert tracking_uri_for("runs/a", None) == "sqlite:///tracking.db"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.chdir(tmp_path)
+    assert tracking_uri_for("runs/a", None) == f"file:{tmp_path}/runs/a/mlruns"
+    assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true"

@@ -16,6 +16,8 @@ import tensorflow as tf
 
 from tests.support import REPO, read_jsonl, run_main, run_module, subprocess_env
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 QUIET = ["--gin_bindings=train.log_every_steps=50", "--gin_bindings=train.steps_per_loop=25"]
 
 

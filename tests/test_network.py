@@ -21,6 +21,8 @@ from tests.listening import Sampler, run_sampled
 from tests.support import REPO, subprocess_env
 from trainer.distribution import netns
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 _WHY_NOT = netns.can_enter()
 needs_namespaces = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no private network namespace: {_WHY_NOT}")
 

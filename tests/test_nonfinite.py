@@ -15,7 +15,7 @@ from trainer import data
 from trainer.write_tfrecords import serialize
 
 # The module-scoped fixture below is shared by this file's tests: one worker runs them all.
-pytestmark = pytest.mark.xdist_group("nonfinite")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("nonfinite")]
 
 SEED, BATCH, BAD_STEP = 0, 32, 7
 

@@ -32,6 +32,7 @@ def step_losses(proc, column: int) -> list[float]:
     return [float(row[column]) for row in rows]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_parity_with_l2_adam_and_schedule_under_mirrored_2_replicas():
     # Adam with warm-up and cosine decay: the rate changes at every step.
@@ -55,6 +56,7 @@ def test_parity_with_l2_adam_and_schedule_under_mirrored_2_replicas():
     assert ours[0] != ours[-1], "the weights never changed: the comparison would prove nothing"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_difference_the_guard_cannot_see_fails_parity():
     """Twice the learning rate in the step: scaled right on any replica count, but not fit's training."""
@@ -73,6 +75,7 @@ def test_a_difference_the_guard_cannot_see_fails_parity():
     assert step_losses(proc, 0)[0] == step_losses(proc, 1)[0], "step 1 starts from the same weights and batch"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_replica_counts_train_the_same():
     proc = run_parity(
@@ -84,6 +87,7 @@ def test_replica_counts_train_the_same():
     assert word == "PASS" and dw <= 1e-6 and dloss <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_multi_worker_parity_against_tf_keras_fit_in_two_worker_processes():
     # SGD with momentum and the linear scaling rule (rate x 64/32) with warm-up, and an L2 regulariser.
@@ -105,6 +109,7 @@ def test_multi_worker_parity_against_tf_keras_fit_in_two_worker_processes():
     assert word == "PASS" and dw <= 1e-6 and dloss <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_dict_input_model_matches_keras_3_fit_under_mirrored():
     """fit gets our batches as they are: ({'image', 'stats'}, label) into a two-input functional model."""
@@ -123,6 +128,7 @@ def test_dict_input_model_matches_keras_3_fit_under_mirrored():
     assert len(ours) == 3 and ours[0] != ours[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_regression_with_fit_loss_from_gin_matches_keras_3_fit_under_mirrored():
     """parity.loss names the step's loss for fit; the regression step's MSE trains like fit's."""
@@ -140,6 +146,7 @@ def test_regression_with_fit_loss_from_gin_matches_keras_3_fit_under_mirrored():
     assert word == "PASS" and dw == 0 and dloss == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_user_mistake_exits_2_with_one_line():
     proc = run_parity("--gin_file=gin/mirrored.gin", "--replicas=1,3", "--steps=1", timeout=55)
@@ -148,6 +155,7 @@ def test_user_mistake_exits_2_with_one_line():
     assert len(errors) == 1 and "3 does not divide train.global_batch_size 64" in errors[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_parameter_server_with_one_worker_matches_tf_keras_fit_step_by_step():
     proc = run_parity(
@@ -171,6 +179,7 @@ WEIGHTED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["single", "mirrored"])
 def test_weighted_examples_train_like_keras_fit_with_sample_weights(mode):
@@ -182,3 +191,26 @@ def test_weighted_examples_train_like_keras_fit_with_sample_weights(mode):
     assert word == "PASS" and dw <= 1e-6 and dloss <= 1e-6
     ours = step_losses(proc, 0)
     assert len(ours) == 4 and ours[0] != ours[-1]
+
+
+def test_the_verdict_passes_within_atol_of_weights_and_losses_and_shows_every_step():
+    """The parity table and verdict (tools/parity/outcome.py) on made-up losses: no run needed."""
+    import numpy as np
+
+    from trainer.errors import UserError
+    from trainer.tools.parity.outcome import Outcome, max_abs_difference
+
+    ours = [np.zeros((2, 2), np.float32), np.ones(3, np.float32)]
+    assert max_abs_difference(ours, [w + np.float32(0.25) for w in ours]) == 0.25
+    with pytest.raises(UserError, match="different weights"):
+        max_abs_difference(ours, ours[:1])
+    outcome = Outcome("mirrored, 2 replica(s)", ["trainer", "fit"], [[1.0, 0.5], [1.0, 0.5 + 2e-6]], 1e-7, 1e-6, 7)
+    assert not outcome.passed and outcome.max_dloss == pytest.approx(2e-6)
+    assert outcome.verdict().startswith(
+        "FAIL: max |dw| 1.00e-07, max |dloss| 2.00e-06 exceeds atol 1e-06 after 2 steps"
+    )
+    text = outcome.text().splitlines()
+    assert text[0] == "mirrored, 2 replica(s)" and text[-1] == outcome.verdict()
+    assert text[1].split() == ["step", "trainer", "loss", "fit", "loss", "diff"] and text[3].split()[-1] == "+2.00e-06"
+    outcome.atol = 1e-5
+    assert outcome.passed and "**PASS: " in outcome.markdown("python -m trainer.parity ...")

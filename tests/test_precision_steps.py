@@ -13,6 +13,8 @@ import pytest
 
 from tests.support import REPO, refused_run, run_python
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 
 def readme_step_module() -> str:
     """The README's `my_steps.py` code block, as written there."""

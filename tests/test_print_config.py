@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import REPO, run_main, subprocess_env
 
 GIN_FILES = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "gin", "*.gin")))
@@ -71,6 +73,7 @@ def _check_output(path: str, out: str, extra: list[str]) -> None:
         assert re.search(rf"^# {name}: ", out, re.M), (path, name)
 
 
+@pytest.mark.slow
 def test_print_config_of_every_gin_file_shows_each_bound_value_and_trains_nothing(tmp_path):
     assert len(GIN_FILES) >= 5, GIN_FILES
     jobs = [(path, str(tmp_path / os.path.basename(path)), EXTRA.get(path, [])) for path in GIN_FILES]
@@ -93,6 +96,7 @@ def test_print_config_of_every_gin_file_shows_each_bound_value_and_trains_nothin
         _check_output(path, result["out"], extra)
 
 
+@pytest.mark.slow
 def test_print_config_from_the_command_line(tmp_path):
     model_dir = tmp_path / "never"
     extra = EXTRA["gin/mirrored.gin"]
@@ -127,3 +131,33 @@ def test_configurables_lists_every_registered_name_with_parameters_and_doc(capsy
     assert "listed_by_registry_test(alpha=1.5)\n    Registered after trainer.configurables" in listing
     assert "profiler_hook(steps=(10, 20))" in listing
     assert "progress_logger(live=None, refresh_secs=0.5, all_workers=False)" in listing
+
+
+def test_the_resolved_config_and_the_hparams_come_from_gin_in_process(tmp_path, monkeypatch):
+    """describe_config and hparams (trainer/tools/gin_config.py) on a file that includes a repository
+    config, binds a macro and is overridden by a binding: each value with where it came from."""
+    import gin
+    from trainer import configurables  # noqa: F401  (registers every name)
+    from trainer.tools import gin_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.gin").write_text("include 'gin/single.gin'\nLR = 0.25\nmake_optimizer.learning_rate = %LR\n")
+    files, bindings = ["my.gin"], ["train.total_steps = 7", "train.keras_callbacks = []"]
+    gin.clear_config()
+    try:
+        gin.add_config_file_search_path(REPO)
+        gin.parse_config_files_and_bindings(files, bindings, finalize_config=False)
+        text = gin_config.describe_config(files, bindings, search_paths=[REPO])
+        hparams = gin_config.hparams(files, bindings, search_paths=[REPO])
+    finally:
+        gin.clear_config()
+    assert text.startswith("# Resolved config of my.gin with 2 --gin_bindings; after each value, where it came from.\n")
+    assert re.search(r"^train\.total_steps = 7 +# --gin_bindings$", text, re.M)
+    assert re.search(r"^make_optimizer\.learning_rate = %LR +# my\.gin:3$", text, re.M)
+    assert re.search(r"^LR = 0\.25 +# my\.gin:2$", text, re.M)
+    assert re.search(r"^train\.strategy = 'default' +# \S*gin/single\.gin:\d+$", text, re.M)
+    assert re.search(r"^train\.model_dir = <.+> +# set by trainer\.main$", text, re.M)
+    assert re.search(r"^\S+ = .+ +# default$", text, re.M) and "# ----- not bound or referenced" in text
+    assert hparams["gin_files"] == "my.gin" and hparams["train.total_steps"] == 7
+    assert hparams["make_optimizer.learning_rate"] == 0.25  # the macro's value
+    assert hparams["train.keras_callbacks"] == "[]" and hparams["train.strategy"] == "default"

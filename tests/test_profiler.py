@@ -11,6 +11,7 @@ import pytest
 from tests.support import read_jsonl
 
 
+@pytest.mark.slow
 def test_trace_lands_where_the_profile_plugin_reads_it(profiled_run):
     from trainer.extensions.profiler import trace_files
 
@@ -28,6 +29,7 @@ def test_trace_lands_where_the_profile_plugin_reads_it(profiled_run):
     assert train_steps == [10, 20, 30, 40]  # the extra boundaries change no record
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("xprof") is None,
     reason="the profile plugin (pip install -e '.[profile]') is not installed",

@@ -16,6 +16,8 @@ import termios
 import time
 import types
 
+import pytest
+
 from tests.support import REPO, read_jsonl, subprocess_env
 
 BAR = re.compile(r"step (\d+)/(\d+) \[[=> ]+\]")
@@ -64,6 +66,7 @@ def run_under_terminal(args: list[str], timeout: float = 240) -> tuple[int, str,
         return proc.returncode, b"".join(chunks).decode(errors="replace"), stderr.read()
 
 
+@pytest.mark.slow
 def test_on_a_terminal_the_bar_redraws_in_place_and_eval_lines_print_above_it(tmp_path):
     model_dir = str(tmp_path / "run")
     code, screen, stderr = run_under_terminal(
@@ -101,6 +104,7 @@ def test_on_a_terminal_the_bar_redraws_in_place_and_eval_lines_print_above_it(tm
     assert [(r["split"], r["step"]) for r in records] == [("eval", 30), ("train", 60), ("eval", 60)]
 
 
+@pytest.mark.slow
 def test_without_a_terminal_the_output_is_plain_lines(profiled_run):
     _, proc = profiled_run
     assert "\r" not in proc.stdout

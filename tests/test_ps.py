@@ -7,6 +7,7 @@ Every test checks that no server it started is left running.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -63,6 +64,7 @@ def assert_one_line_error(stderr: str, *needles: str) -> str:
     return last
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.xdist_group("embedded_ps_run")
 def test_embedded_cluster_trains_to_accuracy_and_sidecar_evaluates_each_checkpoint(embedded_ps_run):
@@ -89,6 +91,7 @@ def test_embedded_cluster_trains_to_accuracy_and_sidecar_evaluates_each_checkpoi
     assert_all_gone(server_pids(run.stdout))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_launcher_runs_chief_workers_and_ps_as_separate_processes(tmp_path):
     """Must-show 2: `trainer.launch --num_workers=2 --num_ps=1 -- --gin_file=gin/ps.gin`."""
@@ -105,6 +108,7 @@ def test_launcher_runs_chief_workers_and_ps_as_separate_processes(tmp_path):
     assert_all_gone(pids)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_one_worker_trains_exactly_like_one_device(trained_single_dir, tmp_path):
     """Must-show 3: with one worker the updates are sequential, so the weights are bit-identical."""
@@ -136,6 +140,7 @@ def test_one_worker_trains_exactly_like_one_device(trained_single_dir, tmp_path)
     assert_all_gone(server_pids(proc.stderr))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_worker_killed_mid_run_is_worked_around(tmp_path):
     """Must-show 4: SIGKILL one of two workers (not restarted); the other one finishes the run."""
@@ -159,6 +164,7 @@ def test_a_worker_killed_mid_run_is_worked_around(tmp_path):
     assert_all_gone(server_pids(run.stderr))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_lost_ps_stops_the_chief_with_one_line_and_a_rerun_continues(tmp_path):
     """Must-show 5: SIGKILL the ps; exit 1 with one line; the same command resumes at the checkpoint."""
@@ -202,6 +208,7 @@ def test_a_lost_ps_stops_the_chief_with_one_line_and_a_rerun_continues(tmp_path)
     assert_all_gone(server_pids(rerun.stderr))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_tf_module_variables_shard_across_ps_tasks_and_sigterm_ends_the_cluster(tmp_path):
     """Sharding by gin for a tf.Module model; then SIGTERM: exit 143, every server stopped.
@@ -260,6 +267,7 @@ WIDE_AND_DEEP = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sharded_module_tables_train_beside_a_keras_tower_and_a_sharded_keras_layer_is_refused(tmp_path):
     """Must-show 9: wide and deep under a partitioner, in a dict of models: the tf.Module's table
@@ -288,6 +296,7 @@ def test_sharded_module_tables_train_beside_a_keras_tower_and_a_sharded_keras_la
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_keras_layers_held_by_a_tf_module_are_named_as_the_cause(tmp_path):
     """tf.Module collects only tf.Variables and nested tf.Modules; a Keras 3 layer is neither, so a
@@ -305,6 +314,7 @@ def test_keras_layers_held_by_a_tf_module_are_named_as_the_cause(tmp_path):
     assert "subclass keras.Layer or keras.Model instead of tf.Module" in line
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_workers_and_ps_tasks_are_refused_by_main_and_servers_check_tf_config(tmp_path):
     cluster = '{"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}'
@@ -331,6 +341,7 @@ ONE_NODE_STEP = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "localhost"
 SLURM_JOBS = "{'jobs': {'chief': 1, 'ps': 1, 'worker': 2}, 'gpus_per_node': 0}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_ps_run_resolved_from_slurm_starts_no_cluster_of_its_own(tmp_path):
     """The chief of a SLURM job must join the job's tasks: outside an srun step it says what is
@@ -345,6 +356,7 @@ def test_a_ps_run_resolved_from_slurm_starts_no_cluster_of_its_own(tmp_path):
     assert not local_cluster.needs_local_cluster("parameter_server", "slurm")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_server_resolved_from_slurm_checks_its_flags_and_its_task():
     bad_kind = run_module("trainer.server", "--cluster_resolver=k8s", timeout=60)
@@ -462,3 +474,120 @@ def test_other_closure_errors_and_a_fourth_rejection_still_end_the_call():
     with pytest.raises(tf.errors.InternalError, match="a kernel failed"):
         loop.run(30)
     assert int(step.numpy()) == 0
+
+
+def _ended(pids) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
+
+
+def test_the_embedded_cluster_restarts_a_dead_worker_and_ends_every_server(tmp_path, monkeypatch):
+    """LocalCluster with stand-in servers (tests/fake_server.py, no TensorFlow): the chief's
+    TF_CONFIG, a worker that dies restarted on its port, every process ended and reaped at the end."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("FAKE_SERVER_DIR", str(tmp_path))
+    monkeypatch.setenv("FAKE_SERVER_DIES", "worker:1")
+    printed: list[str] = []
+    config = local_cluster.LocalClusterConfig(num_workers=2, num_ps=1, grace_secs=1, max_worker_restarts=1)
+    with local_cluster.LocalCluster(config, print_fn=printed.append, server_module="tests.fake_server") as cluster:
+        first = cluster.pids
+        assert json.loads(cluster.coordinator_tf_config()) == {
+            "cluster": cluster.cluster,
+            "task": {"type": "chief", "index": 0},
+        }
+        assert {kind: len(addresses) for kind, addresses in cluster.cluster.items()} == {
+            "chief": 1,
+            "worker": 2,
+            "ps": 1,
+        }
+        assert re.fullmatch(
+            r"local cluster: ps 0 pid \d+ at localhost:\d+, worker 0 .*; this process is the coordinator \(chief\)",
+            printed[0],
+        )
+        deadline = time.monotonic() + 20
+        while len(printed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        restarted = cluster.pids
+        assert printed[1] == (
+            f"local cluster: worker 1 exited with code 3; restarted it as pid {restarted['worker 1']} (1/1)"
+        ), printed
+        assert restarted["worker 1"] != first["worker 1"] and restarted["ps 0"] == first["ps 0"]
+    assert _ended([*first.values(), *restarted.values()])
+
+
+def test_an_embedded_server_that_fails_to_start_ends_the_cluster_with_its_last_lines(tmp_path, monkeypatch):
+    from trainer.errors import RunFailure, UserError
+
+    with pytest.raises(UserError, match="local_cluster.num_workers must be a positive integer"):
+        local_cluster.LocalCluster(local_cluster.LocalClusterConfig(num_workers=0))
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("FAKE_SERVER_FAILS", "worker:0")
+    cluster = local_cluster.LocalCluster(
+        local_cluster.LocalClusterConfig(num_workers=1, grace_secs=1), print_fn=print, server_module="tests.fake_server"
+    )
+    with pytest.raises(RunFailure) as failure:
+        with cluster:
+            pass
+    assert str(failure.value) == ("local cluster: worker 0 exited with code 4 while starting (no such flag --bogus)")
+    assert cluster.pids and _ended(cluster.pids.values())
+
+
+def test_whether_a_run_starts_an_embedded_cluster_is_read_from_its_flags_and_gin_text(tmp_path, monkeypatch):
+    """early_isolation reads it before TensorFlow starts threads: the last strategy and resolver of
+    the gin files (includes spliced in, comments left out) and bindings; eval modes, print_config
+    and a TF_CONFIG start none."""
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    mine = tmp_path / "mine.gin"
+    mine.write_text("include 'gin/single.gin'\n# train.strategy = 'parameter_server'\n")
+    expects = early_isolation.expects_embedded_cluster
+    assert expects([PS]) and expects(["--gin_file", "gin/ps.gin", "--mode=train"])
+    assert not expects([f"--gin_file={mine}"])
+    assert expects([f"--gin_file={mine}", "--gin_bindings=train.strategy = 'parameter_server'"])
+    assert not expects([PS, "--gin_bindings=train.strategy='mirrored'"])
+    assert not expects([PS, "--mode=eval_continuous"]) and not expects([PS, "--print_config"])
+    assert expects([PS, "--print_config=false"])
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:1"]}}')
+    assert not expects([PS]) and not local_cluster.needs_local_cluster("parameter_server")
+
+
+def test_the_sidecar_evaluates_each_checkpoint_of_a_run_once_in_step_order(tmp_path):
+    """The sidecar evaluator (loops/sidecar.py) in process, after a short run of gin/single.gin in
+    process: one metrics line per checkpoint, the step restored from it, done at total_steps."""
+    import gin
+    from trainer import configurables
+
+    gin.clear_config()
+    try:
+        gin.add_config_file_search_path(REPO)
+        bindings = [
+            "train.model_fn = @mlp",
+            "mlp.hidden = (8,)",
+            "train.total_steps = 4",
+            "train.steps_per_loop = 2",
+            "train.checkpoint_every_steps = 2",
+            "train.eval_every_steps = 4",
+            "train.log_every_steps = 2",
+            "eval_continuous.timeout_secs = 5",
+            "eval_continuous.poll_secs = 0.1",
+        ]
+        gin.parse_config_files_and_bindings(["gin/single.gin"], bindings, finalize_config=False)
+        configurables.train(model_dir=str(tmp_path), print_fn=lambda line: None)
+        inline = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["split"] == "eval"]
+        printed: list[str] = []
+        results = configurables.evaluate_continuously(model_dir=str(tmp_path), print_fn=printed.append)
+    finally:
+        gin.clear_config()
+    lines = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if "num_examples" in r]
+    assert [(r["step"], r["split"]) for r in lines] == [(2, "eval"), (4, "eval")]
+    assert lines[-1]["loss"] == pytest.approx(inline[-1]["loss"], rel=1e-5) and results["loss"] == lines[-1]["loss"]
+    assert [line.split(":")[0] for line in printed[1:]] == [
+        "sidecar eval of ckpt-2 at step 2",
+        "sidecar eval of ckpt-4 at step 4",
+        "sidecar evaluator",
+    ]
+    assert printed[-1] == "sidecar evaluator: reached train.total_steps 4; done"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests.support import read_jsonl, run_main
@@ -17,6 +18,7 @@ from trainer.task.optimizers import ScaledWarmupSchedule
 TOTAL, WARMUP, LR = 200, 20, 0.002
 
 
+@pytest.mark.slow
 def test_schedule_reaches_its_final_value_at_total_steps_under_two_async_workers(tmp_path):
     model_dir = tmp_path / "run"
     proc = run_main(

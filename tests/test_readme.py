@@ -31,6 +31,9 @@ NOT_RUN = {
     "pip install -e .": "installs the project: done once before the suite runs",
     "pip install -e '.[test]'": "installs the test extra: done once before the suite runs",
     "python -m pytest -q": "the suite this test is part of",
+    'python -m pytest -q -m "not slow"': "the suite's fast tier, a part of the suite this test is part of",
+    "ruff format trainer tests experiments": "formats the code: .ci/run checks the format (tests/test_docs.py)",
+    "ruff check trainer tests experiments": "the style check .ci/run runs first (tests/test_docs.py)",
 }
 # Shorter runs: the commands' own configs, fewer steps (appended, so they win).
 SHORT = (
@@ -215,6 +218,7 @@ def test_the_page_shows_the_commands_this_test_runs():
             assert words_of(command)[1][2] in ("trainer.main", "trainer.launch", "trainer.configurables"), command
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("group", list(ROOT_GROUPS))
 def test_from_the_repository_root(root, tmp_path, group):
@@ -250,6 +254,7 @@ def test_from_the_repository_root(root, tmp_path, group):
     assert not os.path.exists(os.path.join(model_dir, "runs"))  # no runs/x/runs/x/...
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_step_and_extension_examples_from_another_directory(root, tmp_path):
     """The step example where its files are written from the page ("anywhere on PYTHONPATH"), with
@@ -271,6 +276,7 @@ def test_the_step_and_extension_examples_from_another_directory(root, tmp_path):
     assert os.listdir(os.path.join(cwd, "runs")) == [os.path.basename(model_dir)]
 
 
+@pytest.mark.slow
 def test_the_listings_from_another_directory(root, tmp_path):
     """Every gin name, and a config shown with the page's override example."""
     cwd = str(tmp_path)
@@ -285,6 +291,7 @@ def test_the_listings_from_another_directory(root, tmp_path):
     assert os.listdir(cwd) == []  # nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_relative_and_an_absolute_model_dir_are_one_run_to_every_reader(root, tmp_path):
     """The one-device row from another directory, on its relative runs/single with export and best

@@ -13,6 +13,8 @@ import pytest
 
 from tests.support import run_python
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 SCRIPT = """
 import json, sys
 import keras

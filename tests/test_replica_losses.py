@@ -50,12 +50,14 @@ def local_results() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(220)
 @pytest.mark.parametrize("mode", ["mirrored", "central_storage"])
 def test_model_call_losses_and_weights_match_one_device(local_results, mode):
     assert_one_device(local_results, mode)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_multiworker_mirrored_workers_match_one_device():
     cluster = {"worker": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(2)]}
@@ -77,6 +79,7 @@ def test_two_multiworker_mirrored_workers_match_one_device():
     assert_one_device(json.loads(outputs[0][0].strip().splitlines()[-1]), "multi_worker_mirrored")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("mode", ["mirrored", "central_storage"])
@@ -86,6 +89,7 @@ def test_the_guard_passes_batchnorm_with_model_call_losses(tmp_path, mode, kind)
     assert PASSED in proc.stdout and "step 2/2" in proc.stdout, proc.stdout[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_guard_passes_the_subclassed_model_on_two_multiworker_mirrored_workers(tmp_path):
     proc = run_module(
@@ -128,6 +132,7 @@ def one_device(tmp_path_factory) -> str:
     return model_dir
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("mode", ["mirrored", "central_storage", "mwms"])
 def test_synchronized_batchnorm_with_an_activity_penalty_trains_the_weights_of_one_device(one_device, tmp_path, mode):
@@ -143,6 +148,7 @@ def test_synchronized_batchnorm_with_an_activity_penalty_trains_the_weights_of_o
     assert_same_weights(one_device, model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_parity_with_keras_fit_under_mirrored():
     proc = run_module(

@@ -14,6 +14,8 @@ import pytest
 
 from tests.support import REPO, read_jsonl, run_main, subprocess_env
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 TOTAL = 60
 PER_STEP = [
     f"--gin_bindings=train.total_steps={TOTAL}",

@@ -49,6 +49,7 @@ def _why_not() -> str | None:
 
 # One worker runs this file: its tests share one SLURM cluster (a module-scoped fixture).
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(_why_not() is not None, reason=f"no local SLURM cluster: {_why_not()}"),
     pytest.mark.xdist_group("slurm"),
 ]

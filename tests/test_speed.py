@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from tests.support import run_python
+
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
 
 # Runs `train` in this process with an extension that records each loop call; prints its findings.
 RUN = textwrap.dedent('''

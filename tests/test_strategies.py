@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.support import run_python
@@ -28,6 +30,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_strategies_on_two_logical_cpus():
     r = run_python(SCRIPT, timeout=180)
@@ -47,3 +50,25 @@ def test_unknown_strategy_names_the_choices():
 def test_tpu_without_a_tpu_is_a_clear_user_error():
     with pytest.raises(UserError, match="strategy 'tpu' found no TPU"):
         strategies.make_strategy("tpu")
+
+
+def test_a_parameter_server_cluster_is_checked_before_tensorflow_connects_to_it():
+    import tensorflow as tf
+
+    def resolver(jobs: dict, task_type: str = "chief") -> tf.distribute.cluster_resolver.ClusterResolver:
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(jobs), task_type=task_type, task_id=0, rpc_layer="grpc"
+        )
+
+    chief, worker, ps = ["localhost:1"], ["localhost:2"], ["localhost:3"]
+    for cluster, expected in (
+        (resolver({}), "needs a cluster with ps and worker tasks: run `python -m trainer.main --gin_file=gin/ps.gin`"),
+        (resolver({"chief": chief, "worker": worker, "ps": ps}, "worker"), "this process is task worker 0"),
+        (resolver({"chief": chief, "worker": worker}), "needs at least one 'ps' task in the cluster, which has"),
+        (resolver({"chief": chief, "ps": ps}), "needs at least one 'worker' task in the cluster, which has chief, ps"),
+    ):
+        with pytest.raises(UserError, match=re.escape(expected)):
+            strategies.make_strategy("parameter_server", cluster_resolver=cluster)
+    with pytest.raises(UserError, match="a variable_partitioner shards variables across ps tasks .* not 'mirrored'"):
+        strategies.make_strategy("mirrored", variable_partitioner=object())
+    assert strategies.make_strategy("default") is tf.distribute.get_strategy()

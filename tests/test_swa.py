@@ -17,6 +17,8 @@ from tests.support import REPO, read_jsonl, refused_run, run_main, run_module, s
 from tests.test_multiworker import model_weights
 from tests.test_resume import kill_group, wait_for_step
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 SWA = "--gin_file=experiments/swa/swa.gin"
 SHORT = [
     f"--gin_bindings={b}"

@@ -8,6 +8,8 @@ import pytest
 
 from tests.support import read_jsonl
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 
 def _accumulator(path: str):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

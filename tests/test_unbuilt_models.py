@@ -14,6 +14,8 @@ import pytest
 from tests.support import REPO, run_main, run_module, subprocess_env
 from tests.test_resume import kill_group, per_step_losses, wait_for_step
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 IMPORT = "--gin_bindings=import tests.unbuilt_models"
 SHORT = [
     f"--gin_bindings={b}"

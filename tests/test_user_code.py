@@ -10,6 +10,8 @@ import pytest
 
 from tests.support import read_jsonl, run_main
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 
 @pytest.mark.parametrize("mode", ["single", "mirrored"])
 def test_steps_that_branch_and_loop_on_tensors_train_and_evaluate(mode, tmp_path):

@@ -87,6 +87,7 @@ def test_shape_mismatch_and_bad_paths_are_user_errors(tmp_path):
         Registry([warm_start.WarmStart(prefix)], Settings(strategy="parameter_server"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_run_warm_starts_fresh_only_and_a_mismatch_exits_2(tmp_path):
     source, target, wrong = str(tmp_path / "source"), str(tmp_path / "target"), str(tmp_path / "wrong")
@@ -161,6 +162,7 @@ def test_one_model_of_a_dict_by_its_key(tmp_path):
             warm_start.WarmStart(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_gan_run_warm_starts_its_generator_only(tmp_path):
     gan_gin = [

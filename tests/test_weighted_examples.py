@@ -9,6 +9,8 @@ import pytest
 
 from tests.support import run_python
 
+pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
+
 CODE = """
 import json
 import numpy as np
