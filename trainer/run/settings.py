@@ -97,7 +97,7 @@ class Settings:
     keep_best: int = 0
     best_metric: str = "loss"
     best_mode: str = "min"
-    early_stopping: Any = None  # trainer.extensions.early_stopping.EarlyStopping
+    early_stopping: Any = None  # trainer.extensions.early_stopping.EarlyStoppingOptions
     keras_callbacks: Sequence[Any] = ()
     hooks: Sequence[Hook] = ()
     extensions: Sequence[Extension] = ()
@@ -134,7 +134,7 @@ class Settings:
             object.__setattr__(self, "model_dir", absolute_model_dir(self.model_dir))
         for name in ("log_every_steps", "checkpoint_every_steps", "eval_every_steps", "keep_checkpoints"):
             check_int(f"train.{name}", getattr(self, name))
-        for name in ("check_loss_scaling", "allow_resume_changes", "preemption_checkpointing", "async_checkpoint"):
+        for name in ("allow_resume_changes", "async_checkpoint"):
             check_bool(f"train.{name}", getattr(self, name))
         check_callable("train.describe_config", self.describe_config, optional=True)
         check_callable("train.print_fn", self.print_fn)
