@@ -16,7 +16,8 @@ and may implement, in the order a run calls them:
                           op or write;
   attach(setup)           the runtime and the task are built, nothing restored yet: add
                           checkpoint items, wrap the update path, add an action after each
-                          update, provide named values to other extensions (see `Setup`);
+                          update, skip batches of the train data, provide named values to
+                          other extensions (see `Setup`);
   restored(setup, path)   the newest checkpoint was restored (`path`; None for a fresh run);
   verify(outputs)         the loops are traced: check the step's and eval's output names;
   state_dict()            JSON-able state of its own, saved in every checkpoint of the run and
@@ -161,6 +162,10 @@ class Setup:
         context (read the updated weights there; assign to variables made under `scope()`)."""
         self._contributions.after_update.append(action)
 
+    def skip_batches(self, batches: Sequence[int]) -> None:
+        """The loop's train data leaves out these batches (indices in the stream without skips)."""
+        self._contributions.skipped_batches = tuple(batches)
+
     def provide(self, name: str, value: Any) -> None:
         """Offers `value` to other extensions and hooks under `name` (`Setup.value`, `run.values`)."""
         owners = self._contributions.providers
@@ -185,6 +190,7 @@ class Contributions:
     after_update: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
     providers: dict[str, str] = dataclasses.field(default_factory=dict)
+    skipped_batches: tuple[int, ...] = ()
 
     def wrap(self, step_fn: StepFn) -> StepFn:
         for wrapper in self.step_wrappers:

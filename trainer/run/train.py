@@ -31,7 +31,6 @@ from trainer.loops.controller import drive, op_error_summary
 from trainer.run.settings import Settings, signature
 from trainer.run.setup import setup
 from trainer.run.unfinished import undone_unless_a_step_finishes
-from trainer.safety.nonfinite import SKIPPED
 from trainer.task import precision
 from trainer.task.contract import function_name
 from trainer.task.structure import flat
@@ -78,12 +77,10 @@ def train(**arguments: Any) -> dict[str, float]:
     loop, evaluators = build_loops(
         runtime,
         task,
-        settings.loop,
+        settings,
         start_step=start_step,
         step_fn=contributions.wrap(task.step_fn),
-        drop_batches=contributions.values.get(SKIPPED, ()),
-        eval_metrics_fn=settings.eval_metrics_fn,
-        parameter_server=settings.parameter_server,
+        drop_batches=contributions.skipped_batches,
         after_update=contributions.after_update_action(),
         print_fn=console.print,
     )

@@ -19,8 +19,8 @@ Three checks, each cheap:
 `max_rollbacks` times. The skipped batches are kept in the checkpoint (`dropped_batches`), so
 a resumed run skips them too and stays identical to one that never stopped.
 
-An extension like any other: it adds `dropped_batches` to the checkpoint, provides the batches
-to skip to the loop ('skipped_batches'), and throws a call's results away (`rollback_to`)
+An extension like any other: it adds `dropped_batches` to the checkpoint, tells the loop which
+batches to skip (`Setup.skip_batches`), and throws a call's results away (`rollback_to`)
 before any other hook sees them.
 """
 
@@ -34,18 +34,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from trainer import data
 from trainer.distribution import modes
 from trainer.errors import RunFailure, UserError
 from trainer.extensions.protocol import Extension, Setup
 from trainer.hooks.base import Run
+from trainer.loops.build import distributed_train_data
+from trainer.loops.controller import TrainLoopLike
 from trainer.task.structure import flat
 from trainer.task.user_code import call_user
 from trainer.validation import check_choice, check_int
 
 MODES = ("stop", "rollback")
 CAPACITY = 64  # most batches a run can skip; fixed so checkpoints keep one shape
-SKIPPED = "skipped_batches"
 
 
 def dropped_batches_variable() -> tf.Variable:
@@ -71,11 +71,10 @@ def batch_index(step: int, dropped: list[int]) -> int:
     return index
 
 
-def first_bad_step(loop: Any, metrics: Mapping[str, float], step: int) -> int | None:
+def first_bad_step(loop: TrainLoopLike, metrics: Mapping[str, float], step: int) -> int | None:
     """The 1-based global step of the first non-finite output of the call that started at `step`."""
-    offset = getattr(loop, "last_nonfinite_offset", None)
-    if offset is not None:
-        return step + offset + 1
+    if loop.last_nonfinite_offset is not None:
+        return step + loop.last_nonfinite_offset + 1
     return None if all(math.isfinite(v) for v in metrics.values()) else step + 1
 
 
@@ -188,7 +187,7 @@ class NonFiniteHandling(Extension):
     def restored(self, setup: Setup, path: str | None) -> None:
         self._fresh = path is None
         self.dropped = read_dropped(self._variable)
-        setup.provide(SKIPPED, tuple(self.dropped))
+        setup.skip_batches(self.dropped)
 
     def begin(self, run: Run) -> None:
         if self.mode == "rollback" and self._fresh:
@@ -245,15 +244,8 @@ class NonFiniteHandling(Extension):
         restored_step = int(self._setup.task.global_step.numpy())
         settings, runtime = self._setup.settings, self._setup.runtime
         run.loop.set_dataset(
-            data.distribute_train(
-                runtime.strategy,
-                self._setup.task.input,
-                settings.global_batch_size,
-                settings.seed,
-                method=settings.distribute_method,
-                shard_policy=settings.shard_policy,
-                skip_steps=restored_step,
-                drop_batches=self.dropped,
+            distributed_train_data(
+                runtime.strategy, self._setup.task.input, settings, skip_steps=restored_step, drop_batches=self.dropped
             )
         )
         run.print_fn(
