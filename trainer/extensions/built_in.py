@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class BuiltIn:
+    """One built-in hook or extension (see the module docstring)."""
+
     cls: type[Hook]
     make: Callable[["Settings"], Hook | None] | None = None  # None: the user adds it to train.extensions
     gin: Mapping[str, Callable] = dataclasses.field(default_factory=dict)  # gin name -> what it binds
