@@ -13,11 +13,13 @@ import pytest
 from tests.support import REPO
 from trainer.distribution import modes
 from trainer.errors import UserError
-from trainer.extensions import capabilities, factory
+from trainer.extensions import built_in, capabilities, factory
 from trainer.extensions.context import Context, Contributions
+from trainer.extensions.early_stopping import EarlyStoppingOptions
 from trainer.extensions.protocol import Extension
 from trainer.extensions.registry import Registry
 from trainer.run.settings import Settings
+from trainer.tools import gin_config
 
 PS = Settings(strategy="parameter_server")
 
@@ -157,3 +159,31 @@ def test_the_docs_capability_table_is_the_one_the_declarations_make():
     with open(os.path.join(REPO, "docs", "around-the-step.md")) as f:
         text = f.read()
     assert capabilities.table() in text
+
+
+def test_each_built_in_is_declared_once_and_shows_in_the_factory_the_registry_the_table_and_gin():
+    on = Settings(
+        describe_config=lambda: "",
+        hparams={"lr": 0.1},
+        ema_decay=0.9,
+        keep_best=1,
+        early_stopping=EarlyStoppingOptions(),
+        keras_callbacks=[keras.callbacks.TerminateOnNaN()],
+        export_saved_model=True,
+    )  # warm_start needs a checkpoint to start from: tests/test_warm_start.py
+    made = names(factory.participants(on))
+    assert made == [e.name for e in built_in.BUILT_IN if e.name in made]  # the table's order is the default one
+    rows = {setting for setting, _ in capabilities.rows()}
+    import trainer.configurables  # noqa: F401  (gives the library its gin names)
+
+    gin_listed = {c.selector: c.target for c in gin_config.registered_configurables()}
+    for entry in built_in.BUILT_IN:
+        assert entry.make or entry.gin, f"{entry.name} can be turned on neither by a setting nor by gin"
+        if entry.make and entry.name != "warm_start":
+            assert entry.name in made
+        Registry([Recorder("mine", [], after=(entry.name,))], Settings())  # a name `after` may use, present or not
+        if entry.cls.setting and not entry.shown_as:
+            assert entry.cls.setting in rows
+        for gin_name, target in entry.gin.items():
+            assert [t for s, t in gin_listed.items() if s == gin_name or s.endswith("." + gin_name)] == [target]
+    assert not {s.rpartition(".")[2] for s in gin_listed} & {"eval_hook", "checkpoint_hook"}  # named, never used

@@ -92,6 +92,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     "train_jit_compile_text": (bind("train.jit_compile = 'yes'"), "train.jit_compile"),
     "train_allow_resume_changes_number": (bind("train.allow_resume_changes = 1"), "train.allow_resume_changes"),
     "train_preemption_text": (bind("train.preemption_checkpointing = 'no'"), "train.preemption_checkpointing"),
+    # options of a built-in extension, checked where its table entry makes it (trainer/extensions/built_in.py)
+    "train_keep_best_text": (bind("train.keep_best = 'two'"), "train.keep_best"),
+    "train_export_saved_model_text": (bind("train.export_saved_model = 'yes'"), "train.export_saved_model"),
+    "train_early_stopping_number": (bind("train.early_stopping = 3"), "train.early_stopping must be @early_stopping()"),
     # train: what must be functions, hooks, settings objects
     "train_step_fn_number": (bind("train.step_fn = 3"), "train.step_fn"),
     "train_eval_step_fn_text": (bind("train.eval_step_fn = 'x'"), "train.eval_step_fn"),

@@ -84,6 +84,19 @@ def test_rollback_mode_skips_the_batch_and_finishes(poisoned, tmp_path):
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
     assert records[-1]["split"] == "eval" and records[-1]["step"] == 30
     assert all(np.isfinite(r["loss"]) for r in records if r["split"] != "resumed")
+    # The skipped batch is kept in the checkpoint: a run stopped after its roll-back and resumed
+    # leaves it out again (Setup.skip_batches) and ends with the weights of this uninterrupted one.
+    resumed = str(tmp_path / "resumed")
+    for steps in (20, 30):
+        proc = run_main(
+            *poisoned,
+            f"--model_dir={resumed}",
+            "--gin_bindings=train.nonfinite='rollback'",
+            f"--gin_bindings=train.total_steps={steps}",
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    last = read_jsonl(os.path.join(resumed, "metrics.jsonl"))[-1]
+    assert (last["step"], last["loss"], last["accuracy"]) == (30, records[-1]["loss"], records[-1]["accuracy"])
 
 
 def test_nan_pixels_that_leave_the_loss_finite_stop_at_their_step_by_their_gradient(poisoned, tmp_path):

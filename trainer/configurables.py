@@ -15,16 +15,13 @@ if __name__ == "__main__":  # the listing: without TensorFlow's load-time notice
 
     quiet_start.import_tensorflow()
 
-import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import gin  # noqa: E402
 from trainer import data  # noqa: E402
 from trainer.distribution import devices  # noqa: E402
 from trainer.distribution import local_cluster as local_cluster_lib  # noqa: E402
-from trainer.extensions import early_stopping, mlflow_tracking, profiler  # noqa: E402
-from trainer.extensions.checkpointing import CheckpointHook  # noqa: E402
-from trainer.extensions.evaluation import EvalHook  # noqa: E402
+from trainer.extensions import built_in  # noqa: E402
 from trainer.extensions.progress import ProgressLogger  # noqa: E402
 from trainer.loops import options as loop_options  # noqa: E402
 from trainer.loops import sidecar  # noqa: E402
@@ -109,21 +106,7 @@ REGISTERED = {
     "jpeg_feature": data.jpeg_feature,
     "int64_sequence_feature": data.int64_sequence_feature,
     "devices": devices.DeviceConfig,
-    "checkpoint_hook": CheckpointHook,
-    "eval_hook": EvalHook,
-    "early_stopping": early_stopping.EarlyStopping,
-    # Keras callbacks for train.keras_callbacks, under their Keras names
-    **{
-        f"keras.callbacks.{c.__name__}": c
-        for c in (
-            keras.callbacks.EarlyStopping,
-            keras.callbacks.ReduceLROnPlateau,
-            keras.callbacks.CSVLogger,
-            keras.callbacks.TerminateOnNaN,
-        )
-    },
-    "profiler_hook": profiler.ProfilerHook,
-    "mlflow_hook": mlflow_tracking.MlflowHook,
+    **built_in.GIN_NAMES,  # the built-in extensions' own (trainer/extensions/built_in.py)
     "parameter_server": loop_options.ParameterServerConfig,
     "local_cluster": local_cluster_lib.LocalClusterConfig,
     "min_size_partitioner": tf.distribute.experimental.partitioners.MinSizePartitioner,

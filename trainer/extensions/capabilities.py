@@ -9,39 +9,16 @@ the docs cannot drift from what the registry enforces.
 from __future__ import annotations
 
 from trainer.distribution import modes
-from trainer.extensions.best_checkpoints import BestCheckpoints
-from trainer.extensions.early_stopping import EarlyStop
-from trainer.extensions.ema import Ema
-from trainer.extensions.export import Export
-from trainer.extensions.keras_callbacks import KerasCallbacks
-from trainer.extensions.loss_scaling import LossScalingCheck
-from trainer.extensions.mlflow_tracking import MlflowHook
-from trainer.extensions.nonfinite import NonFiniteHandling
-from trainer.extensions.preemption import Preemption
-from trainer.extensions.profiler import ProfilerHook
-from trainer.extensions.update_path import UpdatePath
-from trainer.extensions.warm_start import WarmStart
+from trainer.extensions.built_in import BUILT_IN
 from trainer.run.settings import CAPABILITIES
-
-BUILT_IN = (
-    UpdatePath,
-    Ema,
-    WarmStart,
-    BestCheckpoints,
-    EarlyStop,
-    KerasCallbacks,
-    Export,
-    Preemption,
-    LossScalingCheck,
-    MlflowHook,
-    ProfilerHook,
-)
 
 
 def rows() -> list[tuple[str, modes.Support]]:
-    """(setting, support) of every built-in feature and core option with a declared support."""
-    found = [(f"train.nonfinite = {m!r}", NonFiniteHandling(m).supports) for m in ("stop", "rollback")]
-    found += [(cls.setting, cls.supports) for cls in BUILT_IN]
+    """(setting, support) of every built-in extension (in the table's order), then the core's options."""
+    found = []
+    for entry in BUILT_IN:
+        if entry.cls.setting or entry.shown_as:
+            found += [(e.setting, e.supports) for e in (entry.shown_as() if entry.shown_as else [entry.cls])]
     return found + list(CAPABILITIES)
 
 

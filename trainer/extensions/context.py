@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from trainer.errors import UserError
 from trainer.extensions.console import Console
@@ -68,6 +68,7 @@ class Contributions:
     after_update: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
     providers: dict[str, str] = dataclasses.field(default_factory=dict)
+    skipped_batches: tuple[int, ...] = ()
     owner: str | None = None
 
     def wrap(self, step_fn: StepFn) -> StepFn:
@@ -138,6 +139,11 @@ class Context:
         context (read the updated weights there; assign to variables made under `scope()`)."""
         self._owner("after_update")
         self._contributions.after_update.append(action)
+
+    def skip_batches(self, batches: Sequence[int]) -> None:
+        """The loop's train data leaves out these batches (indices in the stream without skips)."""
+        self._owner("skip_batches")
+        self._contributions.skipped_batches = tuple(batches)
 
     def provide(self, name: str, value: Any) -> None:
         """Offers `value` to other extensions under `name` (they read `values[name]`)."""

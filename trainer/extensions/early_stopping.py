@@ -21,7 +21,7 @@ from trainer.validation import check_int
 
 
 @dataclasses.dataclass(frozen=True)
-class EarlyStopping:
+class EarlyStoppingOptions:
     """`train.early_stopping = @early_stopping()`: stop when `metric` has not improved by more than
     `min_delta` for `patience` evals in a row.
 
@@ -42,7 +42,8 @@ class EarlyStopping:
 
 
 class EarlyStop(Extension):
-    """After each eval: an improvement, or one more eval of patience used; at `patience`, stop."""
+    """The extension `EarlyStoppingOptions` configures. After each eval: an improvement, or one
+    more eval of patience used; at `patience`, stop."""
 
     name = "early_stopping"
     setting = "train.early_stopping"
@@ -54,7 +55,7 @@ class EarlyStop(Extension):
         self._any_worker: AnyWorker | None = None
 
     @classmethod
-    def of(cls, config: EarlyStopping, splits: tuple[str, ...]) -> "EarlyStop":
+    def of(cls, config: EarlyStoppingOptions, splits: tuple[str, ...]) -> "EarlyStop":
         return cls(monitored("early_stopping.", config.metric, config.mode, splits, config.min_delta), config.patience)
 
     def state_dict(self) -> dict[str, Any]:

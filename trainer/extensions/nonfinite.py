@@ -12,9 +12,9 @@ Three checks, each cheap (the numerics: trainer/safety/nonfinite.py):
 'stop' ends the run naming the first non-finite step and the last good checkpoint.
 'rollback' restores the newest checkpoint and trains on without the offending batch, at most
 `max_rollbacks` times. The skipped batches are kept in the checkpoint (`dropped_batches`), so
-a resumed run skips them too and stays identical to one that never stopped. It provides the
-batches to skip to the loop ('skipped_batches') and throws a call's results away
-(`rollback_to`) before any other extension sees them.
+a resumed run skips them too and stays identical to one that never stopped. It tells the loop
+which batches to skip (`context.skip_batches`) and throws a call's results away (`rollback_to`)
+before any other extension sees them.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Mapping
 import numpy as np
 import tensorflow as tf
 
-from trainer import data
 from trainer.distribution import modes
 from trainer.errors import RunFailure, UserError
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
+from trainer.loops.build import distributed_train_data
 from trainer.safety.nonfinite import (
     CAPACITY,
     all_finite,
@@ -43,7 +43,6 @@ from trainer.task.structure import flat
 from trainer.validation import check_choice, check_int
 
 MODES = ("stop", "rollback")
-SKIPPED = "skipped_batches"
 
 
 class NonFiniteHandling(Extension):
@@ -83,7 +82,7 @@ class NonFiniteHandling(Extension):
     def restored(self, context: Context, path: str | None) -> None:
         self._fresh = path is None
         self.dropped = read_dropped(self._variable)
-        context.provide(SKIPPED, tuple(self.dropped))
+        context.skip_batches(self.dropped)
 
     def begin(self, context: Context) -> None:
         if self.mode == "rollback" and self._fresh:
@@ -138,15 +137,11 @@ class NonFiniteHandling(Extension):
             raise RunFailure(f"more than {CAPACITY} batches skipped; stopped; {where}")
         self._variable.assign(self.dropped + [-1] * (CAPACITY - len(self.dropped)))
         restored_step = int(context.task.global_step.numpy())
-        settings = context.settings
         context.loop.set_dataset(
-            data.distribute_train(
+            distributed_train_data(
                 context.runtime.strategy,
                 context.task.input,
-                settings.global_batch_size,
-                settings.seed,
-                method=settings.distribute_method,
-                shard_policy=settings.shard_policy,
+                context.settings,
                 skip_steps=restored_step,
                 drop_batches=self.dropped,
             )

@@ -18,33 +18,12 @@ from typing import Sequence
 
 from trainer.distribution import modes
 from trainer.errors import UserError
+from trainer.extensions import built_in
 from trainer.extensions.context import Context, Contributions
 from trainer.extensions.protocol import Extension, Outputs, name_of, setting_of
 from trainer.files.run_checkpoint import ExtensionState
 
 CHECKPOINT = "checkpoint"
-BUILT_IN_NAMES = frozenset(
-    {
-        "progress",
-        "eval",
-        "config",
-        "hparams",
-        CHECKPOINT,
-        "nonfinite",
-        "update_path",
-        "warm_start",
-        "ema",
-        "best_checkpoints",
-        "early_stopping",
-        "keras_callbacks",
-        "loss_scaling",
-        "preemption",
-        "export",
-        "mlflow",
-        "profiler",
-    }
-)
-"""Names `after` may use even where that participant is not in the run (then it constrains nothing)."""
 
 
 class Registry:
@@ -105,11 +84,11 @@ def _ordered(participants: list[Extension]) -> list[Extension]:
     needs: dict[str, set[str]] = {}
     for participant, name in zip(participants, names):
         after = tuple(getattr(participant, "after", ()) or ())
-        unknown = [a for a in after if a not in present and a not in BUILT_IN_NAMES]
+        unknown = [a for a in after if a not in present and a not in built_in.NAMES]
         if unknown:
             raise UserError(
                 f"{name} runs after {unknown[0]!r}, which is neither an extension of this run nor a "
-                f"built-in one ({', '.join(sorted(BUILT_IN_NAMES))}); fix its `after`"
+                f"built-in one ({', '.join(sorted(built_in.NAMES))}); fix its `after`"
             )
         needs[name] = {a for a in after if a in present}
     stateful = [n for p, n in zip(participants, names) if p.state_dict() is not None]

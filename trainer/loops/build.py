@@ -4,7 +4,7 @@ remote (parameter_server), else the compiled synchronous loop; and, per eval spl
 from __future__ import annotations
 
 import os
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -14,7 +14,7 @@ from trainer.errors import UserError
 from trainer.files.event_writers import event_writer
 from trainer.loops.controller import EvaluatorLike, TrainLoopLike
 from trainer.loops.evaluator import Evaluator, make_metrics
-from trainer.loops.options import LoopOptions, ParameterServerConfig
+from trainer.loops.options import ParameterServerConfig
 from trainer.loops.ps import (
     CoordinatorEvaluator,
     PSTrainLoop,
@@ -27,21 +27,23 @@ from trainer.loops.step_summaries import StepSummaries
 from trainer.loops.sync import StepFn, TrainLoop
 from trainer.task.task import Task
 
+if TYPE_CHECKING:
+    from trainer.run.settings import Settings
+
 
 def build_loops(
     runtime: Runtime,
     task: Task,
-    options: LoopOptions,
+    settings: "Settings",
     *,
     start_step: int,
     step_fn: StepFn | None = None,
     drop_batches: Sequence[int] = (),
-    eval_metrics_fn: Callable | None = None,
-    parameter_server: ParameterServerConfig | None = None,
     after_update: Callable[[], None] | None = None,
     print_fn: Callable[[str], None] = print,
 ) -> tuple[TrainLoopLike, Mapping[str, EvaluatorLike]]:
-    """The train loop and evaluators of the runtime's mode, from `start_step`.
+    """The train loop and evaluators of the runtime's mode, from `start_step`, as `settings` say
+    (a `Settings`: the batch, the data's distribution, the eval metrics, the ps options...).
 
     `step_fn`: the step as the extensions wrapped it (default: the task's own); `drop_batches`:
     batches a roll-back skipped; `after_update`: an action after every update (synchronous only).
@@ -56,21 +58,18 @@ def build_loops(
         return build_ps_loops(
             runtime,
             task,
-            options,
+            settings,
             step_fn=step_fn,
             start_step=start_step,
-            eval_metrics_fn=eval_metrics_fn,
-            config=parameter_server,
             print_fn=print_fn,
         )
     return build_sync_loops(
         runtime,
         task,
-        options,
+        settings,
         step_fn=step_fn,
         start_step=start_step,
         drop_batches=drop_batches,
-        eval_metrics_fn=eval_metrics_fn,
         after_update=after_update,
     )
 
@@ -78,52 +77,42 @@ def build_loops(
 def build_sync_loops(
     runtime: Runtime,
     task: Task,
-    options: LoopOptions,
+    settings: "Settings",
     *,
     step_fn: StepFn,
     start_step: int,
     drop_batches: Sequence[int] = (),
-    eval_metrics_fn: Callable | None = None,
     after_update: Callable[[], None] | None = None,
 ) -> tuple[TrainLoop, dict[str, Evaluator]]:
     """The compiled train loop and, per eval split, an evaluator, for the synchronous strategies."""
     dist = runtime.strategy
-    train_data = data.distribute_train(
-        dist,
-        task.input,
-        options.global_batch_size,
-        options.seed,
-        method=options.distribute_method,
-        shard_policy=options.shard_policy,
-        skip_steps=start_step,
-        drop_batches=drop_batches,
-    )
+    train_data = distributed_train_data(dist, task.input, settings, skip_steps=start_step, drop_batches=drop_batches)
     loop = TrainLoop(
         dist,
         task.models,
         task.optimizers,
         step_fn,
-        options.global_batch_size,
+        settings.global_batch_size,
         train_data,
         task.global_step,
-        jit_compile=options.jit_compile,
+        jit_compile=settings.jit_compile,
         after_update=after_update,
-        summaries=step_summaries(runtime, options),
+        summaries=step_summaries(runtime, settings),
     )
     with dist.scope():  # metric variables aggregate across replicas (and workers)
-        metrics = make_metrics(eval_metrics_fn)
+        metrics = make_metrics(settings.eval_metrics_fn)
     evaluators = {}
     for split in task.input.eval_splits:
         eval_data = data.distribute_eval(
             dist,
             task.input,
-            options.global_batch_size,
+            settings.global_batch_size,
             split=split,
-            method=options.distribute_method,
-            shard_policy=options.shard_policy,
+            method=settings.distribute_method,
+            shard_policy=settings.shard_policy,
         )
         evaluators[split] = Evaluator(
-            dist, task.models, task.eval_step_fn, eval_data, _num_batches(task, split, options), metrics=metrics
+            dist, task.models, task.eval_step_fn, eval_data, _num_batches(task, split, settings), metrics=metrics
         )
     return loop, evaluators
 
@@ -131,32 +120,30 @@ def build_sync_loops(
 def build_ps_loops(
     runtime: Runtime,
     task: Task,
-    options: LoopOptions,
+    settings: "Settings",
     *,
     step_fn: StepFn,
     start_step: int,
-    eval_metrics_fn: Callable | None = None,
-    config: ParameterServerConfig | None = None,
     print_fn: Callable[[str], None] = print,
 ) -> tuple[PSTrainLoop, dict[str, CoordinatorEvaluator]]:
     """The ParameterServer loop and, per eval split, an evaluator on the coordinator."""
-    config = config or ParameterServerConfig()
+    config = settings.parameter_server or ParameterServerConfig()
     if config.variable_partitioner is not None:
         check_partitioner(task.models)
         print_fn(f"variable placement: {describe_placement(task.models)}")
     dist = runtime.strategy
     workers = data.num_workers(dist)
-    steps_per_closure = config.steps_per_closure or max(1, -(-options.steps_per_loop // (2 * workers)))
+    steps_per_closure = config.steps_per_closure or max(1, -(-settings.steps_per_loop // (2 * workers)))
     coordinator = tf.distribute.coordinator.ClusterCoordinator(dist)
     count_steps_atomically(task.optimizers, task.global_step)  # schedules and Adam follow every step
     train_data = per_worker_train_data(
         dist,
         coordinator,
         task.input,
-        options.global_batch_size,
-        options.seed,
+        settings.global_batch_size,
+        settings.seed,
         start_step=start_step,
-        shard_policy=options.shard_policy,
+        shard_policy=settings.shard_policy,
     )
     loop = PSTrainLoop(
         dist,
@@ -164,7 +151,7 @@ def build_ps_loops(
         task.models,
         task.optimizers,
         step_fn,
-        options.global_batch_size,
+        settings.global_batch_size,
         train_data,
         task.global_step,
         steps_per_closure=steps_per_closure,
@@ -172,29 +159,51 @@ def build_ps_loops(
         batch_spec=tf.nest.map_structure(lambda s: tf.TensorSpec([None, *s.shape], s.dtype), task.input.element_spec),
     )
     local = tf.distribute.get_strategy()  # the default strategy: the coordinator's own device
-    metrics = make_metrics(eval_metrics_fn)  # on the coordinator, where eval runs
+    metrics = make_metrics(settings.eval_metrics_fn)  # on the coordinator, where eval runs
     evaluators = {}
     for split in task.input.eval_splits:
         eval_data = data.eval_dataset(
-            task.input, options.global_batch_size, split=split, shard_policy=options.shard_policy
+            task.input, settings.global_batch_size, split=split, shard_policy=settings.shard_policy
         )
         evaluators[split] = CoordinatorEvaluator(
             Evaluator(
-                local, task.models, task.eval_step_fn, eval_data, _num_batches(task, split, options), metrics=metrics
+                local, task.models, task.eval_step_fn, eval_data, _num_batches(task, split, settings), metrics=metrics
             )
         )
     return loop, evaluators
 
 
-def step_summaries(runtime: Runtime, options: LoopOptions) -> StepSummaries:
+def distributed_train_data(
+    strategy: tf.distribute.Strategy,
+    inp: data.Input,
+    settings: "Settings",
+    *,
+    skip_steps: int = 0,
+    drop_batches: Sequence[int] = (),
+) -> tf.distribute.DistributedDataset:
+    """The train data as the synchronous loop gets it, from `skip_steps` on without `drop_batches`
+    (a fresh loop, a roll-back, the benchmark: one recipe, so none can feed other batches)."""
+    return data.distribute_train(
+        strategy,
+        inp,
+        settings.global_batch_size,
+        settings.seed,
+        method=settings.distribute_method,
+        shard_policy=settings.shard_policy,
+        skip_steps=skip_steps,
+        drop_batches=drop_batches,
+    )
+
+
+def step_summaries(runtime: Runtime, settings: "Settings") -> StepSummaries:
     """Where the step's tf.summary calls go: the chief's train event file (other workers record
     nothing, as they write no train records); nowhere without a model_dir."""
-    if options.model_dir is None:
-        return StepSummaries(None, options.log_every_steps)
+    if settings.model_dir is None:
+        return StepSummaries(None, settings.log_every_steps)
     if not runtime.is_chief:
-        return StepSummaries(tf.summary.create_noop_writer(), options.log_every_steps)
-    return StepSummaries(event_writer(os.path.join(options.model_dir, "train")), options.log_every_steps)
+        return StepSummaries(tf.summary.create_noop_writer(), settings.log_every_steps)
+    return StepSummaries(event_writer(os.path.join(settings.model_dir, "train")), settings.log_every_steps)
 
 
-def _num_batches(task: Task, split: str, options: LoopOptions) -> int:
-    return -(-task.input.num_examples(split) // options.global_batch_size)
+def _num_batches(task: Task, split: str, settings: "Settings") -> int:
+    return -(-task.input.num_examples(split) // settings.global_batch_size)

@@ -42,6 +42,13 @@ class TrainLoopLike(Protocol):
     def trace_count(self) -> int:
         """How often the step was traced (1 when nothing retraces)."""
 
+    last_nonfinite_offset: int | None
+    """After `run`: the 0-based index in that call of its first step with a non-finite output,
+    where the loop locates it (None: every output finite, or not located)."""
+
+    def set_dataset(self, dataset) -> None:
+        """Continues from new train data (after a roll-back), without retracing."""
+
 
 class EvaluatorLike(Protocol):
     def evaluate(self) -> dict[str, float]:

@@ -134,6 +134,8 @@ def split_steps(num_steps: int, steps_per_closure: int) -> list[int]:
 class PSTrainLoop:
     """Schedules `num_steps` steps as closures on the workers, joins, returns the step means."""
 
+    last_nonfinite_offset = None  # not located: a call's means say whether it had a non-finite step
+
     def __init__(
         self,
         strategy: tf.distribute.Strategy,
@@ -178,6 +180,10 @@ class PSTrainLoop:
 
         # Plain TF ops: no AutoGraph but for the user's step (trainer/task/user_code.py).
         self._train_steps = tf.function(train_steps, autograph=False)
+
+    def set_dataset(self, per_worker_dataset) -> None:
+        """Continues from new per-worker train data, without retracing."""
+        self._iterator = iter(per_worker_dataset)
 
     def run(self, num_steps: int) -> dict[str, float]:
         """Trains `num_steps` steps on the workers; returns each output's mean over them.

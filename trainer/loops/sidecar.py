@@ -32,7 +32,7 @@ import keras
 import tensorflow as tf
 
 from trainer import data
-from trainer.distribution.runtime import RuntimeConfig, make_runtime
+from trainer.distribution.runtime import make_runtime
 from trainer.errors import UserError
 from trainer.files.metrics_log import METRICS_FILE
 from trainer.loops.evaluator import Evaluator, make_metrics
@@ -82,9 +82,7 @@ def evaluate_continuously(
         raise UserError(f"eval_continuous timeout_secs and poll_secs must be positive, got {timeout_secs}, {poll_secs}")
     model_dir, total_steps, global_batch_size = settings.model_dir, settings.total_steps, settings.global_batch_size
     inp = settings.make_input()
-    runtime = make_runtime(
-        RuntimeConfig(device_config=settings.device_config, mixed_precision=settings.mixed_precision), standalone=True
-    )
+    runtime = make_runtime(settings, standalone=True)
     inp.validate()
     keras.utils.set_random_seed(settings.seed)
     model, global_step, checkpoint = build_eval_models(inp, settings.model_fn)

@@ -18,13 +18,12 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 from trainer import data
-from trainer.distribution import devices, modes
-from trainer.distribution.runtime import RuntimeConfig
+from trainer.distribution import cluster, devices, modes
 from trainer.errors import UserError
 from trainer.extensions.protocol import Extension
-from trainer.loops.options import LoopOptions, ParameterServerConfig
-from trainer.task import contract, models, optimizers, steps
-from trainer.validation import check_bool, check_callable, check_int
+from trainer.loops.options import DISTRIBUTE_METHODS, ParameterServerConfig
+from trainer.task import contract, models, optimizers, precision, steps
+from trainer.validation import check_bool, check_callable, check_choice, check_int, check_number
 
 ASYNC_REASON = "asynchronous closures on remote workers"
 CAPABILITIES = (("train.jit_compile", modes.SYNCHRONOUS), ("train.async_checkpoint", modes.SYNCHRONOUS))
@@ -99,7 +98,7 @@ class Settings:
     keep_best: int = 0
     best_metric: str = "loss"
     best_mode: str = "min"
-    early_stopping: Any = None  # trainer.extensions.early_stopping.EarlyStopping
+    early_stopping: Any = None  # trainer.extensions.early_stopping.EarlyStoppingOptions
     keras_callbacks: Sequence[Any] = ()
     extensions: Sequence[Extension] = ()
     describe_config: Callable[[], str] | None = None
@@ -134,34 +133,43 @@ class Settings:
             object.__setattr__(self, "model_dir", absolute_model_dir(self.model_dir))
         for name in ("log_every_steps", "checkpoint_every_steps", "eval_every_steps", "keep_checkpoints"):
             check_int(f"train.{name}", getattr(self, name))
-        for name in ("check_loss_scaling", "allow_resume_changes", "preemption_checkpointing", "async_checkpoint"):
+        for name in ("allow_resume_changes", "async_checkpoint"):
             check_bool(f"train.{name}", getattr(self, name))
         check_callable("train.describe_config", self.describe_config, optional=True)
         check_callable("train.print_fn", self.print_fn)
         if self.hparams is not None and not isinstance(self.hparams, Mapping):
             raise UserError(f"train.hparams must be a dict of names to values, got {self.hparams!r}")
-        _ = self.loop, self.runtime, self.eval_split_names  # each checks its own fields when made
+        self._check_loop()
+        self._check_runtime()
+        _ = self.eval_split_names  # checked when made
         for setting, needs in CAPABILITIES:
             if getattr(self, setting.removeprefix("train.")):
                 modes.require(setting, needs, self.strategy, reason=ASYNC_REASON)
 
-    @functools.cached_property
-    def loop(self) -> LoopOptions:
-        """What the train loops need (checked by LoopOptions itself)."""
-        return LoopOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LoopOptions)})
+    def _check_loop(self) -> None:
+        """What the train loops read (trainer/loops/build.py)."""
+        for name in ("total_steps", "global_batch_size", "steps_per_loop"):
+            check_int(f"train.{name}", getattr(self, name))
+        check_int("train.seed", self.seed, minimum=0)
+        check_choice("train.distribute_method", self.distribute_method, DISTRIBUTE_METHODS)
+        if not isinstance(self.shard_policy, str) or self.shard_policy.upper() not in data.SHARD_POLICIES:
+            raise UserError(
+                f"unknown train.shard_policy {self.shard_policy!r}: use one of {', '.join(data.SHARD_POLICIES)}"
+            )
+        check_bool("train.jit_compile", self.jit_compile)
 
-    @functools.cached_property
-    def runtime(self) -> RuntimeConfig:
-        """Where and how the run computes (checked by RuntimeConfig itself)."""
-        return RuntimeConfig(
-            strategy=self.strategy,
-            device_config=self.device_config,
-            cluster_resolver=self.cluster_resolver,
-            cluster_resolver_options=self.cluster_resolver_options,
-            collective_timeout_secs=self.collective_timeout_secs,
-            variable_partitioner=self.parameter_server.variable_partitioner if self.parameter_server else None,
-            mixed_precision=self.mixed_precision,
-        )
+    def _check_runtime(self) -> None:
+        """Where and how the run computes (trainer/distribution/runtime.py)."""
+        modes.get(self.strategy)  # an unknown name is one line
+        check_choice("train.cluster_resolver", self.cluster_resolver, cluster.RESOLVER_KINDS)
+        if self.device_config is not None and not isinstance(self.device_config, devices.DeviceConfig):
+            raise UserError(f"train.device_config must be @devices(), got {self.device_config!r}")
+        if self.cluster_resolver_options is not None and not isinstance(self.cluster_resolver_options, Mapping):
+            raise UserError(f"train.cluster_resolver_options must be a dict, got {self.cluster_resolver_options!r}")
+        check_number("train.collective_timeout_secs", self.collective_timeout_secs, optional=True)
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, str):
+            raise UserError(f"train.mixed_precision must be a policy name or None, got {self.mixed_precision!r}")
+        precision.check(self.mixed_precision)
 
     @property
     def mode(self) -> modes.Mode:

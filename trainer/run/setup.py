@@ -23,7 +23,7 @@ def setup(settings: Settings) -> tuple[Runtime, Task]:
     """The runtime (devices first: they are split before any TensorFlow op runs), then the
     input checked against the batch size, then the task under the strategy's scope."""
     with _diagnosing_import_time_models():
-        runtime = make_runtime(settings.runtime)
+        runtime = make_runtime(settings)
     inp = settings.make_input()
     inp.print_fn = settings.print_fn  # a long count of a split of unknown size says how far it got
     inp.validate()

@@ -20,7 +20,6 @@ import tensorflow as tf
 from trainer.errors import UserError
 from trainer.extensions import factory
 from trainer.extensions.context import Context
-from trainer.extensions.nonfinite import SKIPPED
 from trainer.extensions.protocol import Outputs, check_method_names
 from trainer.extensions.registry import Registry
 from trainer.files import model_dir as model_dir_lib
@@ -80,12 +79,10 @@ def train(**arguments: Any) -> dict[str, float]:
     context.loop, context.evaluators = build_loops(
         runtime,
         task,
-        settings.loop,
+        settings,
         start_step=start_step,
         step_fn=contributions.wrap(task.step_fn),
-        drop_batches=contributions.values.get(SKIPPED, ()),
-        eval_metrics_fn=settings.eval_metrics_fn,
-        parameter_server=settings.parameter_server,
+        drop_batches=contributions.skipped_batches,
         after_update=contributions.after_update_action(),
         print_fn=context.print,
     )

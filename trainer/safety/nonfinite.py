@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import keras
 import numpy as np
@@ -19,6 +19,9 @@ import tensorflow as tf
 
 from trainer.task.structure import flat
 from trainer.task.user_code import call_user
+
+if TYPE_CHECKING:
+    from trainer.loops.controller import TrainLoopLike
 
 CAPACITY = 64  # most batches a run can skip; fixed so checkpoints keep one shape
 
@@ -46,11 +49,10 @@ def batch_index(step: int, dropped: list[int]) -> int:
     return index
 
 
-def first_bad_step(loop: Any, metrics: Mapping[str, float], step: int) -> int | None:
+def first_bad_step(loop: "TrainLoopLike", metrics: Mapping[str, float], step: int) -> int | None:
     """The 1-based global step of the first non-finite output of the call that started at `step`."""
-    offset = getattr(loop, "last_nonfinite_offset", None)
-    if offset is not None:
-        return step + offset + 1
+    if loop.last_nonfinite_offset is not None:
+        return step + loop.last_nonfinite_offset + 1
     return None if all(math.isfinite(v) for v in metrics.values()) else step + 1
 
 

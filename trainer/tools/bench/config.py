@@ -37,13 +37,6 @@ def setup(settings):
 
 def train_data(dist, inp, settings):
     """The train data of `inp` distributed as the loop gets it (trainer/loops/controller.py), from step 0."""
-    from trainer import data
+    from trainer.loops.build import distributed_train_data
 
-    return data.distribute_train(
-        dist,
-        inp,
-        settings.global_batch_size,
-        settings.seed,
-        method=settings.distribute_method,
-        shard_policy=settings.shard_policy,
-    )
+    return distributed_train_data(dist, inp, settings)

@@ -46,7 +46,7 @@ def run_ours(runtime: Runtime, task: Task, settings: Settings, steps: int, chunk
     One step per call gives step-by-step losses. Under parameter_server with several workers
     a call of `steps_per_loop` steps spreads its closures over the workers, as in training.
     """
-    loop, _ = build_loops(runtime, task, settings.loop, start_step=0, parameter_server=settings.parameter_server)
+    loop, _ = build_loops(runtime, task, settings, start_step=0)
     losses = []
     for start in range(0, steps, chunk):
         outputs = loop.run(min(chunk, steps - start))

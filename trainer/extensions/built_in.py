@@ -1,0 +1,124 @@
+"""Every built-in hook and extension, each declared once, in the run's default order.
+
+An entry names the class (whose `name` other extensions' `after` use, and whose `setting` and
+`supports` make its row of the capability table), how a run's settings make it (None: off;
+the function checks the feature's own options, before anything is built), and the gin names a
+user binds for it. The factory, the registry's known names, the capability table
+(trainer/extensions/capabilities.py) and gin's names (trainer/configurables.py) are all read
+from `BUILT_IN`: adding a built-in is one entry here plus its class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import keras
+
+from trainer.errors import UserError
+from trainer.extensions.best_checkpoints import BestCheckpoints
+from trainer.extensions.checkpointing import CheckpointHook
+from trainer.extensions.config_writer import ConfigWriter, HParamsWriter
+from trainer.extensions.early_stopping import EarlyStop, EarlyStoppingOptions
+from trainer.extensions.ema import Ema
+from trainer.extensions.evaluation import EvalHook
+from trainer.extensions.export import Export
+from trainer.extensions.keras_callbacks import KerasCallbacks, check_callbacks
+from trainer.extensions.loss_scaling import LossScalingCheck
+from trainer.extensions.mlflow_tracking import MlflowHook
+from trainer.extensions.monitoring import monitored
+from trainer.extensions.nonfinite import MODES, NonFiniteHandling
+from trainer.extensions.preemption import Preemption
+from trainer.extensions.profiler import ProfilerHook
+from trainer.extensions.progress import ProgressLogger
+from trainer.extensions.protocol import Extension
+from trainer.extensions.update_path import UpdatePath
+from trainer.extensions.warm_start import WarmStart
+from trainer.validation import check_bool, check_int
+
+if TYPE_CHECKING:
+    from trainer.run.settings import Settings
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltIn:
+    """One built-in extension (see the module docstring)."""
+
+    cls: type[Extension]
+    make: Callable[["Settings"], Extension | None] | None = None  # None: the user adds it to train.extensions
+    gin: Mapping[str, Callable] = dataclasses.field(default_factory=dict)  # gin name -> what it binds
+    last: bool = False  # after the user's own extensions (the checkpoint)
+    shown_as: Callable[[], Sequence[Extension]] | None = None  # the capability table's rows, where not the class's
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+
+def _best_checkpoints(settings: "Settings") -> BestCheckpoints | None:
+    check_int("train.keep_best", settings.keep_best, minimum=0)
+    metric = monitored("train.best_", settings.best_metric, settings.best_mode, settings.eval_split_names)
+    return BestCheckpoints(settings.keep_best, metric) if settings.keep_best else None
+
+
+def _early_stop(settings: "Settings") -> EarlyStop | None:
+    options = settings.early_stopping
+    if options is not None and not isinstance(options, EarlyStoppingOptions):
+        raise UserError(f"train.early_stopping must be @early_stopping() or None, got {options!r}")
+    return EarlyStop.of(options, settings.eval_split_names) if options is not None else None
+
+
+def _preemption(settings: "Settings") -> Preemption:
+    """Ctrl-C saves in every run; SIGTERM where `train.preemption_checkpointing` asks."""
+    check_bool("train.preemption_checkpointing", settings.preemption_checkpointing)
+    return Preemption(on_sigterm=settings.preemption_checkpointing)
+
+
+def _turned_on(setting: str, cls: type[Extension], **kwargs: Any) -> Callable[["Settings"], Extension | None]:
+    """The extension `cls(**kwargs)` where the boolean `train.<setting>` is True."""
+
+    def make(settings: "Settings") -> Extension | None:
+        check_bool(f"train.{setting}", getattr(settings, setting))
+        return cls(**kwargs) if getattr(settings, setting) else None
+
+    return make
+
+
+BUILT_IN: tuple[BuiltIn, ...] = (
+    BuiltIn(ProgressLogger, lambda s: ProgressLogger(s.log_every_steps)),
+    BuiltIn(EvalHook, lambda s: EvalHook(s.eval_every_steps)),
+    BuiltIn(ConfigWriter, lambda s: ConfigWriter(s.describe_config) if s.describe_config is not None else None),
+    BuiltIn(HParamsWriter, lambda s: HParamsWriter(dict(s.hparams)) if s.hparams else None),
+    BuiltIn(
+        NonFiniteHandling,
+        lambda s: NonFiniteHandling(s.nonfinite, s.max_rollbacks),
+        shown_as=lambda: [NonFiniteHandling(mode) for mode in MODES],
+    ),
+    BuiltIn(UpdatePath, lambda s: UpdatePath(s.grad_accum_steps, s.clip_global_norm)),
+    BuiltIn(WarmStart, lambda s: WarmStart(s.warm_start) if s.warm_start is not None else None),
+    BuiltIn(Ema, lambda s: Ema(s.ema_decay) if s.ema_decay is not None else None),
+    BuiltIn(BestCheckpoints, _best_checkpoints),
+    BuiltIn(EarlyStop, _early_stop, gin={"early_stopping": EarlyStoppingOptions}),
+    BuiltIn(
+        KerasCallbacks,
+        lambda s: KerasCallbacks(s.keras_callbacks, s.eval_every_steps) if check_callbacks(s.keras_callbacks) else None,
+        gin={  # under their Keras names
+            f"keras.callbacks.{c.__name__}": c
+            for c in (
+                keras.callbacks.EarlyStopping,
+                keras.callbacks.ReduceLROnPlateau,
+                keras.callbacks.CSVLogger,
+                keras.callbacks.TerminateOnNaN,
+            )
+        },
+    ),
+    BuiltIn(LossScalingCheck, _turned_on("check_loss_scaling", LossScalingCheck)),
+    BuiltIn(Preemption, _preemption),
+    BuiltIn(Export, _turned_on("export_saved_model", Export)),
+    BuiltIn(MlflowHook, gin={"mlflow_hook": MlflowHook}),
+    BuiltIn(ProfilerHook, gin={"profiler_hook": ProfilerHook}),
+    BuiltIn(CheckpointHook, lambda s: CheckpointHook(s.checkpoint_every_steps), last=True),
+)
+
+NAMES = frozenset(entry.name for entry in BUILT_IN)
+GIN_NAMES: dict[str, Callable] = {name: target for entry in BUILT_IN for name, target in entry.gin.items()}
