@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import glob
 import os
-import re
 import shutil
 import tempfile
 from typing import Any, Callable
@@ -29,7 +28,7 @@ import tensorflow as tf
 from tensorflow.python.checkpoint import functional_saver  # the writer tf.train.Checkpoint uses itself
 from tensorflow.python.training.saving import saveable_object
 
-from trainer.errors import RunFailure, UserError
+from trainer.errors import RunFailure, UserError, error_line
 from trainer.files.run_checkpoint import RunCheckpoint
 
 
@@ -110,10 +109,10 @@ class CheckpointSaver:
                 self._run_checkpoint.restore(path)
                 return path
             except tf.errors.OpError as e:
-                print_fn(f"warning: {path} cannot be read ({_first_line(e)}); trying the checkpoint before it")
+                print_fn(f"warning: {path} cannot be read ({error_line(e)}); trying the checkpoint before it")
             except (ValueError, AssertionError) as e:
                 raise UserError(
-                    f"checkpoint {path} does not match the model ({_first_line(e)}); use the model "
+                    f"checkpoint {path} does not match the model ({error_line(e)}); use the model "
                     "that wrote it or a fresh --model_dir"
                 ) from e
         if self.candidates():
@@ -209,7 +208,7 @@ class CheckpointSaver:
             else "there is no earlier checkpoint: a rerun starts over"
         )
         return RunFailure(
-            f"saving checkpoint {step} in {self.model_dir} failed ({_first_line(error)}); {keep} "
+            f"saving checkpoint {step} in {self.model_dir} failed ({error_line(error)}); {keep} "
             "(free disk space or restore the directory first)"
         )
 
@@ -249,9 +248,3 @@ def _write_snapshot(snapshot: tuple[Any, Any, str], prefix: str) -> None:
     tf.io.gfile.makedirs(os.path.dirname(prefix))
     with tf.device(device):
         functional_saver.MultiDeviceSaver(tensors, registered_savers).save(tf.constant(prefix))
-
-
-def _first_line(error: Exception) -> str:
-    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", str(error))
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return (lines[0] if lines else type(error).__name__).rstrip(".")

@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 
 import tensorflow as tf
 
-from trainer.errors import RunFailure
+from trainer.errors import peer_failure
 from trainer.hooks.base import Hook, Run
 
 PEER_ERRORS = (
@@ -51,30 +51,6 @@ class EvaluatorLike(Protocol):
         returns the names of its results."""
 
 
-def op_error_summary(error: Exception) -> str:
-    """The line of a TensorFlow graph error that says what happened (not where)."""
-    for line in str(error).splitlines():
-        text = line.strip()
-        if (
-            text
-            and not line[0].isspace()
-            and not text.startswith(("Graph execution error", "Detected at node", "File "))
-        ):
-            return text.rstrip(".:")
-    return "no detail"
-
-
-def peer_failure(error: Exception, step: int, num_steps: int, latest_checkpoint: str | None) -> RunFailure:
-    """A collective or remote call that failed: name the steps and where a rerun continues."""
-    resume = (
-        f"a rerun continues from {latest_checkpoint}" if latest_checkpoint else "no checkpoint yet: a rerun starts over"
-    )
-    return RunFailure(
-        f"training failed in steps {step + 1}-{step + num_steps} ({type(error).__name__}: "
-        f"{op_error_summary(error)}); a peer task may have died or timed out; {resume}"
-    )
-
-
 def drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop: int) -> int:
     """The outer loop: compiled calls that end on the nearest hook boundary, hooks in between.
 
@@ -107,7 +83,8 @@ def _drive(loop: TrainLoopLike, run: Run, hooks: Sequence[Hook], steps_per_loop:
         try:
             metrics = loop.run(num_steps)
         except PEER_ERRORS as e:
-            raise peer_failure(e, step, num_steps, run.saver.latest() if run.saver else None) from e
+            lost, latest = "a peer task may have died or timed out", run.saver.latest() if run.saver else None
+            raise peer_failure(e, f"in steps {step + 1}-{step + num_steps}", lost, latest) from e
         run.clock.train_seconds += time.monotonic() - started
         back = next((s for h in hooks if (s := h.rollback_to(run, step, num_steps, metrics)) is not None), None)
         if back is not None:
