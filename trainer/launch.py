@@ -34,6 +34,7 @@ from absl import app, flags
 
 from trainer.cli import fail, parse_flags
 from trainer.distribution import netns
+from trainer.distribution.local_cluster import free_ports
 from trainer.errors import UserError
 
 USER_ERROR_EXIT = 2
@@ -94,7 +95,7 @@ def launch(
     with _SignalCatcher() as signals:
         attempt = 0
         while True:
-            cluster = build_cluster(num_workers, num_ps, _free_ports)
+            cluster = build_cluster(num_workers, num_ps, free_ports)
             code = _run_group(cluster, args, options, signals)
             # A user mistake (exit 2) would fail the same way again, and a task stopped by Ctrl-C
             # (130) was asked to stop, so either ends the run.
@@ -113,15 +114,6 @@ def _check_options(num_workers: int, num_ps: int, max_restarts: int, grace_secs:
         raise UserError(f"--max_restarts must be 0 or more, got {max_restarts}")
     if grace_secs < 0:
         raise UserError(f"--grace_secs must be 0 or more, got {grace_secs}")
-
-
-def _free_ports(count: int) -> list[int]:
-    import portpicker
-
-    ports: set[int] = set()
-    while len(ports) < count:
-        ports.add(portpicker.pick_unused_port())
-    return sorted(ports)
 
 
 class _SignalCatcher:

@@ -41,7 +41,7 @@ from trainer.validation import check_int, check_number
 
 WHAT = "the embedded ParameterServer cluster"  # as the network warning names it
 SERVER_MODULE = "trainer.server"
-READY_MESSAGE = "listening at"  # printed by trainer.server once it serves
+READY_MESSAGE = "listening at"  # what trainer.server prints once it serves
 _POLL_SECS = 0.2
 
 
@@ -153,7 +153,7 @@ class LocalCluster:
         return json.dumps({"cluster": self.cluster, "task": {"type": "chief", "index": 0}})
 
     def start(self) -> None:
-        ports = _free_ports(1 + self.config.num_workers + self.config.num_ps)
+        ports = free_ports(1 + self.config.num_workers + self.config.num_ps)
         self.cluster = {
             "chief": [f"localhost:{ports[0]}"],
             "worker": [f"localhost:{p}" for p in ports[1 : 1 + self.config.num_workers]],
@@ -232,7 +232,8 @@ class LocalCluster:
         self.stop()
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports nobody listens on now, for the tasks of a cluster on this machine."""
     import portpicker
 
     ports: set[int] = set()
