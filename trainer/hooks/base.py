@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from trainer.distribution import modes
+from trainer.files.metrics_log import eval_line
 
 
 class Hook:
@@ -185,7 +186,5 @@ class Run:
             by_split[split] = results
             self.metrics_log.record(step, f"{split}{suffix}", results)
             if self.is_chief:
-                shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
-                where = "" if split == "eval" else f" on {split}"
-                self.console.print(f"eval{where}{label} at step {step}: {shown}  ({int(num_examples)} examples)")
+                self.console.print(eval_line(split, step, results, num_examples, label))
         return by_split
