@@ -1,0 +1,106 @@
+"""Each private API of another library that trainer/internals.py isolates, tried against the
+installed version: a gin, Keras, TensorFlow or Python upgrade that changes one fails here, by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import keras
+import pytest
+import tensorflow as tf
+
+import gin
+from tests.support import REPO, subprocess_env
+from trainer import internals
+
+
+@gin.configurable("internals_probe")
+def _probe(rate: float = 0.1, depth: int = 2) -> float:
+    return rate * depth
+
+
+def test_gin_registry_lists_a_configurable_with_its_short_name():
+    registry = internals.gin_registry()
+    selector, entry = next((s, e) for s, e in registry.items() if s.endswith("internals_probe"))
+    assert entry.wrapped.__name__ == "_probe" and registry.minimal_selector(selector) == "internals_probe"
+
+
+def test_a_recorded_configurable_is_in_the_operative_config():
+    selector = internals.gin_registry().get_match("internals_probe").selector
+    try:
+        internals.record_operative("", selector, {"rate": 0.5, "depth": 3})
+        assert "internals_probe.rate = 0.5" in gin.operative_config_str()
+        assert "internals_probe.depth = 3" in gin.operative_config_str()
+    finally:
+        gin.clear_config()
+
+
+def test_the_exit_handlers_run_and_threads_are_joined_before_an_os_exit():
+    code = textwrap.dedent("""
+        import atexit, os, threading, time
+        from trainer import internals
+        atexit.register(lambda: print("atexit ran", flush=True))
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
+        internals.run_exit_handlers()
+        print("then exit", flush=True)
+        os._exit(0)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.splitlines() == ["thread done", "atexit ran", "then exit"], proc
+
+
+def _regularized_block() -> keras.layers.Layer:
+    class Block(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.parts = [keras.layers.Dense(3, activity_regularizer="l2"), keras.layers.Dropout(0.1)]
+
+        def call(self, x):
+            return self.parts[1](self.parts[0](x))
+
+    return Block()
+
+
+def test_keras_layers_are_found_inside_a_module_and_inside_each_other():
+    model = keras.Sequential([keras.Input((4,)), _regularized_block(), keras.layers.Dense(2)])
+
+    class Holder(tf.Module):
+        def __init__(self):
+            self.towers = {"deep": model}
+
+    assert internals.keras_layers_in(Holder()) == [model]
+    names = [type(layer).__name__ for layer in internals.keras_sublayers(model)]
+    assert names[0] == "Sequential" and sorted(names[1:]) == ["Block", "Dense", "Dense", "Dropout", "InputLayer"]
+
+
+def test_a_layers_own_losses_list_is_replaced_and_read_by_model_losses():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activity_regularizer="l2")])
+    dense = model.layers[-1]
+
+    class Seen(list):
+        pass
+
+    replaced = []
+    internals.replace_layer_losses(dense, lambda old: replaced.append(Seen(old)) or replaced[-1])
+    assert len(replaced) == 1
+    model(tf.ones([2, 4]))
+    assert len(replaced[0]) == 1 and float(model.losses[0]) == pytest.approx(float(replaced[0][0]))
+
+
+def test_a_summary_written_through_a_resource_set_on_the_writer_lands_in_its_event_file(tmp_path):
+    from trainer.files.event_writers import EventWriter
+
+    writer = EventWriter(str(tmp_path))
+    writer.init()
+    with writer.as_default(step=7):
+        tf.summary.scalar("loss", 0.25)
+    writer.close()
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    values = [
+        (event.step, value.tag)
+        for event in tf.compat.v1.train.summary_iterator(str(path))
+        for value in event.summary.value
+    ]
+    assert values == [(7, "loss")]
