@@ -104,3 +104,18 @@ def test_a_summary_written_through_a_resource_set_on_the_writer_lands_in_its_eve
         for value in event.summary.value
     ]
     assert values == [(7, "loss")]
+
+
+def test_a_checkpoints_tensors_taken_apart_read_now_and_written_restore(tmp_path):
+    variable = tf.Variable([1.0, 2.0])
+    checkpoint = tf.train.Checkpoint(weights=variable)
+    checkpoint.save_counter.assign_add(1)  # as a save does first
+    tensors, registered_savers = internals.checkpoint_tensors(checkpoint)
+    for trackable in list(tensors):  # keyed by identity: variables are not hashable
+        tensors[trackable] = {key: internals.read_save_spec(value) for key, value in tensors[trackable].items()}
+    variable.assign([5.0, 6.0])  # after the read: not what is written
+    internals.write_checkpoint_tensors(tensors, registered_savers, str(tmp_path / "ckpt-1"))
+    restored = tf.Variable([0.0, 0.0])
+    again = tf.train.Checkpoint(weights=restored)
+    again.restore(str(tmp_path / "ckpt-1")).assert_consumed()
+    assert restored.numpy().tolist() == [1.0, 2.0] and int(again.save_counter) == 1

@@ -76,3 +76,34 @@ def set_summary_resource(writer: Any, resource: Any) -> None:
     `tf.summary.create_file_writer` creates its event file at once, before a run's checks may
     refuse it; without this no lazily created event file (trainer/files/event_writers.py) is written."""
     writer._resource = resource  # noqa: SLF001
+
+
+def checkpoint_tensors(checkpoint: Any) -> tuple[dict, Any]:
+    """What a save of `checkpoint` would write: (serialized tensors by trackable, registered savers),
+    from `tf.train.Checkpoint`'s own `_saver._gather_serialized_tensors`. There is no public way to
+    take the tensors apart from the write; without it no asynchronous checkpoint is taken
+    (trainer/files/checkpoints.py)."""
+    tensors, _, registered_savers, _ = checkpoint._saver._gather_serialized_tensors(None)  # noqa: SLF001
+    return tensors, registered_savers
+
+
+def read_save_spec(value: Any) -> Any:
+    """A `SaveSpec` (tf.Variable's lazy read in `checkpoint_tensors`, from
+    `tensorflow.python.training.saving`) as its tensor read now (the spec itself for a variable
+    without a value); anything else as it is. Without it an asynchronous save writes values of later steps."""
+    from tensorflow.python.training.saving import saveable_object
+
+    if isinstance(value, saveable_object.SaveSpec):
+        tensor = value.tensor
+        return value if tensor is None else tensor
+    return value
+
+
+def write_checkpoint_tensors(tensors: dict, registered_savers: Any, prefix: str) -> None:
+    """Writes `prefix.index` and `prefix.data-*` from what `checkpoint_tensors` returned, with the
+    writer `tf.train.Checkpoint` uses itself (`tensorflow.python.checkpoint.functional_saver`), so
+    the files are those of a synchronous save. Without it no asynchronous checkpoint is written."""
+    import tensorflow as tf
+    from tensorflow.python.checkpoint import functional_saver
+
+    functional_saver.MultiDeviceSaver(tensors, registered_savers).save(tf.constant(prefix))

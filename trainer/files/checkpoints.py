@@ -25,9 +25,8 @@ import tempfile
 from typing import Any, Callable
 
 import tensorflow as tf
-from tensorflow.python.checkpoint import functional_saver  # the writer tf.train.Checkpoint uses itself
-from tensorflow.python.training.saving import saveable_object
 
+from trainer import internals
 from trainer.errors import RunFailure, UserError, error_line
 from trainer.files.run_checkpoint import RunCheckpoint
 
@@ -216,15 +215,15 @@ class CheckpointSaver:
 def _snapshot(checkpoint: tf.train.Checkpoint) -> tuple[Any, Any, str]:
     """What a save of `checkpoint` writes, read now: (tensors by trackable, registered savers, device).
 
-    The tensors are those tf.train.Checkpoint would write (private `_gather_serialized_tensors`:
-    there is no public way to take them apart from the write), each read here, so the background
+    The tensors are those tf.train.Checkpoint would write (`internals.checkpoint_tensors`), each
+    read here, so the background
     write sees this step's values. A read costs no copy: tensors are immutable, and the next
     update of a variable whose value is still held copies its buffer first (copy-on-write).
     The device is where the writer's ops go (a new thread does not inherit the training
     thread's placement, which under multi_worker_mirrored names this worker's job).
     """
     checkpoint.save_counter.assign_add(1)  # as CheckpointManager.save does: the files are the same
-    tensors, _, registered_savers, _ = checkpoint._saver._gather_serialized_tensors(None)
+    tensors, registered_savers = internals.checkpoint_tensors(checkpoint)
     for trackable in list(tensors):
         tensors[trackable] = _read_now(tensors[trackable])
     return tensors, registered_savers, checkpoint.save_counter.device
@@ -234,12 +233,9 @@ def _read_now(value: Any) -> Any:
     """A serialized value (a tensor, a lazy SaveSpec, a variable, or a dict of them) as a tensor read now."""
     if isinstance(value, dict):
         return {key: _read_now(v) for key, v in value.items()}
-    if isinstance(value, saveable_object.SaveSpec):  # tf.Variable's lazy read (tensor_callable.Callable)
-        tensor = value.tensor
-        return value if tensor is None else tensor  # None: an uninitialised variable, written without a value
     if isinstance(value, tf.Variable):  # a Keras 3 variable serialises as the (distributed) variable itself
         return tf.identity(value)
-    return value
+    return internals.read_save_spec(value)
 
 
 def _write_snapshot(snapshot: tuple[Any, Any, str], prefix: str) -> None:
@@ -247,4 +243,4 @@ def _write_snapshot(snapshot: tuple[Any, Any, str], prefix: str) -> None:
     tensors, registered_savers, device = snapshot
     tf.io.gfile.makedirs(os.path.dirname(prefix))
     with tf.device(device):
-        functional_saver.MultiDeviceSaver(tensors, registered_savers).save(tf.constant(prefix))
+        internals.write_checkpoint_tensors(tensors, registered_savers, prefix)
