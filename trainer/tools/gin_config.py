@@ -3,8 +3,8 @@ where each came from (`--print_config`), and the bindings flattened to TensorBoa
 
 Used after `main.parse_gin` has parsed and checked the config; nothing here starts TensorFlow.
 Gin has no public way to list its registered configurables or to tell where a binding came
-from, so `internals.gin_registry` reads its registry and `binding_sources` re-reads the files with gin's
-own parser (with trainer/tools/gin_functions.py, the only places that know gin's internals).
+from, so `internals.gin_registry` reads its registry and `binding_sources` re-reads the files with
+gin's own parser.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 = @my_step`) is handed to the loop as the plain function with its bindings applied once.
 
 Gin's wrapper looks the bindings up at every call; called inside a traced step, AutoGraph then
-converts the wrapper and gin's lookup code into the step, about 1.2 s at every start. This reads
-gin's registry and operative config (no public API does), so it lives beside gin_config.py.
+converts the wrapper and gin's lookup code into the step, about 1.2 s at every start. What gin's
+wrapper would record in the operative config is recorded through `internals.record_operative`.
 """
 
 from __future__ import annotations
