@@ -27,14 +27,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import IO, NoReturn
 
 from absl import app, flags
 
 from trainer.cli import fail, parse_flags
 from trainer.distribution import netns
-from trainer.distribution.local_cluster import free_ports
+from trainer.distribution.local_cluster import build_cluster, free_ports, tf_config_for
 from trainer.errors import UserError
 
 USER_ERROR_EXIT = 2
@@ -50,19 +50,6 @@ class Options:
     module: str
     server_module: str
     grace_secs: float
-
-
-def build_cluster(num_workers: int, num_ps: int, ports: Callable[[int], list[int]]) -> dict:
-    """The cluster spec on localhost; `ports(n)` returns n distinct free ports."""
-    counts = {"worker": num_workers}
-    if num_ps:
-        counts = {"chief": 1, "worker": num_workers, "ps": num_ps}
-    free = iter(ports(sum(counts.values())))
-    return {kind: [f"localhost:{next(free)}" for _ in range(n)] for kind, n in counts.items()}
-
-
-def tf_config_for(cluster: dict, task_type: str, task_id: int) -> str:
-    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_id}})
 
 
 def command_for(cluster: dict, task_type: str, args: Sequence[str], options: Options) -> list[str]:

@@ -36,10 +36,7 @@ Sink = Callable[[int, str, dict[str, float]], None]  # (step, split, values)
 
 class MetricsLog:
     """Appends metric records to every sink; a no-op on non-chief workers (`enabled`, decided once).
-
-    The event files of `open_now` are created at once (training's `train` and `eval`: TensorBoard
-    shows the run from its start), any other split's at its first record.
-    """
+    The event files of `open_now` are created at once, any other split's at its first record."""
 
     def __init__(self, model_dir: str, *, enabled: bool = True, open_now: Sequence[str] = ("train", "eval")):
         self.enabled = enabled
@@ -94,14 +91,9 @@ class MetricsLog:
             writer.flush()
 
     def _append(self, line: dict) -> None:
-        """One write of one whole line with O_APPEND: lines never interleave with those another
-        process appends (the sidecar evaluator's beside the chief's)."""
-        try:
-            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-            try:
-                os.write(fd, (json.dumps(line) + "\n").encode())
-            finally:
-                os.close(fd)
+        try:  # O_APPEND, the whole line in one write: never inside a line the sidecar appends, or the chief
+            with open(self._path, "a") as f:
+                f.write(json.dumps(line) + "\n")
         except OSError as e:  # a full disk, a model_dir that vanished: say so in one line
             raise RunFailure(
                 f"writing {self._path} failed ({e.strerror or e}); free disk space or restore "
