@@ -119,3 +119,16 @@ def test_a_checkpoints_tensors_taken_apart_read_now_and_written_restore(tmp_path
     again = tf.train.Checkpoint(weights=restored)
     again.restore(str(tmp_path / "ckpt-1")).assert_consumed()
     assert restored.numpy().tolist() == [1.0, 2.0] and int(again.save_counter) == 1
+
+
+def test_a_keras_optimizers_own_counter_and_schedule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+    optimizer = keras.optimizers.SGD(schedule)
+    variable = keras.Variable([1.0])
+    optimizer.apply_gradients([(tf.constant([1.0]), variable)])
+    counter = internals.keras_step_counter(optimizer)
+    assert isinstance(counter, keras.Variable) and int(counter.numpy()) == 1
+    wrapped = keras.optimizers.LossScaleOptimizer(optimizer)
+    assert wrapped.iterations is counter and internals.keras_step_counter(wrapped) is not counter
+    assert internals.keras_learning_rate(optimizer) is schedule
+    assert internals.keras_step_counter(object()) is None and internals.keras_learning_rate(object()) is None

@@ -92,3 +92,18 @@ def write_checkpoint_tensors(tensors: dict, registered_savers: Any, prefix: str)
     from tensorflow.python.checkpoint import functional_saver
 
     functional_saver.MultiDeviceSaver(tensors, registered_savers).save(tf.constant(prefix))
+
+
+def keras_step_counter(optimizer: Any) -> Any:
+    """A Keras 3 optimizer's own step counter variable (`_iterations`; None for any other optimizer):
+    the public `iterations` is a computed value under gradient accumulation and the inner
+    optimizer's for a LossScaleOptimizer. Without it the ps loop's counter counts no steps atomically
+    (trainer/loops/ps_schedules.py)."""
+    return getattr(optimizer, "_iterations", None)
+
+
+def keras_learning_rate(optimizer: Any) -> Any:
+    """What a Keras 3 optimizer was given as its learning rate (`_learning_rate`: a schedule or a
+    variable): the public `learning_rate` is the current value, never the schedule. Without it a
+    Keras callback that sets the rate is not refused beside a schedule it would fight."""
+    return getattr(optimizer, "_learning_rate", None)
