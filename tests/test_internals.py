@@ -132,3 +132,13 @@ def test_a_keras_optimizers_own_counter_and_schedule():
     assert wrapped.iterations is counter and internals.keras_step_counter(wrapped) is not counter
     assert internals.keras_learning_rate(optimizer) is schedule
     assert internals.keras_step_counter(object()) is None and internals.keras_learning_rate(object()) is None
+
+
+def test_a_keras_optimizer_sums_through_the_method_it_skips():
+    optimizer = keras.optimizers.SGD(0.5)
+    assert internals.skip_keras_gradient_sum(optimizer) and not internals.skip_keras_gradient_sum(object())
+    skipped, summed = optimizer._all_reduce_sum_gradients, []  # noqa: SLF001
+    optimizer._all_reduce_sum_gradients = lambda pairs: summed.append(len(pairs)) or skipped(pairs)  # noqa: SLF001
+    variable = keras.Variable([1.0, 2.0])
+    optimizer.apply_gradients([(tf.constant([1.0, 1.0]), variable)])
+    assert summed == [1] and variable.numpy().tolist() == [0.5, 1.5]  # the update goes through it, unchanged

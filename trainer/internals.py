@@ -107,3 +107,14 @@ def keras_learning_rate(optimizer: Any) -> Any:
     variable): the public `learning_rate` is the current value, never the schedule. Without it a
     Keras callback that sets the rate is not refused beside a schedule it would fight."""
     return getattr(optimizer, "_learning_rate", None)
+
+
+def skip_keras_gradient_sum(optimizer: Any) -> bool:
+    """Makes a Keras 3 TensorFlow optimizer apply gradients without summing them across replicas: every
+    sum goes through `TFOptimizer._all_reduce_sum_gradients`, replaced by the identity on this
+    instance (trainer/update/clipping.py sums first). Keras has no switch for it. False, changing
+    nothing, for an optimizer without that method; if Keras renames it, clipping is refused."""
+    if not callable(getattr(type(optimizer), "_all_reduce_sum_gradients", None)):
+        return False
+    optimizer._all_reduce_sum_gradients = list  # noqa: SLF001  (the gradients and variables, as given)
+    return True
