@@ -83,16 +83,8 @@ class CheckpointSaver:
         return tf.train.latest_checkpoint(self.model_dir)
 
     def candidates(self) -> list[str]:
-        """Checkpoints of the chief's directory, newest first.
-
-        The paths are used as the state file gives them: tf.train.get_checkpoint_state already
-        joins model_dir to each relative one (joining it again breaks a relative model_dir).
-        """
-        state = tf.train.get_checkpoint_state(self.model_dir)
-        if state is None:
-            return []
-        paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
-        return list(reversed(paths))
+        """Checkpoints of the chief's directory, newest first."""
+        return list(reversed(listed_checkpoints(self.model_dir)))
 
     def restore_latest(self, print_fn: Callable[[str], None] = print) -> str | None:
         """Restores the newest readable checkpoint; returns its path (None: nothing to restore).
@@ -179,8 +171,7 @@ class CheckpointSaver:
         As tf.train.CheckpointManager does it for a synchronous save: the state file is replaced
         atomically, so a crash before this line leaves the previous checkpoint in charge.
         """
-        state = tf.train.get_checkpoint_state(self.model_dir)
-        kept = [os.path.basename(p) for p in (state.all_model_checkpoint_paths if state else [])]
+        kept = [os.path.basename(p) for p in listed_checkpoints(self.model_dir)]
         kept = [name for name in kept if name != os.path.basename(prefix)] + [os.path.basename(prefix)]
         dropped, kept = kept[: -self._max_to_keep], kept[-self._max_to_keep :]
         # What the manager calls (the v1 name warns). The paths are given as model_dir joined to
@@ -210,6 +201,14 @@ class CheckpointSaver:
             f"saving checkpoint {step} in {self.model_dir} failed ({error_line(error)}); {keep} "
             "(free disk space or restore the directory first)"
         )
+
+
+def listed_checkpoints(model_dir: str) -> list[str]:
+    """The complete checkpoints model_dir's state file lists, oldest first, as it gives them:
+    tf.train.get_checkpoint_state joins model_dir to each relative one (joining it again breaks a
+    relative model_dir)."""
+    state = tf.train.get_checkpoint_state(model_dir)
+    return [] if state is None else list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
 
 
 def _snapshot(checkpoint: tf.train.Checkpoint) -> tuple[Any, Any, str]:

@@ -32,6 +32,7 @@ import tensorflow as tf
 from trainer import data
 from trainer.distribution.runtime import RuntimeConfig, make_runtime
 from trainer.errors import UserError
+from trainer.files.checkpoints import listed_checkpoints
 from trainer.files.metrics_log import MetricsLog, eval_line
 from trainer.loops.evaluator import Evaluator, make_metrics
 from trainer.task.task import build_eval_models
@@ -39,20 +40,12 @@ from trainer.task.task import build_eval_models
 if TYPE_CHECKING:
     from trainer.run.settings import Settings
 
-_CHECKPOINT_NUMBER = re.compile(r"-(\d+)$")
+_NUMBER = re.compile(r"-(\d+)$")
 
 
 def checkpoints_in(model_dir: str) -> list[tuple[int, str]]:
-    """(number, path) of the complete checkpoints listed in model_dir's state file, oldest first
-    (tf.train.get_checkpoint_state has joined model_dir to each relative path already)."""
-    state = tf.train.get_checkpoint_state(model_dir)
-    if state is None:
-        return []
-    found = []
-    for path in state.all_model_checkpoint_paths:
-        if match := _CHECKPOINT_NUMBER.search(path):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+    """(number, path) of the complete checkpoints in model_dir, oldest first."""
+    return sorted((int(m.group(1)), path) for path in listed_checkpoints(model_dir) if (m := _NUMBER.search(path)))
 
 
 def evaluate_continuously(
