@@ -173,3 +173,27 @@ def test_summaries_inside_the_step_are_one_line_under_parameter_servers_and_xla(
         "--gin_bindings=train.eval_step_fn=@no_count_eval_step",
     )
     assert "no_count_eval_step" in line
+
+
+def test_one_record_reaches_the_json_line_the_event_files_and_every_sink(tmp_path):
+    """The one metric writer (training, its evals and the sidecar evaluator write through it): an
+    eval's count lands in the JSON line only, last; an eval split of its own under eval/<split>."""
+    from trainer.files.metrics_log import MetricsLog, eval_line
+
+    seen = []
+    with MetricsLog(str(tmp_path), open_now=()) as log:
+        log.subscribe(lambda step, split, values: seen.append((step, split, values)))
+        log.record(200, "eval", {"loss": 0.5, "accuracy": 0.875}, num_examples=359)
+        log.record(200, "test", {"loss": 0.25})
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [
+        {"step": 200, "split": "eval", "loss": 0.5, "accuracy": 0.875, "num_examples": 359.0},
+        {"step": 200, "split": "test", "loss": 0.25},
+    ]
+    assert seen == [(200, "eval", {"loss": 0.5, "accuracy": 0.875}), (200, "test", {"loss": 0.25})]
+    assert sorted(os.listdir(tmp_path)) == ["eval", "metrics.jsonl"]  # no train event file opened
+    assert _series(_accumulator(str(tmp_path / "eval")), "accuracy") == {200: 0.875}
+    assert "num_examples" not in _accumulator(str(tmp_path / "eval")).Tags()["tensors"]
+    assert _series(_accumulator(str(tmp_path / "eval" / "test")), "loss") == {200: 0.25}
+    assert eval_line("test", 200, {"loss": 0.25}, 359, " of ckpt-200") == (
+        "eval on test of ckpt-200 at step 200: loss 0.2500  (359 examples)"
+    )

@@ -7,16 +7,16 @@ that could not go on, 130 Ctrl-C; absl alone would print usage and exit 1 for a 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import signal
 import sys
-import threading
 import traceback
 from typing import Callable, Iterator, NoReturn
 
 from absl import flags, logging
+
+from trainer import internals
 
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130, what a shell reports for Ctrl-C
 
@@ -68,8 +68,7 @@ def exit_without_teardown(
 
     def leave(code: int) -> NoReturn:
         if not coordinates_ps_cluster():
-            threading._shutdown()  # what Py_FinalizeEx runs first  # noqa: SLF001
-            atexit._run_exitfuncs()  # noqa: SLF001
+            internals.run_exit_handlers()
         flush_and_exit(code)
 
     # os._exit inside each `except`: once the exception is dropped, the frames it holds are

@@ -27,13 +27,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import IO, NoReturn
 
 from absl import app, flags
 
 from trainer.cli import fail, parse_flags
 from trainer.distribution import netns
+from trainer.distribution.local_cluster import build_cluster, free_ports, tf_config_for
 from trainer.errors import UserError
 
 USER_ERROR_EXIT = 2
@@ -49,19 +50,6 @@ class Options:
     module: str
     server_module: str
     grace_secs: float
-
-
-def build_cluster(num_workers: int, num_ps: int, ports: Callable[[int], list[int]]) -> dict:
-    """The cluster spec on localhost; `ports(n)` returns n distinct free ports."""
-    counts = {"worker": num_workers}
-    if num_ps:
-        counts = {"chief": 1, "worker": num_workers, "ps": num_ps}
-    free = iter(ports(sum(counts.values())))
-    return {kind: [f"localhost:{next(free)}" for _ in range(n)] for kind, n in counts.items()}
-
-
-def tf_config_for(cluster: dict, task_type: str, task_id: int) -> str:
-    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_id}})
 
 
 def command_for(cluster: dict, task_type: str, args: Sequence[str], options: Options) -> list[str]:
@@ -94,7 +82,7 @@ def launch(
     with _SignalCatcher() as signals:
         attempt = 0
         while True:
-            cluster = build_cluster(num_workers, num_ps, _free_ports)
+            cluster = build_cluster(num_workers, num_ps, free_ports)
             code = _run_group(cluster, args, options, signals)
             # A user mistake (exit 2) would fail the same way again, and a task stopped by Ctrl-C
             # (130) was asked to stop, so either ends the run.
@@ -113,15 +101,6 @@ def _check_options(num_workers: int, num_ps: int, max_restarts: int, grace_secs:
         raise UserError(f"--max_restarts must be 0 or more, got {max_restarts}")
     if grace_secs < 0:
         raise UserError(f"--grace_secs must be 0 or more, got {grace_secs}")
-
-
-def _free_ports(count: int) -> list[int]:
-    import portpicker
-
-    ports: set[int] = set()
-    while len(ports) < count:
-        ports.add(portpicker.pick_unused_port())
-    return sorted(ports)
 
 
 class _SignalCatcher:

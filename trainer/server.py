@@ -37,10 +37,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from trainer.cli import flush_and_exit  # noqa: E402
 from trainer.distribution import cluster  # noqa: E402  (no TensorFlow import)
+from trainer.distribution.local_cluster import READY_MESSAGE  # noqa: E402  (no TensorFlow import)
 from trainer.errors import UserError  # noqa: E402
 
 SERVER_TASK_TYPES = ("worker", "ps")
-READY_MESSAGE = "listening at"
 _PARENT_POLL_SECS = 1.0
 
 

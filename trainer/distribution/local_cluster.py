@@ -41,7 +41,7 @@ from trainer.validation import check_int, check_number
 
 WHAT = "the embedded ParameterServer cluster"  # as the network warning names it
 SERVER_MODULE = "trainer.server"
-READY_MESSAGE = "listening at"  # printed by trainer.server once it serves
+READY_MESSAGE = "listening at"  # what trainer.server prints once it serves
 _POLL_SECS = 0.2
 
 
@@ -79,8 +79,7 @@ class _Server:
         self.name = f"{task_type} {task_id}"
         self.ready = threading.Event()
         self.last_lines: list[str] = []
-        tf_config = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_id}})
-        env = {**os.environ, "TF_CONFIG": tf_config, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "TF_CONFIG": tf_config_for(cluster, task_type, task_id), "PYTHONUNBUFFERED": "1"}
         # A process group of its own: a terminal's Ctrl-C reaches the coordinator only, which
         # saves (the variables live on these servers) and then ends them.
         self.process = subprocess.Popen(
@@ -150,15 +149,10 @@ class LocalCluster:
 
     def coordinator_tf_config(self) -> str:
         """TF_CONFIG of the coordinator: task `chief` 0 of this cluster."""
-        return json.dumps({"cluster": self.cluster, "task": {"type": "chief", "index": 0}})
+        return tf_config_for(self.cluster, "chief", 0)
 
     def start(self) -> None:
-        ports = _free_ports(1 + self.config.num_workers + self.config.num_ps)
-        self.cluster = {
-            "chief": [f"localhost:{ports[0]}"],
-            "worker": [f"localhost:{p}" for p in ports[1 : 1 + self.config.num_workers]],
-            "ps": [f"localhost:{p}" for p in ports[1 + self.config.num_workers :]],
-        }
+        self.cluster = build_cluster(self.config.num_workers, self.config.num_ps, free_ports)
         for task_type in ("ps", "worker"):
             for task_id in range(len(self.cluster[task_type])):
                 self._servers.append(_Server(task_type, task_id, self.cluster, self._module))
@@ -232,7 +226,20 @@ class LocalCluster:
         self.stop()
 
 
-def _free_ports(count: int) -> list[int]:
+def build_cluster(num_workers: int, num_ps: int, ports: Callable[[int], list[int]]) -> dict:
+    """The cluster spec on localhost (with ps: a chief, the workers, the ps; without: the workers);
+    `ports(n)` returns n distinct free ports."""
+    counts = {"chief": 1, "worker": num_workers, "ps": num_ps} if num_ps else {"worker": num_workers}
+    free = iter(ports(sum(counts.values())))
+    return {kind: [f"localhost:{next(free)}" for _ in range(n)] for kind, n in counts.items()}
+
+
+def tf_config_for(cluster: dict, task_type: str, task_id: int) -> str:
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_id}})
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports nobody listens on now, for the tasks of a cluster on this machine."""
     import portpicker
 
     ports: set[int] = set()

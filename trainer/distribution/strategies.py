@@ -7,7 +7,7 @@ import os
 import tensorflow as tf
 
 from trainer.distribution import devices, modes
-from trainer.errors import UserError
+from trainer.errors import UserError, error_line
 
 
 def make_strategy(
@@ -95,9 +95,8 @@ def _tpu_strategy(tpu: str) -> tf.distribute.Strategy:
         tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
     except (ValueError, tf.errors.OpError, RuntimeError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
-            f"strategy 'tpu' found no TPU ({first_line}); run on a TPU VM or pick another "
+            f"strategy 'tpu' found no TPU ({error_line(e)}); run on a TPU VM or pick another "
             "train.strategy such as 'mirrored'"
         ) from e
     return tf.distribute.TPUStrategy(resolver)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from trainer.errors import UserError
 from trainer.extensions.console import Console
+from trainer.files.metrics_log import eval_line
 
 if TYPE_CHECKING:
     from trainer.distribution.runtime import Runtime
@@ -176,7 +177,5 @@ class Context:
             by_split[split] = results
             self.metrics_log.record(step, f"{split}{suffix}", results)
             if self.runtime.is_chief:
-                shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
-                where = "" if split == "eval" else f" on {split}"
-                self.print(f"eval{where}{label} at step {step}: {shown}  ({int(num_examples)} examples)")
+                self.print(eval_line(split, step, results, num_examples, label))
         return by_split

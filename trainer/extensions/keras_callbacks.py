@@ -30,6 +30,7 @@ from typing import Any, Iterator, Sequence
 
 import keras
 
+from trainer import internals
 from trainer.distribution import modes
 from trainer.errors import RunFailure, UserError
 from trainer.extensions.context import Context
@@ -87,9 +88,7 @@ class KerasCallbacks(Extension):
                 "train.keras_callbacks needs one Keras model and one Keras optimizer (train.model_fn / "
                 f"train.optimizer_fn returned {type(model).__name__} / {type(optimizer).__name__})"
             )
-        schedule = isinstance(
-            getattr(optimizer, "_learning_rate", None), keras.optimizers.schedules.LearningRateSchedule
-        )
+        schedule = isinstance(internals.keras_learning_rate(optimizer), keras.optimizers.schedules.LearningRateSchedule)
         for callback in self._callbacks:
             if schedule and isinstance(callback, SETS_LEARNING_RATE):
                 raise UserError(

@@ -20,16 +20,14 @@ from __future__ import annotations
 import concurrent.futures
 import glob
 import os
-import re
 import shutil
 import tempfile
 from typing import Any, Callable
 
 import tensorflow as tf
-from tensorflow.python.checkpoint import functional_saver  # the writer tf.train.Checkpoint uses itself
-from tensorflow.python.training.saving import saveable_object
 
-from trainer.errors import RunFailure, UserError
+from trainer import internals
+from trainer.errors import RunFailure, UserError, error_line
 from trainer.files.run_checkpoint import RunCheckpoint
 
 
@@ -85,16 +83,8 @@ class CheckpointSaver:
         return tf.train.latest_checkpoint(self.model_dir)
 
     def candidates(self) -> list[str]:
-        """Checkpoints of the chief's directory, newest first.
-
-        The paths are used as the state file gives them: tf.train.get_checkpoint_state already
-        joins model_dir to each relative one (joining it again breaks a relative model_dir).
-        """
-        state = tf.train.get_checkpoint_state(self.model_dir)
-        if state is None:
-            return []
-        paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
-        return list(reversed(paths))
+        """Checkpoints of the chief's directory, newest first."""
+        return list(reversed(listed_checkpoints(self.model_dir)))
 
     def restore_latest(self, print_fn: Callable[[str], None] = print) -> str | None:
         """Restores the newest readable checkpoint; returns its path (None: nothing to restore).
@@ -110,10 +100,10 @@ class CheckpointSaver:
                 self._run_checkpoint.restore(path)
                 return path
             except tf.errors.OpError as e:
-                print_fn(f"warning: {path} cannot be read ({_first_line(e)}); trying the checkpoint before it")
+                print_fn(f"warning: {path} cannot be read ({error_line(e)}); trying the checkpoint before it")
             except (ValueError, AssertionError) as e:
                 raise UserError(
-                    f"checkpoint {path} does not match the model ({_first_line(e)}); use the model "
+                    f"checkpoint {path} does not match the model ({error_line(e)}); use the model "
                     "that wrote it or a fresh --model_dir"
                 ) from e
         if self.candidates():
@@ -181,8 +171,7 @@ class CheckpointSaver:
         As tf.train.CheckpointManager does it for a synchronous save: the state file is replaced
         atomically, so a crash before this line leaves the previous checkpoint in charge.
         """
-        state = tf.train.get_checkpoint_state(self.model_dir)
-        kept = [os.path.basename(p) for p in (state.all_model_checkpoint_paths if state else [])]
+        kept = [os.path.basename(p) for p in listed_checkpoints(self.model_dir)]
         kept = [name for name in kept if name != os.path.basename(prefix)] + [os.path.basename(prefix)]
         dropped, kept = kept[: -self._max_to_keep], kept[-self._max_to_keep :]
         # What the manager calls (the v1 name warns). The paths are given as model_dir joined to
@@ -209,23 +198,31 @@ class CheckpointSaver:
             else "there is no earlier checkpoint: a rerun starts over"
         )
         return RunFailure(
-            f"saving checkpoint {step} in {self.model_dir} failed ({_first_line(error)}); {keep} "
+            f"saving checkpoint {step} in {self.model_dir} failed ({error_line(error)}); {keep} "
             "(free disk space or restore the directory first)"
         )
+
+
+def listed_checkpoints(model_dir: str) -> list[str]:
+    """The complete checkpoints model_dir's state file lists, oldest first, as it gives them:
+    tf.train.get_checkpoint_state joins model_dir to each relative one (joining it again breaks a
+    relative model_dir)."""
+    state = tf.train.get_checkpoint_state(model_dir)
+    return [] if state is None else list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
 
 
 def _snapshot(checkpoint: tf.train.Checkpoint) -> tuple[Any, Any, str]:
     """What a save of `checkpoint` writes, read now: (tensors by trackable, registered savers, device).
 
-    The tensors are those tf.train.Checkpoint would write (private `_gather_serialized_tensors`:
-    there is no public way to take them apart from the write), each read here, so the background
+    The tensors are those tf.train.Checkpoint would write (`internals.checkpoint_tensors`), each
+    read here, so the background
     write sees this step's values. A read costs no copy: tensors are immutable, and the next
     update of a variable whose value is still held copies its buffer first (copy-on-write).
     The device is where the writer's ops go (a new thread does not inherit the training
     thread's placement, which under multi_worker_mirrored names this worker's job).
     """
     checkpoint.save_counter.assign_add(1)  # as CheckpointManager.save does: the files are the same
-    tensors, _, registered_savers, _ = checkpoint._saver._gather_serialized_tensors(None)
+    tensors, registered_savers = internals.checkpoint_tensors(checkpoint)
     for trackable in list(tensors):
         tensors[trackable] = _read_now(tensors[trackable])
     return tensors, registered_savers, checkpoint.save_counter.device
@@ -235,12 +232,9 @@ def _read_now(value: Any) -> Any:
     """A serialized value (a tensor, a lazy SaveSpec, a variable, or a dict of them) as a tensor read now."""
     if isinstance(value, dict):
         return {key: _read_now(v) for key, v in value.items()}
-    if isinstance(value, saveable_object.SaveSpec):  # tf.Variable's lazy read (tensor_callable.Callable)
-        tensor = value.tensor
-        return value if tensor is None else tensor  # None: an uninitialised variable, written without a value
     if isinstance(value, tf.Variable):  # a Keras 3 variable serialises as the (distributed) variable itself
         return tf.identity(value)
-    return value
+    return internals.read_save_spec(value)
 
 
 def _write_snapshot(snapshot: tuple[Any, Any, str], prefix: str) -> None:
@@ -248,10 +242,4 @@ def _write_snapshot(snapshot: tuple[Any, Any, str], prefix: str) -> None:
     tensors, registered_savers, device = snapshot
     tf.io.gfile.makedirs(os.path.dirname(prefix))
     with tf.device(device):
-        functional_saver.MultiDeviceSaver(tensors, registered_savers).save(tf.constant(prefix))
-
-
-def _first_line(error: Exception) -> str:
-    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", str(error))
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return (lines[0] if lines else type(error).__name__).rstrip(".")
+        internals.write_checkpoint_tensors(tensors, registered_savers, prefix)

@@ -19,6 +19,8 @@ import os
 
 import tensorflow as tf
 
+from trainer import internals
+
 # Event files reach disk at most this long after a write (and at close). A flush syncs the file:
 # flushing every train record cost ~25 ms each, 2% of the CNN bench's steps/s on 2 cores.
 FLUSH_MILLIS = 5_000
@@ -39,11 +41,11 @@ class EventWriter(tf.summary.SummaryWriter):
         self._flush_millis = flush_millis
         self._initialized = self._closed = False
         with tf.device("cpu:0"):
-            # `_resource` is what tf.summary.write takes from the default writer: the handle of a
-            # writer resource by name, which `init` creates (a handle op alone creates nothing).
-            self._resource = tf.raw_ops.SummaryWriter(
+            # The handle of a writer resource by name, which `init` creates (a handle op alone creates nothing).
+            self._handle = tf.raw_ops.SummaryWriter(
                 shared_name=f"trainer_events_{os.getpid()}_{next(_names)}", container=""
             )
+        internals.set_summary_resource(self, self._handle)
 
     def init(self) -> None:
         """Creates the writer and its event file (and `logdir`); again: nothing."""
@@ -51,7 +53,7 @@ class EventWriter(tf.summary.SummaryWriter):
             return
         with tf.device("cpu:0"):
             tf.raw_ops.CreateSummaryFileWriter(
-                writer=self._resource,
+                writer=self._handle,
                 logdir=self.logdir,
                 max_queue=10,
                 flush_millis=self._flush_millis,
@@ -62,7 +64,7 @@ class EventWriter(tf.summary.SummaryWriter):
     def flush(self) -> None:
         if self._initialized and not self._closed:
             with tf.device("cpu:0"):
-                tf.raw_ops.FlushSummaryWriter(writer=self._resource)
+                tf.raw_ops.FlushSummaryWriter(writer=self._handle)
 
     def close(self) -> None:
         """Flushes and closes the event file; `event_writer` then makes a new writer for `logdir`."""
@@ -71,7 +73,7 @@ class EventWriter(tf.summary.SummaryWriter):
         if self._initialized and not self._closed:
             self.flush()
             with tf.device("cpu:0"):
-                tf.raw_ops.CloseSummaryWriter(writer=self._resource)
+                tf.raw_ops.CloseSummaryWriter(writer=self._handle)
         self._closed = True
 
 

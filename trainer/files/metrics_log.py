@@ -1,5 +1,9 @@
-"""Where metrics land: `metrics.jsonl` and TensorBoard event files, written by the chief only;
-and `read_history`, the one reader of `metrics.jsonl` as one history.
+"""Where metrics land: `MetricsLog`, the one writer of metrics (training, its evals and the sidecar
+evaluator write through it), and `read_history`, the one reader of `metrics.jsonl` as one history.
+
+One `record(step, split, values)` reaches every sink: `metrics.jsonl`, the TensorBoard event files
+and each sink subscribed (MLflow's), as CLU's MultiWriter does. A new mode needs two lines:
+`with MetricsLog(model_dir) as log:` and `log.record(step, split, values)`.
 
 `metrics.jsonl` (the contract in docs/design.md) holds one JSON object per line, appended across restarts:
 {"step": int, "split": "train"|"eval"|<eval split>, <metric>: float, ...}. A run that continues a
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from trainer.errors import RunFailure, UserError
 
@@ -27,20 +31,28 @@ if TYPE_CHECKING:
 
 METRICS_FILE = "metrics.jsonl"
 RESUMED = "resumed"  # the split of the line a resumed run starts with
+Sink = Callable[[int, str, dict[str, float]], None]  # (step, split, values)
 
 
 class MetricsLog:
-    """Appends metric records; a no-op on non-chief workers, decided once in the constructor."""
+    """Appends metric records to every sink; a no-op on non-chief workers (`enabled`, decided once).
+    The event files of `open_now` are created at once, any other split's at its first record."""
 
-    def __init__(self, model_dir: str, *, enabled: bool):
+    def __init__(self, model_dir: str, *, enabled: bool = True, open_now: Sequence[str] = ("train", "eval")):
         self.enabled = enabled
         self._path = os.path.join(model_dir, METRICS_FILE)
         self._model_dir = model_dir
         self._writers: dict[str, EventWriter] = {}
-        self._listeners: list[Callable[[int, str, dict[str, float]], None]] = []
+        self._sinks: list[Sink] = [self._scalars]
         if enabled:
-            self._writer("train")
-            self._writer("eval")
+            for split in open_now:
+                self._writer(split)
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _writer(self, split: str) -> EventWriter:
         from trainer.files.event_writers import event_writer  # TensorFlow: the writer's only
@@ -58,23 +70,28 @@ class MetricsLog:
         if self.enabled and os.path.exists(self._path) and os.path.getsize(self._path) > 0:
             self._append({"step": int(step), "split": RESUMED})
 
-    def record(self, step: int, split: str, metrics: dict[str, float]) -> None:
+    def record(self, step: int, split: str, values: Mapping[str, float], *, num_examples: float | None = None) -> None:
+        """`values` to every sink; `num_examples` (an eval's count) to the JSON line only, last:
+        it marks the sidecar evaluator's lines apart from the chief's inline evals."""
         if not self.enabled:
             return
+        count = {} if num_examples is None else {"num_examples": float(num_examples)}
+        self._append({"step": int(step), "split": split} | {k: float(v) for k, v in values.items()} | count)
+        for sink in self._sinks:
+            sink(int(step), split, dict(values))
+
+    def _scalars(self, step: int, split: str, values: dict[str, float]) -> None:
         import tensorflow as tf
 
-        self._append({"step": int(step), "split": split} | {k: float(v) for k, v in metrics.items()})
         writer = self._writer(split)
         with writer.as_default(step=step):
-            for name, value in metrics.items():
+            for name, value in values.items():
                 tf.summary.scalar(name, value)
         if split != "train":  # rare, and what a reader waits for
             writer.flush()
-        for listener in self._listeners:
-            listener(int(step), split, dict(metrics))
 
     def _append(self, line: dict) -> None:
-        try:
+        try:  # O_APPEND, the whole line in one write: never inside a line the sidecar appends, or the chief
             with open(self._path, "a") as f:
                 f.write(json.dumps(line) + "\n")
         except OSError as e:  # a full disk, a model_dir that vanished: say so in one line
@@ -83,9 +100,9 @@ class MetricsLog:
                 "model_dir, then rerun: it continues from the newest checkpoint"
             ) from e
 
-    def subscribe(self, listener: Callable[[int, str, dict[str, float]], None]) -> None:
-        """`listener(step, split, metrics)` gets every record written from now on (e.g. MLflow's hook)."""
-        self._listeners.append(listener)
+    def subscribe(self, sink: Sink) -> None:
+        """`sink(step, split, values)` gets every record from now on (MLflow's, say)."""
+        self._sinks.append(sink)
 
     def text(self, step: int, name: str, markdown: str) -> None:
         """A text summary (e.g. the operative gin config) in the train event files."""
@@ -119,6 +136,14 @@ class MetricsLog:
     def close(self) -> None:
         for writer in self._writers.values():
             writer.close()
+
+
+def eval_line(split: str, step: int, results: Mapping[str, float], num_examples: float, label: str = "") -> str:
+    """The printed line of one eval, training's and the sidecar evaluator's alike:
+    `eval[ on <split>][<label>] at step N: <name> <value>  ...  (K examples)`."""
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
+    where = "" if split == "eval" else f" on {split}"
+    return f"eval{where}{label} at step {step}: {shown}  ({int(num_examples)} examples)"
 
 
 def read_history(model_dir: str) -> list[dict]:

@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 
 import tensorflow as tf
 
-from trainer.errors import RunFailure
+from trainer.errors import peer_failure
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
 
@@ -59,30 +59,6 @@ class EvaluatorLike(Protocol):
         returns the names of its results."""
 
 
-def op_error_summary(error: Exception) -> str:
-    """The line of a TensorFlow graph error that says what happened (not where)."""
-    for line in str(error).splitlines():
-        text = line.strip()
-        if (
-            text
-            and not line[0].isspace()
-            and not text.startswith(("Graph execution error", "Detected at node", "File "))
-        ):
-            return text.rstrip(".:")
-    return "no detail"
-
-
-def peer_failure(error: Exception, step: int, num_steps: int, latest_checkpoint: str | None) -> RunFailure:
-    """A collective or remote call that failed: name the steps and where a rerun continues."""
-    resume = (
-        f"a rerun continues from {latest_checkpoint}" if latest_checkpoint else "no checkpoint yet: a rerun starts over"
-    )
-    return RunFailure(
-        f"training failed in steps {step + 1}-{step + num_steps} ({type(error).__name__}: "
-        f"{op_error_summary(error)}); a peer task may have died or timed out; {resume}"
-    )
-
-
 def drive(context: Context, extensions: Sequence[Extension], steps_per_loop: int) -> int:
     """The outer loop: compiled calls of `context.loop` that end on the nearest boundary, the
     extensions in between.
@@ -118,7 +94,8 @@ def _drive(context: Context, extensions: Sequence[Extension], steps_per_loop: in
         try:
             metrics = context.loop.run(num_steps)
         except PEER_ERRORS as e:
-            raise peer_failure(e, step, num_steps, saver.latest() if saver else None) from e
+            lost, latest = "a peer task may have died or timed out", saver.latest() if saver else None
+            raise peer_failure(e, f"in steps {step + 1}-{step + num_steps}", lost, latest) from e
         context.clock.train_seconds += time.monotonic() - started
         back = next(
             (s for e in extensions if (s := e.rollback_to(context, step, num_steps, metrics)) is not None), None

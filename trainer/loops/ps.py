@@ -46,7 +46,7 @@ from typing import Callable, Mapping
 import tensorflow as tf
 
 from trainer import data
-from trainer.errors import RunFailure, UserError
+from trainer.errors import UserError, error_line, peer_failure
 from trainer.loops.evaluator import Evaluator
 from trainer.loops.step_summaries import refuse_under_parameter_server, tracing_for_summaries, writes_summaries
 from trainer.loops.totals import reduce_outputs, repeated
@@ -60,6 +60,7 @@ StepFn = Callable[..., dict]
 
 _LOST_TASK_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)
 MAX_RESCHEDULES = 3
+LOST_PS = "lost a parameter server: its variables are gone"
 
 
 def rejected_by_worker(error: Exception) -> bool:
@@ -211,7 +212,7 @@ class PSTrainLoop:
                     rescheduled += 1
                     self._print(
                         f"warning: a worker's server rejected a closure in steps {step + 1}-"
-                        f"{step + num_steps} before running it ({tracing.first_line(error)}); scheduling it "
+                        f"{step + num_steps} before running it ({error_line(error)}); scheduling it "
                         f"and the closures cancelled with it again ({rescheduled}/{MAX_RESCHEDULES})"
                     )
                 pending = []
@@ -229,7 +230,7 @@ class PSTrainLoop:
             self._global_step.assign_add(num_steps)
             self._step += num_steps
         except _LOST_TASK_ERRORS as error:
-            raise lost_task_failure(error, f"in steps {step + 1}-{step + num_steps}") from error
+            raise peer_failure(error, f"in steps {step + 1}-{step + num_steps}", LOST_PS) from error
         return combine.per_interval(self.rule, totals or {}, num_steps)
 
     def trace(self, step_name: str) -> tuple[str, ...]:
@@ -305,23 +306,7 @@ class CoordinatorEvaluator:
         try:
             return self._evaluator.evaluate()
         except _LOST_TASK_ERRORS as error:
-            raise lost_task_failure(error, "during evaluation") from error
-
-
-def lost_task_failure(error: Exception, when: str) -> RunFailure:
-    """A one-line RunFailure for an error that means a ps (or the cluster) is gone."""
-    detail = next(
-        (
-            line.strip()
-            for line in str(error).splitlines()
-            if line.strip() and not line.strip().startswith(("Graph execution error", "Detected at node", "<stack"))
-        ),
-        type(error).__name__,
-    )
-    return RunFailure(
-        f"lost a parameter server {when} ({type(error).__name__}: {detail[:160]}); its variables "
-        "are gone, so training stopped: rerun the same command to continue from the last checkpoint"
-    )
+            raise peer_failure(error, "during evaluation", LOST_PS) from error
 
 
 def per_worker_train_data(

@@ -27,6 +27,7 @@ import functools
 
 import tensorflow as tf
 
+from trainer import internals
 from trainer.task.structure import flat
 
 
@@ -54,7 +55,7 @@ def count_steps_atomically(optimizers, global_step: tf.Variable) -> None:
     of the Keras variable is narrowed to one whose increments are atomic.
     """
     for optimizer in flat(optimizers):
-        counter = getattr(optimizer, "_iterations", None)
+        counter = internals.keras_step_counter(optimizer)
         if counter is None:  # not a Keras 3 optimizer: nothing of Keras' to fix
             continue
         if not getattr(counter, "counts_atomically", False):

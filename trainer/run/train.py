@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from trainer.errors import UserError
+from trainer.errors import UserError, error_line
 from trainer.extensions import factory
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Outputs, check_method_names
@@ -28,7 +28,7 @@ from trainer.files.checkpoints import CheckpointSaver
 from trainer.files.metrics_log import MetricsLog
 from trainer.files.run_checkpoint import RunCheckpoint
 from trainer.loops.build import build_loops
-from trainer.loops.controller import drive, op_error_summary
+from trainer.loops.controller import drive
 from trainer.run.settings import Settings, signature
 from trainer.run.setup import setup
 from trainer.run.unfinished import undone_unless_a_step_finishes
@@ -140,7 +140,7 @@ def data_error(error: tf.errors.OpError, settings: Settings, step: int) -> UserE
     at which step, and which input and step to look at."""
     nodes = re.findall(r"\{\{node ([^}]+)\}\}", str(error))
     op = nodes[-1].split("/")[-1] if nodes else (error.op.type if error.op is not None else "a TensorFlow op")
-    summary = op_error_summary(error)
+    summary = error_line(error)
     summary = summary if len(summary) <= 160 else summary[:160] + "..."
     return UserError(
         f"op {op} failed on a batch after step {step} ({type(error).__name__}: {summary}): check what "

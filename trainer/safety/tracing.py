@@ -10,49 +10,13 @@ and a failure of the user's code becomes one UserError line naming the function.
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Any, Callable, Iterator
 
-from trainer.errors import UserError
+from trainer.errors import UserError, error_line
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_ERROR_LINE = re.compile(r"^\s*(\w+(?:Error|Exception)): (.*)$")
-MAX_LINE = 300
 MERGE_CALL_IN_GRAPH = "`merge_call` called while defining a new graph"
 """The start of TensorFlow's RuntimeError for a cross-replica synchronisation point (the gradient sum
 and the update of `optimizer.apply_gradients`) inside graph control flow or a nested tf.function."""
-
-
-def first_line(error: BaseException) -> str:
-    """What happened, in one line: for an error AutoGraph re-raised with the trace of the user's
-    code ("in user code: File ... ValueError: ..."), the original error's own message."""
-    text = _ANSI.sub("", re.sub(r"\{\{function_node [^}]*\}\}\s*", "", str(error)))
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for index, line in enumerate(lines):
-        if match := _ERROR_LINE.match(line):  # the innermost error AutoGraph quotes, then its detail
-            detail = (
-                " ".join(lines[index + 1 : index + 2])
-                if match.group(2).startswith("Exception encountered")
-                else match.group(2)
-            )
-            return _shortened(f"{match.group(1)}: {detail}")
-    for line in lines:
-        if not line.startswith(("Traceback", "File ", "in user code", "Graph execution error", "Detected at node")):
-            return _shortened(line)
-    return type(error).__name__
-
-
-def _shortened(line: str) -> str:
-    """`line` without its final stop; a line longer than `MAX_LINE` ends after its last whole
-    sentence that fits (else its last whole word, then "..."), never inside a word."""
-    line = line.rstrip(".: ")
-    if len(line) <= MAX_LINE:
-        return line
-    head = line[:MAX_LINE]
-    end = head.rfind(". ")
-    if end > 0:
-        return head[:end]
-    return head[: head.rfind(" ")].rstrip(",;:") + "..." if " " in head else head + "..."
 
 
 def merge_call_in_graph(error: BaseException) -> bool:
@@ -83,7 +47,7 @@ def traced(what: str, name: str, trace: Callable[[], Any]) -> Any:
         if merge_call_in_graph(error):
             raise update_in_graph_control_flow(what, name) from error
         raise UserError(
-            f"{what} {name} cannot run on the batches of train.input_fn ({first_line(error)}); fix the "
+            f"{what} {name} cannot run on the batches of train.input_fn ({error_line(error)}); fix the "
             "function or the model it calls (check the batch structure: "
             "train batches are the examples batched, eval batches have the weight appended)"
         ) from error

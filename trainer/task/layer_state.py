@@ -59,6 +59,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import keras
 import tensorflow as tf
 
+from trainer import internals
 from trainer.distribution import modes
 from trainer.task.structure import flat
 
@@ -153,10 +154,10 @@ def _keras_layers(models: Any) -> list:
         if isinstance(model, keras.layers.Layer):
             tops.append(model)
         elif isinstance(model, tf.Module):
-            tops.extend(model._flatten(predicate=lambda x: isinstance(x, keras.layers.Layer)))  # noqa: SLF001
+            tops.extend(internals.keras_layers_in(model))
     layers, seen = [], set()
     for top in tops:
-        for layer in top._flatten_layers(include_self=True, recursive=True):  # noqa: SLF001
+        for layer in internals.keras_sublayers(top):
             if id(layer) not in seen:
                 seen.add(id(layer))
                 layers.append(layer)
@@ -173,9 +174,9 @@ def separate_replica_losses(strategy: tf.distribute.Strategy, models: Any) -> No
     if strategy.num_replicas_in_sync <= 1 or not keras.__version__.startswith("3."):
         return  # one replica; or tf_keras (the parity tool's fit), whose `_losses` are not per call
     for layer in _keras_layers(models):
-        losses = layer.__dict__.get("_losses")
-        if losses is not None and not isinstance(losses, PerThreadLosses):
-            object.__setattr__(layer, "_losses", PerThreadLosses(losses))
+        internals.replace_layer_losses(
+            layer, lambda old: old if isinstance(old, PerThreadLosses) else PerThreadLosses(old)
+        )
 
 
 def random_states(models) -> list:

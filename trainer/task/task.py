@@ -23,8 +23,7 @@ import tensorflow as tf
 
 from trainer import data
 from trainer.distribution.runtime import Runtime
-from trainer.errors import UserError
-from trainer.safety.tracing import first_line
+from trainer.errors import UserError, error_line
 from trainer.task import layer_state, precision, user_code
 from trainer.task.contract import function_name
 from trainer.task.steps import call_model
@@ -110,7 +109,7 @@ def build_by_calling(models: Any, model_fn: Callable, inp: data.Input) -> None:
                 ) from error
             raise UserError(
                 f"{which} is not built, and calling it on a batch of the train features {shapes} to "
-                f"build it failed ({first_line(error)}); build it in model_fn (a keras.Input, or a "
+                f"build it failed ({error_line(error)}); build it in model_fn (a keras.Input, or a "
                 "call on a batch of its real inputs)"
             ) from error
         if not getattr(model, "trainable_variables", None):

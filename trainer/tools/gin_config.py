@@ -3,8 +3,8 @@ where each came from (`--print_config`), and the bindings flattened to TensorBoa
 
 Used after `main.parse_gin` has parsed and checked the config; nothing here starts TensorFlow.
 Gin has no public way to list its registered configurables or to tell where a binding came
-from, so `_registry` reads its registry and `binding_sources` re-reads the files with gin's
-own parser (with trainer/tools/gin_functions.py, the only places that know gin's internals).
+from, so `internals.gin_registry` reads its registry and `binding_sources` re-reads the files with
+gin's own parser.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import gin
 from gin import config_parser
+from trainer import internals
 
 DEFAULT = "default"
 FROM_FLAGS = "--gin_bindings"
@@ -41,14 +42,10 @@ class Configurable:
     denylist: tuple[str, ...] = ()
 
 
-def _registry():
-    return gin.config._REGISTRY  # noqa: SLF001  (gin has no public listing)
-
-
 def registered_configurables() -> list[Configurable]:
     """Every configurable gin knows now (ours and those of modules a gin file imported),
     without gin's own builtins (macro, constant, singleton), in registration order."""
-    registry = _registry()
+    registry = internals.gin_registry()
     found = []
     for selector, entry in registry.items():
         if entry.module == "gin" or selector.startswith("gin."):
@@ -131,7 +128,7 @@ def binding_sources(
     def record(statement, where: str) -> None:
         selector = statement.selector
         if statement.arg_name:
-            match = _registry().get_match(selector)
+            match = internals.gin_registry().get_match(selector)
             selector = match.selector if match is not None else selector
         sources[(statement.scope or "", selector, statement.arg_name)] = where
 
@@ -291,8 +288,8 @@ def hparams(gin_files: list[str], bindings: list[str], search_paths: Iterable[st
     for scope, selector, param in binding_sources(gin_files, bindings, search_paths):
         if not param:
             continue
-        match = _registry().get_match(selector)
-        name = _registry().minimal_selector(match.selector) if match is not None else selector
+        match = internals.gin_registry().get_match(selector)
+        name = internals.gin_registry().minimal_selector(match.selector) if match is not None else selector
         value = _macro_value(_query(scope, selector, param))
         if not isinstance(value, (bool, int, float, str)):
             value = format_value(value)

@@ -2,8 +2,8 @@
 = @my_step`) is handed to the loop as the plain function with its bindings applied once.
 
 Gin's wrapper looks the bindings up at every call; called inside a traced step, AutoGraph then
-converts the wrapper and gin's lookup code into the step, about 1.2 s at every start. This reads
-gin's registry and operative config (no public API does), so it lives beside gin_config.py.
+converts the wrapper and gin's lookup code into the step, about 1.2 s at every start. What gin's
+wrapper would record in the operative config is recorded through `internals.record_operative`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import inspect
 from typing import Any, Callable, Collection
 
 import gin
+from trainer import internals
 from trainer.errors import UserError
 
 
@@ -55,8 +56,7 @@ def plain_function(reference: Any, *, supplied: Collection[str] = (), what: str 
         and p.name not in denied
         and (not configurable.allowlist or p.name in configurable.allowlist)
     }
-    with gin.config._OPERATIVE_CONFIG_LOCK:  # noqa: SLF001  (what gin's wrapper records when called)
-        gin.config._OPERATIVE_CONFIG.setdefault((scope, configurable.selector), {}).update(defaults | raw)  # noqa: SLF001
+    internals.record_operative(scope, configurable.selector, defaults | raw)  # what gin's wrapper records
     attributes = _attributes(configurable.wrapper)  # e.g. a combine rule decorated over gin's wrapper
     if not kwargs and all(getattr(fn, k, None) is v for k, v in attributes.items()):
         return fn

@@ -10,7 +10,7 @@ Here the sum comes first, explicitly, in replica context
 gradient), then `tf.clip_by_global_norm`, then the optimizer applies the clipped gradient
 without summing it again. How that is done in Keras 3.15 (TensorFlow backend): every
 cross-replica gradient sum goes through one method, `TFOptimizer._all_reduce_sum_gradients`,
-called by `_backend_update_step` before the distributed update. Keras skips it only in
+called by `_backend_update_step` before the distributed update (`internals.skip_keras_gradient_sum`). Keras skips it only in
 cross-replica context, and there its update cannot run (`maybe_merge_call` then calls
 `get_replica_context().merge_call` on None: measured under MirroredStrategy and
 CentralStorageStrategy on CPU). So `take_over_gradient_sum` replaces that method on the
@@ -26,11 +26,11 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from trainer import internals
 from trainer.errors import UserError
 from trainer.task.structure import flat
 
 KERAS_CLIPPING = ("clipnorm", "global_clipnorm", "clipvalue")
-SUM_METHOD = "_all_reduce_sum_gradients"
 
 
 def _inner(optimizer):
@@ -71,16 +71,11 @@ def take_over_gradient_sum(optimizers: Any) -> None:
                 "train.clip_global_norm does not work with mixed_float16 loss scaling (the gradients are "
                 "scaled when clipped); use mixed_precision 'mixed_bfloat16' or no mixed precision"
             )
-        if not callable(getattr(type(optimizer), SUM_METHOD, None)):
+        if not internals.skip_keras_gradient_sum(optimizer):
             raise UserError(
                 f"train.clip_global_norm needs Keras 3 optimizers (TensorFlow backend), got "
                 f"{type(optimizer).__name__}, whose cross-replica gradient sum the loop cannot take over"
             )
-        setattr(optimizer, SUM_METHOD, _already_summed)
-
-
-def _already_summed(grads_and_vars):
-    return list(grads_and_vars)
 
 
 def sum_and_clip(gradients: Sequence[tf.Tensor | None], clip_norm: float) -> tuple[list, tf.Tensor]:

@@ -1,0 +1,120 @@
+"""Every private API of another library we use, one function each, where no public API does the job:
+why, and what breaks if it changes (tests/test_internals.py tries each against the installed version).
+Libraries are imported inside the functions: trainer.cli and the gin tools run without TensorFlow."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def gin_registry() -> Any:
+    """gin's registry (`gin.config._REGISTRY`, selector -> Configurable): gin lists no configurables
+    publicly. Without it `--print_config` and the hparams cannot list gin's names."""
+    import gin
+
+    return gin.config._REGISTRY  # noqa: SLF001
+
+
+def record_operative(scope: str, selector: str, values: dict[str, Any]) -> None:
+    """Records `values` in gin's operative config (`_OPERATIVE_CONFIG`, under its lock) as gin's wrapper
+    does when it calls a configurable: our bound functions (trainer/tools/gin_functions.py) bypass the
+    wrapper, the only public way in. Without it `operative_config.gin` misses them."""
+    import gin
+
+    with gin.config._OPERATIVE_CONFIG_LOCK:  # noqa: SLF001
+        gin.config._OPERATIVE_CONFIG.setdefault((scope, selector), {}).update(values)  # noqa: SLF001
+
+
+def run_exit_handlers() -> None:
+    """What the interpreter's exit runs first, in order (`threading._shutdown`: exit callbacks, joins
+    of non-daemon threads; then `atexit._run_exitfuncs`), for a process that ends with `os._exit`
+    (trainer/cli.py). Without it MLflow, logging and temporary directories are not finished."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # noqa: SLF001
+    atexit._run_exitfuncs()  # noqa: SLF001
+
+
+def keras_layers_in(module: Any) -> list:
+    """The Keras layers a `tf.Module` holds, outermost first (`tf.Module._flatten`): Keras 3 layers are
+    no tf.Modules, so `submodules` skips them. Without it a tf.Module model's layers are not found."""
+    import keras
+
+    return list(module._flatten(predicate=lambda x: isinstance(x, keras.layers.Layer)))  # noqa: SLF001
+
+
+def keras_sublayers(layer: Any) -> list:
+    """`layer` and every layer inside it (`Layer._flatten_layers`, Keras' own walk): Keras 3 has no
+    public recursive one. Without it the per-replica losses (trainer/task/layer_state.py) are not set."""
+    return list(layer._flatten_layers(include_self=True, recursive=True))  # noqa: SLF001
+
+
+def replace_layer_losses(layer: Any, replace: Callable[[list], Any]) -> None:
+    """Puts `replace(losses)` in place of a Keras 3 layer's list of the losses its call made (`_losses`,
+    read by `model.losses`), past attribute tracking; Keras has no hook into it. Without it the
+    replicas of a mirrored model read each other's `add_loss` losses."""
+    losses = layer.__dict__.get("_losses")
+    if losses is not None:
+        object.__setattr__(layer, "_losses", replace(losses))
+
+
+def set_summary_resource(writer: Any, resource: Any) -> None:
+    """Makes `resource` the writer resource a `tf.summary.SummaryWriter` subclass writes to (the summary
+    ops read `_resource`): `tf.summary.create_file_writer` creates its file at once, before a run's
+    checks. Without it no event file of trainer/files/event_writers.py is written."""
+    writer._resource = resource  # noqa: SLF001
+
+
+def checkpoint_tensors(checkpoint: Any) -> tuple[dict, Any]:
+    """What a save of `checkpoint` writes: (tensors by trackable, registered savers), from
+    `_saver._gather_serialized_tensors`: no public API takes them apart from the write. Without it
+    no asynchronous checkpoint (trainer/files/checkpoints.py)."""
+    tensors, _, registered_savers, _ = checkpoint._saver._gather_serialized_tensors(None)  # noqa: SLF001
+    return tensors, registered_savers
+
+
+def read_save_spec(value: Any) -> Any:
+    """A `SaveSpec` (a variable's lazy read among `checkpoint_tensors`) as its tensor read now (itself
+    for a variable without a value); anything else as it is. Without it an asynchronous save would
+    write the values of later steps."""
+    from tensorflow.python.training.saving import saveable_object
+
+    if isinstance(value, saveable_object.SaveSpec):
+        return value if (tensor := value.tensor) is None else tensor  # one read
+    return value
+
+
+def write_checkpoint_tensors(tensors: dict, registered_savers: Any, prefix: str) -> None:
+    """Writes `prefix.index` and `prefix.data-*` from `checkpoint_tensors` with tf.train.Checkpoint's
+    own writer (`functional_saver.MultiDeviceSaver`): the files of a synchronous save."""
+    import tensorflow as tf
+    from tensorflow.python.checkpoint import functional_saver
+
+    functional_saver.MultiDeviceSaver(tensors, registered_savers).save(tf.constant(prefix))
+
+
+def keras_step_counter(optimizer: Any) -> Any:
+    """A Keras 3 optimizer's own step counter variable (`_iterations`; None for any other optimizer):
+    the public `iterations` is a computed value under gradient accumulation and the inner
+    optimizer's for a LossScaleOptimizer. Without it the ps loop's counter counts no steps atomically
+    (trainer/loops/ps_schedules.py)."""
+    return getattr(optimizer, "_iterations", None)
+
+
+def keras_learning_rate(optimizer: Any) -> Any:
+    """What a Keras 3 optimizer was given as its learning rate (`_learning_rate`: a schedule or a
+    variable): the public `learning_rate` is the current value, never the schedule. Without it a
+    Keras callback that sets the rate is not refused beside a schedule it would fight."""
+    return getattr(optimizer, "_learning_rate", None)
+
+
+def skip_keras_gradient_sum(optimizer: Any) -> bool:
+    """Makes a Keras 3 TensorFlow optimizer apply gradients without summing them across replicas: every
+    sum goes through `TFOptimizer._all_reduce_sum_gradients`, replaced by the identity on this
+    instance (trainer/update/clipping.py sums first). Keras has no switch for it. False, changing
+    nothing, for an optimizer without that method; if Keras renames it, clipping is refused."""
+    if not callable(getattr(type(optimizer), "_all_reduce_sum_gradients", None)):
+        return False
+    optimizer._all_reduce_sum_gradients = list  # noqa: SLF001  (the gradients and variables, as given)
+    return True
