@@ -82,9 +82,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging  # noqa: E402
 
-from trainer import main as main_lib  # noqa: E402  (defines --gin_file and --gin_bindings)
-from trainer.cli import exit_without_teardown  # noqa: E402
+from trainer.cli import exit_without_teardown, fail, parse_flags  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
+from trainer.gin_flags import define_config_flags  # noqa: E402
 from trainer.tools.bench.compare import compare  # noqa: E402
 from trainer.tools.bench.orbit import INSTALL as ORBIT_INSTALL  # noqa: E402
 
@@ -99,8 +99,8 @@ FLAGS = flags.FLAGS
 
 def define_flags() -> None:
     """Only when run as a program: importing this module must not claim flag names
-    (`--steps` is trainer.parity's too; `--mode` is trainer.main's, with other values, so it is replaced)."""
-    delattr(FLAGS, "mode")
+    (`--steps` is trainer.parity's too)."""
+    define_config_flags()
     flags.DEFINE_enum(
         "mode",
         "train",
@@ -199,9 +199,7 @@ def install_orbit() -> None:
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-        main_lib.fail(
-            f"{' '.join(command[2:])} failed: {lines[-1] if lines else f'exit {proc.returncode}'}", exit_code=1
-        )
+        fail(f"{' '.join(command[2:])} failed: {lines[-1] if lines else f'exit {proc.returncode}'}", exit_code=1)
     importlib.invalidate_caches()
     print(f"installed {ORBIT_INSTALL} (orbit) into {sys.prefix} without its dependencies", flush=True)
 
@@ -255,7 +253,7 @@ def run(argv: list[str]) -> None:
     try:
         code, result = dispatch(FLAGS.mode)
     except UserError as e:
-        main_lib.fail(str(e))
+        fail(str(e))
     if result is not None and FLAGS.json:
         with open(FLAGS.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -267,7 +265,7 @@ def main() -> None:
 
     define_flags()
     # Every process, the comparing one and each variant's worker, leaves without the interpreter's teardown.
-    app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=main_lib.parse_flags)
+    app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -52,17 +52,18 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if "--role=tf_keras_fit" in sys.argv[1:]:
-    # Before trainer.main imports TensorFlow, which imports Keras 3 unless told otherwise.
+    # Before anything imports TensorFlow, which imports Keras 3 unless told otherwise.
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
 from absl import app, flags, logging  # noqa: E402
 
-from trainer import main as main_lib  # noqa: E402  (defines --gin_file and --gin_bindings)
-from trainer.cli import exit_without_teardown  # noqa: E402
+from trainer.cli import exit_without_teardown, fail, parse_flags  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
+from trainer.gin_flags import define_config_flags, parse_gin  # noqa: E402
 from trainer.tools.parity import config as parity_config  # noqa: E402  (imports no Keras)
 
 FLAGS = flags.FLAGS
+define_config_flags()
 flags.DEFINE_integer("steps", 20, "Train steps on each side.")
 flags.DEFINE_float("atol", 1e-6, "Largest allowed absolute difference of any weight and of any step's loss.")
 flags.DEFINE_list("replicas", [], "Replica counts for the replica-invariance check instead of fit, e.g. 1,2,4.")
@@ -148,12 +149,12 @@ def run(argv: list[str]) -> None:
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     if FLAGS.steps < 1:
-        main_lib.fail(f"--steps must be at least 1, got {FLAGS.steps}")
+        fail(f"--steps must be at least 1, got {FLAGS.steps}")
     if FLAGS.role == "tf_keras_fit":
         use_tf_keras()
     started = time.monotonic()
     try:
-        main_lib.parse_gin(FLAGS.gin_file, FLAGS.gin_bindings)
+        parse_gin(FLAGS.gin_file, FLAGS.gin_bindings)
         from trainer.tools.parity import runs, workers
 
         settings, config = runs.settings_from_gin(), parity_config.from_gin()
@@ -165,7 +166,7 @@ def run(argv: list[str]) -> None:
             return workers.worker_replicas(settings, FLAGS.steps, FLAGS.work_dir, FLAGS.num_replicas)
         outcome = compare(settings, config, FLAGS.steps, FLAGS.atol)
     except UserError as e:
-        main_lib.fail(str(e))
+        fail(str(e))
     outcome.seconds = time.monotonic() - started
     if FLAGS.report:
         args = [a for a in sys.argv[1:] if not a.startswith("--report")]
@@ -180,7 +181,7 @@ def main() -> None:
     from trainer.distribution import local_cluster
 
     # Leaves without the interpreter's teardown once the outcome is printed, as trainer.main does.
-    app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=main_lib.parse_flags)
+    app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from trainer import main as main_lib
+from trainer import gin_flags
 from trainer.tools.bench import probes
 
 PREFIX = "@bench "
@@ -143,7 +143,7 @@ class Worker:
             stderr=self.log,
             text=True,
             bufsize=1,
-            cwd=main_lib.REPO_ROOT,
+            cwd=gin_flags.REPO_ROOT,
             env=self.environment(malloc_tunables),
         )
         self.pending = b""
