@@ -129,7 +129,7 @@ def test_every_pip_install_installs_from_the_repository_or_a_named_package():
         ("README.md", "."),
         ("docs/around-the-step.md", "'.[mlflow]'"),
         ("trainer/plot.py", "'.[plot]'"),
-        ("trainer/bench.py", "tf-models-official==2.20.0"),
+        ("experiments/bench/__main__.py", "tf-models-official==2.20.0"),
     } <= {(where.split(":")[0], target) for where, _, target in lines}
 
 
