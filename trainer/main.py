@@ -12,12 +12,11 @@ import sys
 
 from absl import app, flags, logging
 
-from trainer import quiet_start
 from trainer.cli import (  # absl only: importing this module loads no TensorFlow and starts no thread
     INTERRUPTED_EXIT_CODE,
     exit_without_teardown,
     fail,
-    flush_and_exit,
+    import_tensorflow_quietly,
     parse_flags,
     say_interrupted,
 )
@@ -122,11 +121,7 @@ def main() -> None:
     namespace of an embedded cluster (docs/design.md, rule 12) needs a single-threaded process."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     early_isolation.isolate_early(sys.argv[1:])
-    try:
-        quiet_start.import_tensorflow()  # so its load-time C++ notices do not come before our first line
-    except KeyboardInterrupt:  # Ctrl-C in the seconds it takes
-        say_interrupted()
-        flush_and_exit(INTERRUPTED_EXIT_CODE)
+    import_tensorflow_quietly()  # so its load-time C++ notices do not come before our first line
     define_flags()
     app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=parse_flags)
 

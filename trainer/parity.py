@@ -23,7 +23,7 @@ import time
 
 from absl import app, flags, logging
 
-from trainer.cli import exit_without_teardown, fail, parse_flags
+from trainer.cli import exit_without_teardown, fail, import_tensorflow_quietly, parse_flags
 from trainer.distribution import local_cluster  # no TensorFlow: the tf_keras side must choose Keras first
 from trainer.errors import UserError
 from trainer.gin_flags import define_config_flags, parse_gin
@@ -160,7 +160,7 @@ def run(argv: list[str]) -> None:
     if FLAGS.steps < 1:
         fail(f"--steps must be at least 1, got {FLAGS.steps}")
     if FLAGS.role == "tf_keras_fit":
-        use_tf_keras()  # before TensorFlow loads, which imports Keras 3 unless told otherwise
+        use_tf_keras()
     started = time.monotonic()
     try:
         parse_gin(FLAGS.gin_file, FLAGS.gin_bindings)
@@ -191,6 +191,9 @@ def run(argv: list[str]) -> None:
 
 def main() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if "--role=tf_keras_fit" in sys.argv[1:]:
+        os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TensorFlow loads, which imports Keras 3 unless told
+    import_tensorflow_quietly()
     define_flags()
     # Leaves without the interpreter's teardown once the outcome is printed, as trainer.main does.
     app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=parse_flags)

@@ -80,6 +80,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from trainer.cli import exit_without_teardown, fail, import_tensorflow_quietly, parse_flags  # noqa: E402
+
+import_tensorflow_quietly()  # this module runs only as the program; the parts below import TensorFlow
+
 from absl import app, flags, logging  # noqa: E402
 
 from experiments.bench.compare import compare  # noqa: E402
@@ -87,7 +91,6 @@ from experiments.bench.orbit import INSTALL as ORBIT_INSTALL  # noqa: E402
 from experiments.bench.plan import VARIANTS  # noqa: E402
 from experiments.bench.protocol import KEEP_FREED_MEMORY  # noqa: E402
 from experiments.bench.worker import run_worker  # noqa: E402
-from trainer.cli import exit_without_teardown, fail, parse_flags  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.gin_flags import define_config_flags  # noqa: E402
 
