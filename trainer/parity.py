@@ -1,14 +1,8 @@
-"""`python -m trainer.parity --gin_file=gin/<mode>.gin [--gin_bindings=...] [--steps=K] [--atol=X]`: does our
-loop train exactly like Keras `fit` on this config? (docs/parity.md)
-
-K steps of our loop and K steps of `fit` from the same initial weights on the same batches in the same order,
-both built by `train`'s own setup (trainer/tools/parity/sides.py); both losses step by step, the largest weight
-difference and a verdict line. Exit 0 within `--atol`, 1 outside it, 2 on a user mistake.
-Local strategies compare with Keras 3 `fit` in this process. Where Keras 3 `fit` cannot run each side runs in
-processes of its own, ours first, then `tf_keras` fit from ours' initial weights: multi_worker_mirrored on
-`--num_workers` processes (trainer.launch), parameter_server on an embedded cluster each (with several
-workers the updates are asynchronous: the final eval `parity.metric` is compared). `--replicas=1,2,4`
-compares the config on those counts of logical-CPU replicas instead.
+"""`python -m trainer.parity --gin_file=gin/<mode>.gin [--steps=K] [--atol=X]`: does our loop train exactly like
+Keras `fit` on this config? K steps of each from the same weights on the same batches, built as a run builds them
+(trainer/tools/parity/sides.py); exit 0 within `--atol`, 1 outside it, 2 on a user mistake (docs/parity.md).
+Where Keras 3 `fit` cannot run (multi_worker_mirrored, parameter_server), each side runs in processes of its
+own, ours first, then tf_keras fit from ours' initial weights; `--replicas=1,2,4` compares replica counts instead.
 """
 
 from __future__ import annotations
@@ -33,6 +27,7 @@ ROLES = ["compare", "ours", "tf_keras_fit", "replicas"]
 
 
 def define_flags() -> None:
+    """Defined by `main`, so that importing this module claims no flag name."""
     define_config_flags()
     flags.DEFINE_integer("steps", 20, "Train steps on each side.")
     flags.DEFINE_float("atol", 1e-6, "Largest allowed absolute difference of any weight and of any step's loss.")
@@ -48,16 +43,20 @@ def define_flags() -> None:
 
 def run_worker(command: list[str], what: str) -> None:
     """`python -m command...`, its output passed on as it comes; a user mistake there is one here."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
     mistake = None
-    for line in proc.stdout:  # trainer.launch prefixes its tasks' lines with `[worker N] `
-        if found := re.match(r"(\[[\w ]+\] )?error: (.*)", line):
-            mistake = found[2]
-        else:
-            print(line, end="", flush=True)
-    if proc.wait() == 2:
+    with subprocess.Popen(
+        [sys.executable, "-m", *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        try:
+            for line in proc.stdout:  # trainer.launch prefixes its tasks' lines with `[worker N] `
+                if found := re.match(r"(\[[\w ]+\] )?error: (.*)", line):
+                    mistake = found[2]
+                else:
+                    print(line, end="", flush=True)
+        except BaseException:  # Ctrl-C, SIGTERM: the worker goes too (trainer.launch ends its tasks on SIGTERM)
+            proc.terminate()
+            raise
+    if proc.returncode == 2:
         raise UserError(mistake or f"the {what} stopped on a user mistake")
     if proc.returncode:
         raise RuntimeError(f"the {what} failed with exit code {proc.returncode}" + (f": {mistake}" if mistake else ""))
