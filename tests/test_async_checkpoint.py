@@ -10,7 +10,7 @@ synchronous save. Real runs, real checkpoints on disk, real SIGKILLs:
 - a write that fails (a full disk) is one error line, the previous checkpoint intact (in
   tests/test_disk_full.py, parametrized over sync and async);
 - parameter_server and a wrong value are refused in one line before model_dir is touched;
-- the stall benchmark (trainer/tools/bench/save_stall.py) returns its numbers.
+- the stall benchmark (experiments/bench/save_stall.py) returns its numbers.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def test_refused_in_one_line_before_model_dir_is_touched(tmp_path, args, expecte
 @pytest.mark.parametrize("step_threads", [0, 1])
 def test_save_stall_reports_sync_and_async_stalls(step_threads):
     result = run_python(
-        "import json\nfrom trainer.tools.bench.save_stall import run_save_stall\n"
+        "import json\nfrom experiments.bench.save_stall import run_save_stall\n"
         f"print(json.dumps(run_save_stall(params=100_000, saves=2, step_threads={step_threads}, "
         "print_fn=lambda _: None)))"
     )

@@ -1,4 +1,4 @@
-"""The input bench (trainer/tools/bench/input_only.py) and the pipeline options it set: real TensorFlow.
+"""The input bench (experiments/bench/input_only.py) and the pipeline options it set: real TensorFlow.
 
 No rate is asserted beyond being measured: this machine is shared, its numbers vary.
 """
@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from experiments.bench import input_only
 from tests.support import run_python
 from trainer import data, write_tfrecords
-from trainer.tools.bench import input_only
 
 BENCH = """
 import json
-from trainer.tools.bench.input_only import run_input_bench
+from experiments.bench.input_only import run_input_bench
 lines = []
 result = run_input_bench(["gin/single.gin"], [], seconds=0.5, print_fn=lines.append)
 print(json.dumps({"result": result, "table": "\\n".join(lines)}))

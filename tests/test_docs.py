@@ -40,7 +40,7 @@ def package_name(requirement: str) -> str:
 
 def module_strings(path: str) -> list[tuple[int, str]]:
     """Every string in a module, an f-string with its module-level constants filled in (also those
-    imported from another trainer module), so a message reads as printed."""
+    imported from another module of the repository), so a message reads as printed."""
     tree = ast.parse(open(path).read())
 
     def constants(module_tree: ast.Module) -> dict[str, str]:
@@ -56,7 +56,7 @@ def module_strings(path: str) -> list[tuple[int, str]]:
 
     known = constants(tree)
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainer"):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("trainer", "experiments")):
             source = os.path.join(REPO, *node.module.split(".")) + ".py"
             if os.path.exists(source):
                 theirs = constants(ast.parse(open(source).read()))
@@ -131,7 +131,7 @@ def test_every_pip_install_installs_from_the_repository_or_a_named_package():
         ("README.md", "."),
         ("docs/around-the-step.md", "'.[mlflow]'"),
         ("trainer/plot.py", "'.[plot]'"),
-        ("trainer/bench.py", "tf-models-official==2.20.0"),
+        ("experiments/bench/__main__.py", "tf-models-official==2.20.0"),
     } <= {(where.split(":")[0], target) for where, _, target in lines}
 
 

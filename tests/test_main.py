@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -249,3 +250,34 @@ def test_help_prints_the_flags_and_exits_0():
             )
             assert proc.returncode == 0, (module, flag, proc.returncode, proc.stderr[-2000:])
             assert "--num_workers" in proc.stdout if module == "trainer.launch" else "--model_dir" in proc.stdout
+
+
+def test_importing_the_entry_point_changes_nothing():
+    # With the flags of an embedded ParameterServer run, `python -m trainer.main` enters a private network
+    # namespace and captures fd 2 while TensorFlow loads; `import trainer.main` does neither, nor anything else.
+    code = textwrap.dedent("""
+        import json, os, sys, threading
+        from absl import app, flags, logging  # their own flags, defined by any absl program
+        def state():
+            fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in (0, 1, 2)] + [len(os.listdir("/proc/self/fd"))]
+            return [os.getpid(), os.readlink("/proc/self/ns/net"), dict(os.environ), threading.active_count(), fds,
+                    sorted(flags.FLAGS)]
+        before = state()
+        import trainer.main
+        after = state()
+        print(json.dumps({"same": before == after, "tf": "tensorflow" in sys.modules, "gin": "gin" in sys.modules,
+                          "before": before[1:4:2], "after": after[1:4:2]}))
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "--gin_file=gin/ps.gin"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["same"], result
+    assert not result["tf"] and not result["gin"], result
+    assert proc.stderr == ""

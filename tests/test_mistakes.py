@@ -284,6 +284,7 @@ DRIVER = textwrap.dedent("""
     from trainer import main as main_lib
     from tests.support import tree_digest
 
+    main_lib.define_flags()
     cases = json.loads(os.environ["MISTAKES"])
     results = {}
     for name, (args, model_dir) in cases.items():

@@ -40,6 +40,7 @@ PRINT_EVERY_FILE = """
 import contextlib, io, json, sys
 from absl import app, flags
 from trainer import main
+main.define_flags()
 results = {}
 for path, model_dir, extra in json.loads(sys.argv[1]):
     flags.FLAGS.unparse_flags()

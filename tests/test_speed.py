@@ -1,5 +1,5 @@
 """The speed options (train.jit_compile, train.mixed_precision) train correctly, and the loop
-compiles once. Speed itself is only reported by `python -m trainer.bench`, never asserted."""
+compiles once. Speed itself is only reported by `python -m experiments.bench`, never asserted."""
 
 from __future__ import annotations
 

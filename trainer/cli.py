@@ -38,6 +38,18 @@ def say_interrupted() -> None:
     print("interrupted; rerun the same command to continue", file=sys.stderr, flush=True)
 
 
+def import_tensorflow_quietly() -> None:
+    """An entry point's import of TensorFlow, without its load-time notices (trainer/quiet_start.py); Ctrl-C
+    in the seconds it takes is the interrupted line and exit 130."""
+    from trainer import quiet_start
+
+    try:
+        quiet_start.import_tensorflow()
+    except KeyboardInterrupt:
+        say_interrupted()
+        flush_and_exit(INTERRUPTED_EXIT_CODE)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's parser for `app.run(..., flags_parser=parse_flags)`: a bad flag exits 2 in one line;
     --help and --helpfull print the help and exit 0 (absl's own help flags exit 1, as a failure)."""

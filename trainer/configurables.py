@@ -77,7 +77,7 @@ train_from_gin.__doc__ = train_lib.train.__doc__
 
 def settings_from_gin(**overrides) -> settings_lib.Settings:
     """The parsed config's `train.*` bindings as Settings (functions resolved as for a run), for
-    the entry points that build what a run builds: the sidecar, trainer.bench, trainer.parity."""
+    the entry points that build what a run builds: the sidecar, experiments.bench, trainer.parity."""
     return settings_lib.Settings.of(resolve_functions(gin.get_bindings("train")) | overrides)
 
 

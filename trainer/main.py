@@ -8,119 +8,47 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import tokenize
+import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from absl import app, flags, logging
 
-import sys  # noqa: E402
-
-from trainer.distribution import early_isolation  # noqa: E402  (no TensorFlow: nothing runs threads yet)
-
-early_isolation.isolate_early(sys.argv[1:])  # an embedded cluster's private network (docs/design.md, rule 12)
-
-from trainer import quiet_start  # noqa: E402
-from trainer.cli import (  # noqa: E402  (absl only)
+from trainer.cli import (  # absl only: importing this module loads no TensorFlow and starts no thread
     INTERRUPTED_EXIT_CODE,
     exit_without_teardown,
     fail,
-    flush_and_exit,
+    import_tensorflow_quietly,
     parse_flags,
     say_interrupted,
 )
-
-try:
-    quiet_start.import_tensorflow()  # so its load-time C++ notices do not come before our first line
-except KeyboardInterrupt:  # Ctrl-C in the seconds it takes
-    say_interrupted()
-    flush_and_exit(INTERRUPTED_EXIT_CODE)
-
-from absl import app, flags, logging  # noqa: E402
-
-from trainer.distribution import local_cluster  # noqa: E402
-from trainer.errors import RunFailure, UserError  # noqa: E402
+from trainer.distribution import early_isolation, local_cluster  # no TensorFlow either
+from trainer.errors import RunFailure, UserError
+from trainer.gin_flags import REPO_ROOT, define_config_flags, parse_gin
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("gin_file", [], "Gin config file(s), applied in order.")
-flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings applied after the files, e.g. 'train.total_steps=100'.")
-flags.DEFINE_string(
-    "model_dir",
-    None,
-    "Where checkpoints, summaries and metrics.jsonl go (default: a fresh "
-    "runs/<time>-<pid> in the working directory, whose path is printed).",
-)
-flags.DEFINE_enum(
-    "mode",
-    "train",
-    ["train", "eval_continuous"],
-    "train: train and evaluate inline. eval_continuous: a sidecar evaluator that evaluates every new "
-    "checkpoint in --model_dir as it appears, until the one at train.total_steps.",
-)
-flags.DEFINE_bool(
-    "print_config",
-    False,
-    "Print the resolved config (every configurable, each value and where it came from: gin "
-    "file:line, --gin_bindings or default) and exit without training.",
-)
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-_GIN_LOCATION = re.compile(r'In file "([^"]+)", line (\d+)')
-
-
-def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
-    """Parses gin files and bindings; any gin mistake becomes one UserError line with file:line."""
-    import gin
-    from trainer import configurables  # noqa: F401  (registers the gin names)
-
-    if not gin_files:
-        raise UserError("no --gin_file given; pass one of gin/*.gin, e.g. --gin_file=gin/single.gin")
-    gin.add_config_file_search_path(REPO_ROOT)
-    for path in gin_files:
-        if not os.path.isfile(path) and not os.path.isfile(os.path.join(REPO_ROOT, path)):
-            raise UserError(f"gin file {path} not found; check the path (configs live in gin/)")
-    source = "--gin_bindings"
-    try:
-        for source in gin_files:
-            gin.parse_config_file(source, skip_unknown=False)
-        source = "--gin_bindings"
-        gin.parse_config(bindings)
-    except RecursionError as e:  # an include cycle; gin follows it until Python's stack runs out
-        raise UserError(include_cycle_line(e) or gin_error_line(e, source)) from e
-    except Exception as e:  # noqa: BLE001  (gin raises whatever its parser or an import raised)
-        from trainer.run.settings import retired_binding
-
-        raise UserError(retired_binding(e) or gin_error_line(e, source)) from e
-
-
-def include_cycle_line(error: RecursionError) -> str | None:
-    """The line naming a cycle of gin includes, read from the `In file "F", line N` that gin adds
-    to the error on its way out of each include (innermost first); None if no include repeats."""
-    chain: list[tuple[str, str]] = []
-    for where in reversed(_GIN_LOCATION.findall(str(error))):  # from the file given, inwards
-        if where in chain:
-            loop = " -> ".join(f"{path}:{line}" for path, line in chain[chain.index(where) :])
-            return (
-                f"gin file {where[0]} includes itself ({loop} -> {where[0]}); remove the include that closes the loop"
-            )
-        chain.append(where)
-    return None
-
-
-def gin_error_line(error: Exception, source: str) -> str:
-    """One line for a gin parse error: where (file:line) and what."""
-    text = str(error)
-    if isinstance(error, SyntaxError) and error.filename:
-        where, detail = f"{error.filename}:{error.lineno}", error.msg
-    elif isinstance(error, tokenize.TokenError):  # an unclosed bracket: the tokenizer ran off the end
-        message, (line, _) = error.args
-        where, detail = f"{source}:{line}", f"{message} (an unclosed parenthesis or bracket?)"
-    elif match := _GIN_LOCATION.search(text):
-        where, detail = f"{match.group(1)}:{match.group(2)}", text
-    else:
-        where, detail = source, text
-    detail = detail.strip().splitlines()[0].rstrip(".") if detail.strip() else type(error).__name__
-    return f"bad gin config ({where}): {detail}; fix the gin file or --gin_bindings"
+def define_flags() -> None:
+    """trainer.main's flags, defined by `main` (so that importing this module claims no flag name)."""
+    define_config_flags()
+    flags.DEFINE_string(
+        "model_dir",
+        None,
+        "Where checkpoints, summaries and metrics.jsonl go (default: a fresh "
+        "runs/<time>-<pid> in the working directory, whose path is printed).",
+    )
+    flags.DEFINE_enum(
+        "mode",
+        "train",
+        ["train", "eval_continuous"],
+        "train: train and evaluate inline. eval_continuous: a sidecar evaluator that evaluates every new "
+        "checkpoint in --model_dir as it appears, until the one at train.total_steps.",
+    )
+    flags.DEFINE_bool(
+        "print_config",
+        False,
+        "Print the resolved config (every configurable, each value and where it came from: gin "
+        "file:line, --gin_bindings or default) and exit without training.",
+    )
 
 
 def default_model_dir() -> str:
@@ -189,6 +117,12 @@ def run(argv: list[str]) -> None:
 
 
 def main() -> None:
+    """The program. Its first lines run before TensorFlow starts threads: entering the private network
+    namespace of an embedded cluster (docs/design.md, rule 12) needs a single-threaded process."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    early_isolation.isolate_early(sys.argv[1:])
+    import_tensorflow_quietly()  # so its load-time C++ notices do not come before our first line
+    define_flags()
     app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=parse_flags)
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Regenerates experiments/bench/results/*.json and experiments/bench/README.md: the tutorial
 # CNN and an MLP under single (default strategy) and mirrored (2 logical CPUs when there is
-# no GPU), each measured by `python -m trainer.bench` (ours against the bare step, Orbit and
+# no GPU), each measured by `python -m experiments.bench` (ours against the bare step, Orbit and
 # Keras fit, with a 95% interval and a verdict per peer); on a machine with a GPU also gpu.gin
 # (one GPU, batch 1024, mixed_bfloat16, XLA) for both models. Orbit is not a dependency:
-# `python -m trainer.bench --install_orbit` first, or its rows say that it is not installed.
+# `python -m experiments.bench --install_orbit` first, or its rows say that it is not installed.
 #
 #   experiments/bench/run.sh                        # everything (about 11 min per config on 2 cores)
 #   RUNS=2 experiments/bench/run.sh                 # each config twice, back to back: do the verdicts hold?
@@ -29,7 +29,7 @@ DEFAULT_CONFIGS="cnn_single cnn_mirrored mlp_single mlp_mirrored"
 if [ "$HAVE_GPU" = 1 ]; then DEFAULT_CONFIGS="$DEFAULT_CONFIGS cnn_gpu mlp_gpu"; fi
 mkdir -p "$HERE/results"
 if ! "$PYTHON" -c "import orbit" >/dev/null 2>&1; then
-    echo "note: orbit is not importable: its rows will say so (install: $PYTHON -m trainer.bench --install_orbit)" >&2
+    echo "note: orbit is not importable: its rows will say so (install: $PYTHON -m experiments.bench --install_orbit)" >&2
 fi
 
 CONFIGS=${CONFIGS:-$DEFAULT_CONFIGS}
@@ -49,7 +49,7 @@ for name in $CONFIGS; do
         out="$HERE/results/$name.json"
         if [ "$run" -gt 1 ]; then out="$HERE/results/$name.run$run.json"; fi
         echo "== $name, run $run of $RUNS (load $(cut -d' ' -f1-3 /proc/loadavg))" >&2
-        "$PYTHON" -m trainer.bench "${args[@]}" --repeats="$REPEATS" ${EXTRA[@]+"${EXTRA[@]}"} --json="$out"
+        "$PYTHON" -m experiments.bench "${args[@]}" --repeats="$REPEATS" ${EXTRA[@]+"${EXTRA[@]}"} --json="$out"
     done
 done
 
@@ -64,6 +64,6 @@ machine() {
     if [ "$HAVE_GPU" = 1 ]; then nvidia-smi -L; else echo "GPU: none"; fi
 }
 
-MACHINE=$(machine) "$PYTHON" -m trainer.tools.bench.readme "$HERE" > "$HERE/README.md.new"
+MACHINE=$(machine) "$PYTHON" -m experiments.bench.readme "$HERE" > "$HERE/README.md.new"
 mv "$HERE/README.md.new" "$HERE/README.md"  # a failed build leaves the old README
 echo "wrote $HERE/README.md" >&2

@@ -98,7 +98,7 @@ def gathered(index_batches: tf.data.Dataset, arrays: Any, batch_size: int) -> tf
 
     Up to GATHER_BATCHES batches are gathered per map call (at most MAX_GATHER_BYTES) and handed
     out one by one: the pipeline's cost per element on the step's path falls by the calls it
-    saves. Measured with trainer.bench's MLP (400 KB batches, a 2 ms step, 2 cores): the loop at
+    saves. Measured with experiments.bench's MLP (400 KB batches, a 2 ms step, 2 cores): the loop at
     0.92 of the bare step gathering one batch per call, 0.94 gathering 8; the data loop alone
     100 -> 50 us per batch. The order, and so exact resume, is that of one batch per call.
     """
@@ -125,7 +125,7 @@ def prefetch_for_accelerators(dataset: tf.data.Dataset) -> tf.data.Dataset:
 
     Prefetching overlaps host input with device compute. Where the CPU is the device, the
     step already keeps every core busy: a prefetch thread only takes cores from it and adds
-    a hand-off per batch (measured with trainer.bench's CNN on 2 cores: 5% more steps/s
+    a hand-off per batch (measured with experiments.bench's CNN on 2 cores: 5% more steps/s
     without it; the MLP and MirroredStrategy, whose distributed iterator buffers per device
     anyway, no slower).
     """

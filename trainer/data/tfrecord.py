@@ -162,7 +162,7 @@ class TFRecordFiles:
         The order is fixed (resume skips a known number of examples: docs/design.md, rule 5). Records are
         parsed PARSE_BATCH at a time and unbatched again where the schema allows: one
         `parse_example` per batch delivered about 10x the examples/s of one `parse_single_example`
-        per record (`trainer.bench --mode=input`, digits on 2 cores: 26k -> 274k). Reads and
+        per record (`experiments.bench --mode=input`, digits on 2 cores: 26k -> 274k). Reads and
         parsing run in parallel only where an accelerator runs the step (`parallel_calls`).
         """
         self._check_schema()

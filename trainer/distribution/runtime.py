@@ -4,7 +4,7 @@ Everything that trains, evaluates, benchmarks or checks parity needs the same fo
 the same order: devices split before TensorFlow's runtime starts, this process's place in the
 cluster checked before TensorFlow reads TF_CONFIG, the strategy built on those devices and
 that cluster, and the Keras dtype policy set before any layer exists. `make_runtime` does
-exactly that, so `train`, the sidecar, `trainer.bench` and `trainer.parity` cannot drift apart.
+exactly that, so `train`, the sidecar, `experiments.bench` and `trainer.parity` cannot drift apart.
 """
 
 from __future__ import annotations

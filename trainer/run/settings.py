@@ -1,7 +1,7 @@
 """`Settings`: everything a run is configured with, as one frozen object checked where it is made.
 
 `train`'s keyword parameters are exactly these fields (gin binds them as `train.<field>`), and
-every other entry point that builds what a run builds (the sidecar evaluator, `trainer.bench`,
+every other entry point that builds what a run builds (the sidecar evaluator, `experiments.bench`,
 `trainer.parity`) takes a `Settings` too, so none of them names `train`'s parameters itself.
 Each value the core reads is checked here, in one UserError line naming the gin key; the
 options of an optional feature are checked by its extension (trainer/extensions/), also before

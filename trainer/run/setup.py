@@ -1,4 +1,4 @@
-"""Runtime made, input checked, task built: what `train` trains, and what `trainer.bench`,
+"""Runtime made, input checked, task built: what `train` trains, and what `experiments.bench`,
 `trainer.parity` and the sidecar build the same way from the same `Settings`."""
 
 from __future__ import annotations

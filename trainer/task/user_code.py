@@ -4,7 +4,7 @@ A step or eval step may branch or loop on tensors in Python (`if loss > 0:`, `fo
 tf.range(n):`), as in any `tf.function`: AutoGraph rewrites such code into graph control
 flow. Converting the framework's own compiled code as well (the loops, the per-call sums,
 the output checks, the built-in steps, the input pipeline's map functions) rewrites about 20
-functions at every start for nothing: they are plain TF ops. Measured with trainer.bench's
+functions at every start for nothing: they are plain TF ops. Measured with experiments.bench's
 MLP on 2 cores, that took 1.65 s of the 2.9 s from the end of imports to the first step;
 Keras' `fit` pays none of it (AutoGraph never converts Keras). So the loops compile with
 `autograph=False`, call the user's functions through `call_user` (which converts them, and

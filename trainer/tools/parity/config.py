@@ -1,13 +1,5 @@
-"""What the fit side needs that `train` does not say: fit's loss (gin: `parity.loss`), and which
-eval output decides an asynchronous comparison (`parity.metric`).
-
-Our step computes its loss itself; `fit` needs it named. The default is the loss of
-`steps.classification_step` (softmax cross-entropy on integer labels, from logits; fit adds
-`model.losses` as the step does). Any other task names the Keras loss that its step computes:
-`parity.loss = 'mean_squared_error'` (a Keras loss name) or `parity.loss = @my_loss` (a gin
-reference to a loss function or object). This module imports no Keras, so that the tf_keras
-side can register and parse it before `keras` means tf_keras.
-"""
+"""gin `parity.*`, what the fit side needs that `train` does not say. Imports no Keras, so that the tf_keras
+side can register and parse it before `keras` means tf_keras."""
 
 from __future__ import annotations
 
@@ -19,8 +11,10 @@ from trainer.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class ParityConfig:
-    """gin `parity.*`: fit's loss (None: SparseCategoricalCrossentropy(from_logits=True)) and
-    the eval output compared under parameter_server with several workers."""
+    """`loss`: fit's loss (our step computes its own), a Keras loss name like 'mean_squared_error' or a gin
+    @reference to a loss function or object; None: SparseCategoricalCrossentropy(from_logits=True), the default
+    step's (fit adds `model.losses` as the step does). `metric`: the eval output compared under parameter_server
+    with several workers."""
 
     loss: str | Callable | None = None
     metric: str = "accuracy"

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from trainer import main as main_lib
+from trainer import gin_flags
 
 
 def train_settings(gin_files: list[str], gin_bindings: list[str]):
     """Parses the gin config; the run's Settings as `train` would get them."""
     from trainer import configurables
 
-    main_lib.parse_gin(gin_files, gin_bindings)
+    gin_flags.parse_gin(gin_files, gin_bindings)
     return configurables.settings_from_gin()
 
 

@@ -1,4 +1,4 @@
-"""`python -m trainer.bench --mode=input`: would a run of this config wait for its input?
+"""`python -m experiments.bench --mode=input`: would a run of this config wait for its input?
 
 It measures, in examples/s, each for `seconds` after a warm-up call, in this one process:
 
@@ -11,7 +11,7 @@ It measures, in examples/s, each for `seconds` after a warm-up call, in this one
   shards in a temporary directory, read back and parsed by `TFRecordFiles` through the same
   pipeline (shuffle buffer, repeat, batch, the pipeline's tf.data options);
 - step: the config's compiled train step on one batch already on the device(s), the bench's
-  `limit` function (trainer/tools/bench/limit.py), so no input at all.
+  `limit` function (experiments/bench/limit.py), so no input at all.
 
 A source whose examples/s is below the step's would starve the step: "input-bound". Where
 the CPU runs the step, the pipeline runs inline (no prefetch, docs/design.md, rule 13), so its time
@@ -25,8 +25,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from trainer.tools.bench.config import refuse_asynchronous, setup, train_data, train_settings
-from trainer.tools.bench.limit import bare_step
+from experiments.bench.config import refuse_asynchronous, setup, train_data, train_settings
+from experiments.bench.limit import bare_step
 
 NUM_SHARDS = 4  # trainer.write_tfrecords' default
 

@@ -23,10 +23,10 @@ import subprocess
 import sys
 import time
 
-from trainer import main as main_lib
-from trainer.tools.bench import probes
+from experiments.bench import probes
 
 PREFIX = "@bench "
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `-m experiments.bench` runs here
 PARENT_ENV = "TRAINER_BENCH_PARENT"  # the parent's pid, for a worker to die with it
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -130,20 +130,20 @@ class WorkerError(Exception):
 
 
 class Worker:
-    """The parent's side: one `python -m trainer.bench --role=...` process, its stderr in `log_path`,
+    """The parent's side: one `python -m experiments.bench --role=...` process, its stderr in `log_path`,
     `malloc_tunables` added to its GLIBC_TUNABLES (empty: the environment's as it is)."""
 
     def __init__(self, args: list[str], log_path: str, timeout: float, malloc_tunables: str = ""):
         self.log_path, self.timeout = log_path, timeout
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "trainer.bench", *args],
+            [sys.executable, "-m", "experiments.bench", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
             bufsize=1,
-            cwd=main_lib.REPO_ROOT,
+            cwd=REPO,
             env=self.environment(malloc_tunables),
         )
         self.pending = b""

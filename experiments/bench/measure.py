@@ -19,8 +19,8 @@ import tempfile
 import time
 from typing import Callable, Iterator
 
-from trainer.tools.bench.plan import Schedule, Variant, round_order
-from trainer.tools.bench.protocol import Worker, WorkerError
+from experiments.bench.plan import Schedule, Variant, round_order
+from experiments.bench.protocol import Worker, WorkerError
 
 
 def _running(variants: list[Variant], workers: dict[str, Worker]) -> Iterator[tuple[Variant, Worker]]:

@@ -1,7 +1,7 @@
 """What a bench run reports: every figure as one JSON-ready dict, and that dict as the text table
 on stdout and as markdown (experiments/bench/run.sh builds its README from the JSON with it).
 
-The speed comparisons are the paired per-round ratios of trainer/tools/bench/intervals.py: the
+The speed comparisons are the paired per-round ratios of experiments/bench/intervals.py: the
 geometric mean over rounds, its 95% bootstrap interval and, against each peer, the verdict.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import statistics
 
-from trainer.tools.bench import intervals as intervals_lib
-from trainer.tools.bench.plan import WORK, Schedule, Variant
+from experiments.bench import intervals as intervals_lib
+from experiments.bench.plan import WORK, Schedule, Variant
 
 STATISTIC = (
     f"geometric mean of the per-round ratios, {intervals_lib.LEVEL:.0%} percentile bootstrap interval over "
@@ -315,13 +315,12 @@ def method_line(res: dict) -> str:
         if o
         else ""
     )
-    turns = (
-        f"in turns of {m['steps_per_turn']} steps, "
-        if m.get("steps_per_turn", m["steps_per_chunk"]) < m["steps_per_chunk"]
-        else ""
+    turns = f"in turns of {m['steps_per_turn']} steps, " if m["steps_per_turn"] < m["steps_per_chunk"] else ""
+    malloc = (
+        f"GLIBC_TUNABLES {m['malloc_tunables']}"
+        if m["malloc_tunables"]
+        else "glibc's malloc as the environment sets it"
     )
-    tunables = m.get("malloc_tunables")
-    malloc = f"GLIBC_TUNABLES {tunables}" if tunables else "glibc's malloc as the environment sets it"
     rule = (
         f" ({m['least_rounds']} at least, up to {m['most_rounds']} while an interval of ours/limit, ours/orbit "
         f"or ours/fit best was wider than {m['max_width']:g}; ended: {m['rounds_ended']})"

@@ -3,8 +3,8 @@ strategy, with the step's loss and an accuracy metric, paced by a callback."""
 
 from __future__ import annotations
 
-from trainer.tools.bench.config import setup
-from trainer.tools.bench.protocol import Channel
+from experiments.bench.config import setup
+from experiments.bench.protocol import Channel
 
 
 def tracing_count(function, name: str) -> int | None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from trainer.tools.bench.config import setup, train_data
-from trainer.tools.bench.protocol import Channel
+from experiments.bench.config import setup, train_data
+from experiments.bench.protocol import Channel
 
 
 def run_limit(settings, channel: Channel, *, from_input: bool = False) -> None:
@@ -45,7 +45,7 @@ def run_limit(settings, channel: Channel, *, from_input: bool = False) -> None:
 def bare_step(dist, task, settings, *, from_input: bool = False) -> tuple[Callable[[int], None], Any]:
     """`run_steps(count)`, which runs `count` steps in one call and waits for them, and the compiled function.
 
-    Apart from the worker so that the input bench (trainer/tools/bench/input_only.py) measures
+    Apart from the worker so that the input bench (experiments/bench/input_only.py) measures
     what the step consumes with this same function, in its own process.
     """
     import tensorflow as tf

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import tempfile
 
-from trainer.tools.bench.config import setup, train_data
-from trainer.tools.bench.protocol import Channel
+from experiments.bench.config import setup, train_data
+from experiments.bench.protocol import Channel
 
 INSTALL = "tf-models-official==2.20.0"
 
@@ -38,7 +38,7 @@ def missing() -> str | None:
         import orbit  # noqa: F401
     except ImportError as e:
         return (
-            f"orbit is not importable ({e}): install it with `python -m trainer.bench --install_orbit` "
+            f"orbit is not importable ({e}): install it with `python -m experiments.bench --install_orbit` "
             f"(pip install --no-deps {INSTALL})"
         )
     return None

@@ -6,8 +6,8 @@ import dataclasses
 import math
 import statistics
 
+from experiments.bench import orbit
 from trainer.errors import UserError
-from trainer.tools.bench import orbit
 
 
 def fit_cannot_run(mode) -> str:

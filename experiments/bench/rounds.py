@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from trainer.tools.bench.plan import Variant
-from trainer.tools.bench.report import fastest_fit, intervals
+from experiments.bench.plan import Variant
+from experiments.bench.report import fastest_fit, intervals
 
 # The comparisons whose widths decide the count (key in the report's "intervals", label in its lines).
 HEADLINE = (

@@ -1,4 +1,4 @@
-"""`python -m trainer.bench --gin_file=gin/<mode>.gin [--gin_bindings=...] [--steps=N] [--json=PATH]`
+"""`python -m experiments.bench --gin_file=gin/<mode>.gin [--gin_bindings=...] [--steps=N] [--json=PATH]`
 
 How fast does our loop train this config, next to the bare step, Orbit and Keras `fit`?
 For the config's model, data, optimizer, strategy and speed options it measures, in one run:
@@ -18,7 +18,7 @@ For the config's model, data, optimizer, strategy and speed options it measures,
   that the two side by side show what saving in line costs;
 - orbit: Orbit's `Controller` over an `orbit.StandardTrainer` (TensorFlow Model Garden's loop)
   on the same model, optimizer, step, distributed dataset and strategy, with its checkpoint
-  manager and summaries at our intervals (trainer/tools/bench/orbit.py). Orbit is not a
+  manager and summaries at our intervals (experiments/bench/orbit.py). Orbit is not a
   dependency: `--install_orbit` installs it (pip, without dependencies) into this Python; where
   it is absent the table says so in one line and the rest runs;
 - fit: Keras 3 `model.fit` on the same model, optimizer, input pipeline and strategy, with
@@ -38,7 +38,7 @@ process start to the end of its first compiled call (1 step for limit and ours,
 `steps_per_execution` steps for fit). Then every variant runs a warm-up chunk and `--repeats`
 rounds of one chunk of `--steps` steps each, then one more round at a time while the interval of
 ours/limit, ours/orbit or ours/fit best is wider than `--max_width`, up to `--max_repeats`
-(trainer/tools/bench/rounds.py). A round runs in turns of `--turn_steps` steps
+(experiments/bench/rounds.py). A round runs in turns of `--turn_steps` steps
 (about a second): every variant runs a turn, in alternating order (limit, ours, ..., fit, then
 fit, ..., ours, limit, ...), then every variant its next turn, until each has run its chunk, so
 the chunks of one round are spread alike over the same stretch of time. (On this kind of shared
@@ -52,13 +52,13 @@ records) and the CPU the rest of the machine used meanwhile. Each comparison is 
 mean over rounds of the round's ratio (chunk i of two variants ran in round i, so their ratio
 cancels how fast the machine was then) with its 95% percentile bootstrap interval over rounds
 (a fixed seed); against Orbit and fit the verdict is ahead (the interval above 1.0), tie (it
-holds 1.0) or behind (trainer/tools/bench/intervals.py). The compile count is how often the
+holds 1.0) or behind (experiments/bench/intervals.py). The compile count is how often the
 variant's outer function was traced; ours must stay at 1 although its calls have different step
 counts (1, then steps_per_loop, then shorter calls ending on hook boundaries).
 
 Output: a table on stdout, `--json=PATH` (every figure, every round, and the machine), and
 `--report=FILE` appends a markdown table (experiments/bench/run.sh builds its README from the
-JSON with trainer/tools/bench/readme.py).
+JSON with experiments/bench/readme.py).
 Exit 0 when everything ran, 1 when a variant other than fit failed, 2 on a user mistake.
 
 `--mode` picks what is measured: `train` (the above), `input` (the input pipeline alone, for
@@ -67,7 +67,7 @@ checkpoint save of a `--save_stall_params`-parameter model, `--saves` times, the
 `--save_stall_step_threads` threads or every core); `--json` writes
 what those modes return too.
 
-This module parses the flags; the parts are in trainer/tools/bench/ (its __init__ lists them).
+This module parses the flags; the parts are in experiments/bench/ (its __init__ lists them).
 """
 
 from __future__ import annotations
@@ -80,27 +80,27 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from trainer.cli import exit_without_teardown, fail, import_tensorflow_quietly, parse_flags  # noqa: E402
+
+import_tensorflow_quietly()  # this module runs only as the program; the parts below import TensorFlow
+
 from absl import app, flags, logging  # noqa: E402
 
-from trainer import main as main_lib  # noqa: E402  (defines --gin_file and --gin_bindings)
-from trainer.cli import exit_without_teardown  # noqa: E402
+from experiments.bench.compare import compare  # noqa: E402
+from experiments.bench.orbit import INSTALL as ORBIT_INSTALL  # noqa: E402
+from experiments.bench.plan import VARIANTS  # noqa: E402
+from experiments.bench.protocol import KEEP_FREED_MEMORY  # noqa: E402
+from experiments.bench.worker import run_worker  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
-from trainer.tools.bench.compare import compare  # noqa: E402
-from trainer.tools.bench.orbit import INSTALL as ORBIT_INSTALL  # noqa: E402
-
-# The report's API where the tests have always found it:
-from trainer.tools.bench.plan import VARIANTS, plan_variants  # noqa: E402, F401
-from trainer.tools.bench.protocol import KEEP_FREED_MEMORY  # noqa: E402
-from trainer.tools.bench.report import markdown, results, text_table  # noqa: E402, F401
-from trainer.tools.bench.worker import run_worker  # noqa: E402
+from trainer.gin_flags import define_config_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
     """Only when run as a program: importing this module must not claim flag names
-    (`--steps` is trainer.parity's too; `--mode` is trainer.main's, with other values, so it is replaced)."""
-    delattr(FLAGS, "mode")
+    (`--steps` is trainer.parity's too)."""
+    define_config_flags()
     flags.DEFINE_enum(
         "mode",
         "train",
@@ -199,9 +199,7 @@ def install_orbit() -> None:
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
-        main_lib.fail(
-            f"{' '.join(command[2:])} failed: {lines[-1] if lines else f'exit {proc.returncode}'}", exit_code=1
-        )
+        fail(f"{' '.join(command[2:])} failed: {lines[-1] if lines else f'exit {proc.returncode}'}", exit_code=1)
     importlib.invalidate_caches()
     print(f"installed {ORBIT_INSTALL} (orbit) into {sys.prefix} without its dependencies", flush=True)
 
@@ -210,11 +208,11 @@ def dispatch(mode: str) -> tuple[int, dict | None]:
     """Runs `mode`; its exit code, and the dict `--json` writes for the modes that return one."""
     print_fn = lambda line: print(line, flush=True)  # noqa: E731
     if mode == "input":
-        from trainer.tools.bench.input_only import run_input_bench
+        from experiments.bench.input_only import run_input_bench
 
         return 0, run_input_bench(FLAGS.gin_file, FLAGS.gin_bindings, seconds=FLAGS.input_seconds, print_fn=print_fn)
     if mode == "save_stall":
-        from trainer.tools.bench.save_stall import run_save_stall
+        from experiments.bench.save_stall import run_save_stall
 
         return 0, run_save_stall(
             params=FLAGS.save_stall_params,
@@ -255,7 +253,7 @@ def run(argv: list[str]) -> None:
     try:
         code, result = dispatch(FLAGS.mode)
     except UserError as e:
-        main_lib.fail(str(e))
+        fail(str(e))
     if result is not None and FLAGS.json:
         with open(FLAGS.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -267,7 +265,7 @@ def main() -> None:
 
     define_flags()
     # Every process, the comparing one and each variant's worker, leaves without the interpreter's teardown.
-    app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=main_lib.parse_flags)
+    app.run(exit_without_teardown(run, local_cluster.coordinates_ps_cluster), flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,13 @@ import json
 import os
 import shlex
 
+from experiments.bench.config import refuse_asynchronous, train_settings
+from experiments.bench.measure import measure
+from experiments.bench.plan import plan_variants, schedule
+from experiments.bench.report import markdown, results, text_table
+from experiments.bench.rounds import Rounds
 from trainer.cli import sigterm_unwinds
 from trainer.errors import UserError
-from trainer.tools.bench.config import refuse_asynchronous, train_settings
-from trainer.tools.bench.measure import measure
-from trainer.tools.bench.plan import plan_variants, schedule
-from trainer.tools.bench.report import markdown, results, text_table
-from trainer.tools.bench.rounds import Rounds
 
 
 def pin(cpus: list[str]) -> list[int]:
@@ -55,11 +55,11 @@ def compare(
     argv: list[str],
 ) -> int:
     """Runs the bench: `repeats` rounds, then more while a headline interval is wider than `max_width`, up
-    to `max_repeats` (trainer/tools/bench/rounds.py); the exit code: 0 when everything ran, 1 when a
+    to `max_repeats` (experiments/bench/rounds.py); the exit code: 0 when everything ran, 1 when a
     variant other than fit failed. `argv` (the command line's arguments) goes into the report as the
     command to rerun it."""
     settings = train_settings(gin_files, gin_bindings)
-    refuse_asynchronous(settings, "trainer.bench")
+    refuse_asynchronous(settings, "experiments.bench")
     if steps < 0 or repeats < 1 or warmup_steps < 0 or turn_steps < 0 or max_repeats < 0:
         raise UserError(
             "--repeats must be at least 1, --steps, --warmup_steps, --turn_steps and --max_repeats at least 0"
@@ -88,7 +88,7 @@ def compare(
     rounds = Rounds(least=repeats, most=plan.most_rounds, max_width=max_width)
     gin_args = [*(f"--gin_file={f}" for f in gin_files), *(f"--gin_bindings={b}" for b in gin_bindings)]
     command = shlex.join(
-        ["python", "-m", "trainer.bench", *(a for a in argv if not a.startswith(("--json", "--report")))]
+        ["python", "-m", "experiments.bench", *(a for a in argv if not a.startswith(("--json", "--report")))]
     )
     print_fn = lambda line: print(line, flush=True)  # noqa: E731
     more = (

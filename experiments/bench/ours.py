@@ -7,9 +7,9 @@ from __future__ import annotations
 import sys
 import tempfile
 
+from experiments.bench.config import refuse_asynchronous
+from experiments.bench.protocol import Channel
 from trainer.extensions.protocol import Extension
-from trainer.tools.bench.config import refuse_asynchronous
-from trainer.tools.bench.protocol import Channel
 
 
 class Pacer(Extension):
@@ -64,7 +64,7 @@ def run_ours(settings, channel: Channel, total_steps: int, *, async_checkpoint: 
     import gin
     from trainer import configurables
 
-    refuse_asynchronous(settings, "trainer.bench")
+    refuse_asynchronous(settings, "experiments.bench")
     with tempfile.TemporaryDirectory(prefix="bench-ours-") as model_dir:
         configurables.train(
             model_dir=model_dir,

@@ -1,5 +1,7 @@
-"""`python -m trainer.bench`, in parts (how it measures: trainer/bench.py's docstring).
+"""`python -m experiments.bench`, in parts (how it measures: experiments/bench/__main__.py's docstring). It runs
+from the repository root of a clone (`pip install -e .`), not from the installed package.
 
+- __main__: the flags, and which mode runs;
 - protocol: the JSON-lines conversation between the parent and each worker process, and stopping a
   worker while it waits for its turn;
 - probes: what a worker reports about its machine, its memory and the rest of the machine's CPU;

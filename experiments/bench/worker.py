@@ -7,13 +7,13 @@ import re
 import sys
 import traceback
 
+from experiments.bench.config import train_settings
+from experiments.bench.fit import run_fit
+from experiments.bench.limit import run_limit
+from experiments.bench.orbit import run_orbit
+from experiments.bench.ours import run_ours
+from experiments.bench.protocol import Channel, die_with_parent
 from trainer.errors import UserError
-from trainer.tools.bench.config import train_settings
-from trainer.tools.bench.fit import run_fit
-from trainer.tools.bench.limit import run_limit
-from trainer.tools.bench.orbit import run_orbit
-from trainer.tools.bench.ours import run_ours
-from trainer.tools.bench.protocol import Channel, die_with_parent
 
 KNOWN_FIT_FAILURES = {
     "You must feed a value for placeholder tensor": "keras-team/keras#19246: fit with steps_per_execution > 1 under "
