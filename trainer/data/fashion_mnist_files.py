@@ -27,18 +27,14 @@ ORIGINAL_COUNTS = {"train": 60_000, "eval": 10_000}
 _MAGIC = {1: 2049, 3: 2051}  # idx: unsigned bytes, then the number of dimensions
 
 
-def keras_cache_dir() -> str:
-    keras_home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
-    return os.path.join(keras_home, "datasets", "fashion-mnist")
-
-
 def _missing(directory: str) -> list[str]:
     return [name for pair in FILES.values() for name in pair if not os.path.isfile(os.path.join(directory, name))]
 
 
 def find_directory(data_dir: str | None) -> str:
     """`data_dir` if given, else the first of Keras' cache and SYSTEM_DIR with all four files."""
-    keras_dir = keras_cache_dir()
+    keras_home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    keras_dir = os.path.join(keras_home, "datasets", "fashion-mnist")  # where keras.datasets caches it
     elsewhere = f"Keras' cache {keras_dir} or {SYSTEM_DIR} (`{INSTALL}`)"
     if data_dir is not None:
         if missing := _missing(data_dir):

@@ -74,12 +74,10 @@ def _checked_signature(input_fn: InputFunction) -> inspect.Signature | None:
 
 def _example_bytes(spec: Any) -> int | None:
     """Bytes of one example from its spec, None where unknown (strings have no fixed size)."""
-    total = 0
-    for leaf in tf.nest.flatten(spec):
-        if not leaf.dtype.size:
-            return None
-        total += int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.size
-    return total
+    leaves = tf.nest.flatten(spec)
+    if all(leaf.dtype.size for leaf in leaves):
+        return sum(int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.size for leaf in leaves)
+    return None
 
 
 class Input:
