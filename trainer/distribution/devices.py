@@ -53,12 +53,9 @@ def _configure(config: DeviceConfig) -> None:
     if config.logical_gpus_per_gpu > 0 and gpus:
         if not config.logical_gpu_memory_mb:
             raise UserError("logical_gpus_per_gpu needs logical_gpu_memory_mb (memory per logical GPU in MB)")
+        logical = tf.config.LogicalDeviceConfiguration(memory_limit=config.logical_gpu_memory_mb)
         for gpu in gpus:
-            tf.config.set_logical_device_configuration(
-                gpu,
-                [tf.config.LogicalDeviceConfiguration(memory_limit=config.logical_gpu_memory_mb)]
-                * config.logical_gpus_per_gpu,
-            )
+            tf.config.set_logical_device_configuration(gpu, [logical] * config.logical_gpus_per_gpu)
     elif config.gpu_memory_growth:
         for gpu in gpus:
             tf.config.experimental.set_memory_growth(gpu, True)
