@@ -24,12 +24,8 @@ def check_outputs(outputs, what: str = "train.step_fn") -> Mapping[str, tf.Tenso
             f"{what} returned {type(outputs).__name__}; return a dict of scalar tensors, e.g. {{'loss': loss}}"
         )
     for name, value in outputs.items():
-        if (
-            not isinstance(name, str)
-            or not hasattr(value, "shape")
-            or value.shape.rank != 0
-            or not (value.dtype.is_floating or value.dtype.is_integer)
-        ):
+        scalar = isinstance(name, str) and hasattr(value, "shape") and value.shape.rank == 0
+        if not (scalar and (value.dtype.is_floating or value.dtype.is_integer)):
             shown = getattr(value, "shape", type(value).__name__)
             raise UserError(
                 f"{what} output {name!r} is {shown} of {getattr(value, 'dtype', '?')}; each output must "
