@@ -2,6 +2,7 @@
 `experimental_distribute_dataset` ('dataset'); per-replica batches for `distribute_datasets_from_function`
 ('function'), cut from the same global batches unless each pipeline reads its own files."""
 
+import functools
 from typing import Sequence
 
 import tensorflow as tf
@@ -85,28 +86,25 @@ def distribute_train(
     """The training data for `strategy`, resumed after `skip_steps` global steps (see `train_dataset`)."""
     inp = as_input(inp)
     _check(strategy, inp, "train", method, shard_policy)
+    global_batches = functools.partial(
+        train_dataset, inp, global_batch_size, seed, skip_batches=skip_steps, drop_batches=drop_batches
+    )
     if method == "dataset":
-        dataset = train_dataset(
-            inp, global_batch_size, seed, shard_policy=shard_policy, skip_batches=skip_steps, drop_batches=drop_batches
-        )
-        return strategy.experimental_distribute_dataset(dataset)
+        return strategy.experimental_distribute_dataset(global_batches(shard_policy=shard_policy))
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        if shards_by_file(inp, shard_policy, context):
-            batches_per_step = context.num_replicas_in_sync // context.num_input_pipelines
-            return train_dataset(
-                inp,
-                context.get_per_replica_batch_size(global_batch_size),
-                seed,
-                shard_policy=shard_policy,
-                skip_batches=skip_steps * batches_per_step,
-                drop_batches=[s * batches_per_step + k for s in drop_batches for k in range(batches_per_step)],
-                input_context=context,
-            )
-        dataset = train_dataset(
-            inp, global_batch_size, seed, shard_policy="OFF", skip_batches=skip_steps, drop_batches=drop_batches
+        if not shards_by_file(inp, shard_policy, context):
+            return replica_slices(global_batches(shard_policy="OFF"), context)
+        per_step = context.num_replicas_in_sync // context.num_input_pipelines  # this pipeline's batches per step
+        return train_dataset(
+            inp,
+            context.get_per_replica_batch_size(global_batch_size),
+            seed,
+            shard_policy=shard_policy,
+            skip_batches=skip_steps * per_step,
+            drop_batches=[s * per_step + k for s in drop_batches for k in range(per_step)],
+            input_context=context,
         )
-        return replica_slices(dataset, context)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 
@@ -123,21 +121,11 @@ def distribute_eval(
     """The `split` data for `strategy`, padded so every replica sees the same number of batches."""
     inp = as_input(inp)
     _check(strategy, inp, split, method, shard_policy)
+    padded = functools.partial(
+        eval_dataset, inp, split=split, pad_to_multiple_of=global_batch_size, shard_policy=shard_policy
+    )
     if method == "dataset":
-        return strategy.experimental_distribute_dataset(
-            eval_dataset(
-                inp, global_batch_size, split=split, pad_to_multiple_of=global_batch_size, shard_policy=shard_policy
-            )
-        )
-
-    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        return eval_dataset(
-            inp,
-            context.get_per_replica_batch_size(global_batch_size),
-            split=split,
-            pad_to_multiple_of=global_batch_size,
-            shard_policy=shard_policy,
-            input_context=context,
-        )
-
-    return strategy.distribute_datasets_from_function(dataset_fn)
+        return strategy.experimental_distribute_dataset(padded(global_batch_size))
+    return strategy.distribute_datasets_from_function(
+        lambda context: padded(context.get_per_replica_batch_size(global_batch_size), input_context=context)
+    )
