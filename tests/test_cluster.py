@@ -88,7 +88,7 @@ def test_index_outside_cluster_message_names_the_fix():
 def test_no_tf_config_means_one_process_that_is_chief(text):
     info = parse_tf_config(text)
     assert info == ClusterInfo(cluster={}, task_type=None, task_id=0)
-    assert info.is_chief and not info.is_distributed and not info.has_ps
+    assert info.is_chief and not info.is_distributed
     assert info.task_name == "local"
 
 
@@ -97,7 +97,7 @@ def test_mwms_with_chief():
     chief = parse_tf_config(tf_config(spec, "chief"), allowed_task_types=MWMS)
     worker0 = parse_tf_config(tf_config(spec, "worker", 0), allowed_task_types=MWMS)
     assert chief.is_chief and not worker0.is_chief
-    assert chief.num_workers == 3 and chief.is_distributed and not chief.has_ps
+    assert chief.num_workers == 3 and chief.is_distributed
     assert worker0.cluster == spec and worker0.task_name == "worker0"
 
 
@@ -111,7 +111,7 @@ def test_parameter_server_cluster_with_unlisted_evaluator():
     spec = {"chief": ["h0:1"], "worker": ["h1:1", "h1:2"], "ps": ["h2:1"]}
     for task_type, index in [("chief", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)]:
         info = parse_tf_config(tf_config(spec, task_type, index), allowed_task_types=PS)
-        assert info.has_ps and info.num_workers == 2  # the chief coordinates, the 2 workers train
+        assert info.num_workers == 2  # the chief coordinates, the 2 workers train
         assert info.is_chief == (task_type == "chief")
 
 
@@ -137,21 +137,6 @@ def test_allowed_task_types_and_single_machine_check():
         "describes 2 workers; use gin/mwms.gin or unset TF_CONFIG",
     ):
         cluster.check_single_machine(two, "mirrored")
-
-
-def test_temp_dir_for_non_chief_is_outside_model_dir_and_removed(tmp_path):
-    model_dir = str(tmp_path / "model")
-    os.makedirs(model_dir)
-    chief = parse_tf_config(tf_config(TWO_WORKERS, "worker", 0))
-    worker = parse_tf_config(tf_config(TWO_WORKERS, "worker", 1))
-    assert cluster.temp_dir_for(model_dir, chief) == model_dir
-    cluster.remove_temp_dir(model_dir, chief)
-    assert os.path.isdir(model_dir)
-    temp = cluster.temp_dir_for(model_dir, worker)
-    assert os.path.isdir(temp) and not temp.startswith(model_dir)
-    assert "worker1" in os.path.basename(temp)
-    cluster.remove_temp_dir(temp, worker)
-    assert not os.path.exists(temp)
 
 
 def test_checking_tf_config_does_not_import_tensorflow():
@@ -225,7 +210,7 @@ def test_slurm_jobs_make_a_parameter_server_cluster(slurm_env):
     resolver = cluster.make_cluster_resolver("slurm", jobs={"chief": 1, "worker": 2, "ps": 1}, gpus_per_node=0)
     info = cluster.cluster_info_from_resolver(resolver, allowed_task_types=PS)
     assert info.cluster == {"chief": ["node1:8888"], "ps": ["node1:8889"], "worker": ["node2:8888", "node2:8889"]}
-    assert (info.task_type, info.task_id, info.has_ps) == ("worker", 0, True)
+    assert (info.task_type, info.task_id, "ps" in info.cluster) == ("worker", 0, True)
 
 
 def test_slurm_jobs_give_a_server_its_task(slurm_env):

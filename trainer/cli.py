@@ -1,9 +1,5 @@
-"""What every entry point does with a mistake (one line on stderr and a meaningful exit code),
-and how its process ends (without the interpreter's teardown once the outcome is out).
-
-Exit codes (docs/design.md): 2 a user mistake (bad flag, gin, TF_CONFIG, data path), 1 a run
-that could not go on, 130 Ctrl-C; absl alone would print usage and exit 1 for a bad flag.
-"""
+"""What every entry point does with a mistake (one line on stderr; exit 2 a user mistake, 1 a run that could
+not go on, 130 Ctrl-C: docs/design.md), and how its process ends (without the interpreter's teardown)."""
 
 from __future__ import annotations
 
@@ -22,7 +18,6 @@ INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130, what a shell reports for Ctr
 
 
 def fail(message: str, exit_code: int = 2) -> NoReturn:
-    """Prints `error: <first line of message>` to stderr and exits."""
     first_line = message.strip().splitlines()[0] if message.strip() else "unknown error"
     # TensorFlow warns at shutdown about objects it half-restored; the error must stay the last line.
     logging.set_verbosity(logging.ERROR)
@@ -33,8 +28,7 @@ def fail(message: str, exit_code: int = 2) -> NoReturn:
 
 
 def say_interrupted() -> None:
-    """The line of a Ctrl-C while no training loop runs (setup, the final eval); during training
-    the run saves first and says at which step (trainer/extensions/preemption.py)."""
+    """The line of a Ctrl-C while no training loop runs (during training: trainer/extensions/preemption.py)."""
     print("interrupted; rerun the same command to continue", file=sys.stderr, flush=True)
 
 
@@ -51,8 +45,7 @@ def import_tensorflow_quietly() -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser for `app.run(..., flags_parser=parse_flags)`: a bad flag exits 2 in one line;
-    --help and --helpfull print the help and exit 0 (absl's own help flags exit 1, as a failure)."""
+    """absl's flags parser: a bad flag exits 2 in one line; --help and --helpfull exit 0 (absl's exit 1)."""
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
@@ -64,18 +57,12 @@ def parse_flags(argv: list[str]) -> list[str]:
 def exit_without_teardown(
     run: Callable[[list[str]], None], coordinates_ps_cluster: Callable[[], bool]
 ) -> Callable[[list[str]], None]:
-    """Wraps an entry point's `run` so that its process ends, once the outcome is decided and
-    printed, without the interpreter's teardown of TensorFlow and Keras.
+    """Wraps an entry point's `run` so that its process ends, once the outcome is out, without the
+    interpreter's teardown of TensorFlow and Keras (about a CPU second per process, for nothing).
 
-    That teardown frees every module, graph and function one by one: about a CPU second per
-    process after a short run, for nothing a finished run needs (by then the checkpoint writer
-    has been waited for and the metrics log closed). What a normal exit does that matters is
-    kept, in the interpreter's own order: threading's exit callbacks and the join of every
-    non-daemon thread, then the atexit handlers (logging, MLflow, temporary directories), then
-    stdout and stderr flushed. A ParameterServer coordinator (`coordinates_ps_cluster()`) skips
-    those too: TensorFlow's would reach the stopped servers again, each attempt logging an error,
-    and a dead ps makes them hang. An uncaught exception leaves as usual, with its traceback
-    (a coordinator's printed first, for the same reason).
+    What matters of a normal exit is kept, in the interpreter's order: threading's exit callbacks and joins,
+    the atexit handlers, the flush. A ParameterServer coordinator skips those too: TensorFlow's would reach
+    the stopped servers again (an error each) or hang on a dead ps. An uncaught exception leaves as usual.
     """
 
     def leave(code: int) -> NoReturn:
@@ -101,8 +88,7 @@ def exit_without_teardown(
 
 
 def flush_and_exit(code: int) -> NoReturn:
-    """Flushes stdout and stderr (a reader that went away is no error) and ends the process with
-    `code` at once, with no exit handler and no teardown."""
+    """Flushes stdout and stderr (a reader that went away is no error) and ends the process at once."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -1,12 +1,8 @@
 """Learning curves from `metrics.jsonl`: `python -m trainer.plot --model_dir=D [--model_dir=E ...] [--out=curves.png]`.
 
-Three panels against the global step: train loss, eval loss, eval accuracy; each run one colour
-in every panel, labelled by its directory name. Needs matplotlib (`pip install -e '.[plot]'`)
-and draws without a display (Agg). Exit codes as trainer.main: 2 for a user mistake (a missing
-run, no matplotlib), with one line on stderr.
-
-Each run is read as one history (`metrics_log.read_history`): a step trained again after a
-resume is drawn once, at its last value.
+Three panels against the global step (train loss, eval loss, eval accuracy), each run one colour labelled by
+its directory name, drawn without a display; each run read as one history (a step trained again after a
+resume drawn once, at its last value). Needs matplotlib (`pip install -e '.[plot]'`).
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """Only when run as a program: importing this module must not claim flag names
-    (`--model_dir` is trainer.main's too)."""
+    """Only when run as a program: importing this module must not claim trainer.main's `--model_dir`."""
     flags.DEFINE_multi_string("model_dir", [], "A run's model_dir (repeat to overlay several runs).")
     flags.DEFINE_string("out", "curves.png", "Where to write the PNG.")
     flags.DEFINE_string("title", None, "Figure title (default: none).")
@@ -56,15 +51,8 @@ def build_figure(runs: dict[str, list[dict]], title: str | None = None):
         for colour, (label, records) in zip(colours, runs.items()):
             points = sorted((r["step"], r[metric]) for r in records if r.get("split") == split and metric in r)
             if points:
-                steps, values = zip(*points)
-                (line,) = ax.plot(
-                    steps,
-                    values,
-                    color=colour,
-                    label=label,
-                    markersize=3,
-                    marker="o" if split == "eval" or len(points) < 50 else None,
-                )
+                marker = "o" if split == "eval" or len(points) < 50 else None
+                (line,) = ax.plot(*zip(*points), color=colour, label=label, markersize=3, marker=marker)
                 handles.setdefault(label, line)
         ax.set_title(name)
         ax.set_xlabel("step")

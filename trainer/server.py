@@ -1,27 +1,11 @@
-"""`python -m trainer.server`: one worker or ps task of a ParameterServer cluster, from TF_CONFIG or SLURM.
+"""`python -m trainer.server`: one worker or ps task of a ParameterServer cluster, from TF_CONFIG or SLURM
+(`--cluster_resolver=slurm --cluster_resolver_options="{'jobs': {...}}"`, as the chief's gin options).
 
-In ParameterServer training only the coordinator (task `chief`) runs the training
-program; workers and parameter servers are plain TensorFlow servers that execute
-what the coordinator sends them. This module is that server:
-
-    TF_CONFIG='{"cluster": {"chief": [...], "worker": [...], "ps": [...]},
-                "task": {"type": "worker", "index": 0}}' python -m trainer.server
-
-or, as a task of an srun step, with the cluster resolved from SLURM by the same resolver
-and options as the chief's `train.cluster_resolver` and `train.cluster_resolver_options`:
-
-    python -m trainer.server --cluster_resolver=slurm \
-        --cluster_resolver_options="{'jobs': {'chief': 1, 'ps': 1, 'worker': 2}}"
-
-It checks TF_CONFIG with `trainer.cluster` (one line and exit 2 on a mistake),
-sets `GRPC_FAIL_FAST=use_caller` before TensorFlow loads (so a dead peer is an
-error the coordinator can act on, not a hang), gives the server
-`inter_op_parallelism_threads >= workers + 1` (fewer deadlock at the first
-`join`, docs/design.md, rule 8), prints one line once it listens, and blocks until
-SIGTERM or SIGINT, after which it exits 0. TensorFlow's gRPC server cannot be
-shut down, so the process ends with `os._exit`. A server whose parent process
-dies (the launcher or an embedded cluster killed with SIGKILL) exits too, so
-no server outlives what started it.
+Only the coordinator (task `chief`) runs the training program; workers and ps are plain TensorFlow servers.
+This one checks the cluster (one line, exit 2 on a mistake), sets `GRPC_FAIL_FAST=use_caller` before
+TensorFlow loads (a dead peer is an error, not a hang), gives the server `inter_op_parallelism_threads >=
+workers + 1` (fewer deadlock at the first `join`, docs/design.md, rule 8), prints one line once it listens,
+and ends with `os._exit` (gRPC servers cannot shut down) on SIGTERM, SIGINT or its parent's death.
 """
 
 import argparse
@@ -45,7 +29,6 @@ _PARENT_POLL_SECS = 1.0
 
 
 def check_server_task(info: cluster.ClusterInfo) -> None:
-    """Raises UserError unless `info` is a worker or ps task of a cluster with both."""
     if not info.is_distributed:
         raise UserError(
             "trainer.server needs TF_CONFIG describing a worker or ps task; without a "
@@ -73,16 +56,9 @@ def parse_args(argv: list[str]) -> tuple[str, dict[str, Any]]:
     """The resolver kind and its options, spelled like the chief's gin parameters."""
     parser = _ArgumentParser(prog="python -m trainer.server", description="A worker or ps task.")
     parser.add_argument(
-        "--cluster_resolver",
-        choices=cluster.RESOLVER_KINDS,
-        default="tf_config",
-        help="where the cluster comes from, as train.cluster_resolver",
+        "--cluster_resolver", choices=cluster.RESOLVER_KINDS, default="tf_config", help="as the chief's"
     )
-    parser.add_argument(
-        "--cluster_resolver_options",
-        default="{}",
-        help="the resolver's options as a Python dict, as train.cluster_resolver_options",
-    )
+    parser.add_argument("--cluster_resolver_options", default="{}", help="a Python dict, as the chief's")
     args = parser.parse_args(argv)
     try:
         options = ast.literal_eval(args.cluster_resolver_options)
@@ -97,7 +73,6 @@ def parse_args(argv: list[str]) -> tuple[str, dict[str, Any]]:
 
 
 def server_task(resolver_kind: str, options: dict[str, Any]) -> cluster.ClusterInfo:
-    """This task from TF_CONFIG (TensorFlow not loaded) or from SLURM, checked as a server task."""
     if resolver_kind == "tf_config" and not options:
         info = cluster.cluster_from_env(cluster.allowed_task_types_for("parameter_server"))
     else:
@@ -110,26 +85,18 @@ def server_task(resolver_kind: str, options: dict[str, Any]) -> cluster.ClusterI
 
 
 def inter_op_threads(info: cluster.ClusterInfo) -> int:
-    """At least one thread per worker plus one: fewer deadlocks the first `join` (rule 8)."""
     return max(os.cpu_count() or 1, len(info.cluster.get("worker", [])) + 1)
 
 
 def serve(info: cluster.ClusterInfo, stop: threading.Event) -> None:
-    """Starts the server and returns once `stop` is set or the parent process has gone."""
     from trainer import quiet_start
 
     quiet_start.import_tensorflow()  # without its load-time C++ notices
     import tensorflow as tf
 
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=inter_op_threads(info))
-    tf.distribute.Server(
-        tf.train.ClusterSpec(info.cluster),
-        job_name=info.task_type,
-        task_index=info.task_id,
-        protocol="grpc",
-        config=config,
-        start=True,
-    )
+    spec = tf.train.ClusterSpec(info.cluster)
+    tf.distribute.Server(spec, job_name=info.task_type, task_index=info.task_id, protocol="grpc", config=config)
     address = info.cluster[info.task_type][info.task_id]
     say(f"server {info.task_type} {info.task_id} (pid {os.getpid()}) {READY_MESSAGE} {address}")
     parent = os.getppid()
@@ -140,7 +107,7 @@ def serve(info: cluster.ClusterInfo, stop: threading.Event) -> None:
 
 
 def say(line: str) -> None:
-    """Prints a line; a reader that has gone (its parent killed) must not stop the exit."""
+    # A reader that has gone (its parent killed) must not stop the exit.
     try:
         print(line, flush=True)
     except (BrokenPipeError, OSError):

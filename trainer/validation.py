@@ -1,9 +1,5 @@
-"""Checks of configured values, each a UserError line naming the gin name, the value and what is allowed.
-
-Gin passes whatever a config file says (`make_optimizer.learning_rate = 'fast'`), and a wrong
-type or range otherwise surfaces as a traceback deep inside Keras or TensorFlow, often after
-`model_dir` was written. Every configurable checks its arguments with these on entry.
-"""
+"""Checks of configured values, each a UserError line naming the gin name, the value and what is allowed:
+gin passes whatever a file says, and a wrong type otherwise surfaces deep inside Keras, after writes."""
 
 from __future__ import annotations
 
@@ -12,8 +8,8 @@ from typing import Any, Iterable
 from trainer.errors import UserError
 
 
-def _fail(name: str, value: Any, allowed: str) -> None:
-    raise UserError(f"{name} must be {allowed}, got {value!r}")
+def _fail(name: str, value: Any, allowed: str, optional: bool = False) -> None:
+    raise UserError(f"{name} must be {allowed}{' or None' if optional else ''}, got {value!r}")
 
 
 def check_int(
@@ -23,15 +19,10 @@ def check_int(
     if optional and value is None:
         return
     ok = isinstance(value, int) and not isinstance(value, bool)
-    ok = ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
-    if not ok:
-        if minimum == 1 and maximum is None:
-            allowed = "a positive integer"
-        elif maximum is None:
-            allowed = f"an integer >= {minimum}"
-        else:
-            allowed = f"an integer in {minimum}..{maximum}"
-        _fail(name, value, allowed + (" or None" if optional else ""))
+    if not (ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)):
+        if maximum is not None:
+            _fail(name, value, f"an integer in {minimum}..{maximum}", optional)
+        _fail(name, value, "a positive integer" if minimum == 1 else f"an integer >= {minimum}", optional)
 
 
 def check_number(
@@ -54,14 +45,14 @@ def check_number(
     if not ok:
         bound = "" if minimum is None else (f" > {minimum:g}" if strictly else f" >= {minimum:g}")
         upper = "" if below is None else f" and < {below:g}"
-        _fail(name, value, f"a number{bound}{upper}" + (" or None" if optional else ""))
+        _fail(name, value, f"a number{bound}{upper}", optional)
 
 
 def check_bool(name: str, value: Any, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     if not isinstance(value, bool):
-        _fail(name, value, "True or False" + (" or None" if optional else ""))
+        _fail(name, value, "True or False", optional)
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
@@ -74,14 +65,13 @@ def check_callable(name: str, value: Any, *, what: str = "a function", optional:
     if optional and value is None:
         return
     if not callable(value):
-        _fail(name, value, what + (" or None" if optional else ""))
+        _fail(name, value, what, optional)
 
 
 def check_ints(name: str, value: Any, *, minimum: int = 1, optional: bool = False, allow_empty: bool = False) -> None:
-    """A tuple or list of ints, each >= `minimum`."""
     if optional and value is None:
         return
     ok = isinstance(value, (tuple, list)) and (allow_empty or len(value) > 0)
     ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value)
     if not ok:
-        _fail(name, value, f"a list of integers >= {minimum}" + (" or None" if optional else ""))
+        _fail(name, value, f"a list of integers >= {minimum}", optional)

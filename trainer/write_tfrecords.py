@@ -1,13 +1,9 @@
-"""Writes a built-in dataset to sharded TFRecord files, so FILE sharding can be used and tried.
+"""Writes a built-in dataset to sharded TFRecord files (the built-in format of trainer.data.tfrecord), so FILE
+sharding can be used and tried, and prints the gin bindings that train on them:
 
     python -m trainer.write_tfrecords --dataset=digits --out_dir=/tmp/digits --num_shards=4
 
-It prints the gin bindings that train on the files written (`train.input_fn = @tfrecord_files()`
-and the `tfrecord_files.*` lines).
-
-Examples go round-robin into the shards (example i into shard i % N), so that
-`TFRecordFiles` reads them back in the original order. The record format is the
-one described in `trainer.data.tfrecord` (the built-in format).
+Example i goes into shard i % N, so that `TFRecordFiles` reads them back in the original order.
 """
 
 import os
@@ -36,23 +32,18 @@ _FASHION_MNIST_DIR = flags.DEFINE_string(
 
 
 def make_source(name: str, fashion_mnist_dir: str | None = None) -> data.DataSource:
-    """The built-in source called `name`."""
-    if name == "digits":
-        return data.Digits()
     if name == "fashion_mnist":
         return data.FashionMnist(fashion_mnist_dir)
-    if name == "synthetic":
-        return data.Synthetic()
+    if source := {"digits": data.Digits, "synthetic": data.Synthetic}.get(name):
+        return source()
     raise UserError(f"unknown dataset {name!r}: use digits, fashion_mnist or synthetic")
 
 
 def shard_paths(out_dir: str, split: str, num_shards: int) -> list[str]:
-    """`out_dir/split-00000-of-0000N.tfrecord`, one per shard."""
     return [os.path.join(out_dir, f"{split}-{i:05d}-of-{num_shards:05d}.tfrecord") for i in range(num_shards)]
 
 
 def serialize(image: np.ndarray, label: int) -> bytes:
-    """One record: the flattened float32 image as a float list, the label as int64."""
     features = {
         "image": tf.train.Feature(float_list=tf.train.FloatList(value=image.reshape(-1).tolist())),
         "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(label)])),
@@ -61,7 +52,6 @@ def serialize(image: np.ndarray, label: int) -> bytes:
 
 
 def write_split(source: data.DataSource, split: str, out_dir: str, num_shards: int) -> None:
-    """Writes one split round-robin into `num_shards` files."""
     writers = [tf.io.TFRecordWriter(path) for path in shard_paths(out_dir, split, num_shards)]
     for i, (image, label) in enumerate(source.examples(split).as_numpy_iterator()):
         writers[i % num_shards].write(serialize(image, label))
@@ -70,7 +60,6 @@ def write_split(source: data.DataSource, split: str, out_dir: str, num_shards: i
 
 
 def write(source: data.DataSource, out_dir: str, num_shards: int) -> data.TFRecordFiles:
-    """Writes both splits and returns the source that reads them back."""
     if num_shards < 1:
         raise UserError(f"--num_shards must be at least 1, got {num_shards}")
     source.validate()
@@ -95,8 +84,7 @@ def main(argv: Sequence[str]) -> None:
 
 
 def gin_bindings(written: data.TFRecordFiles) -> str:
-    """The gin lines that train on the written files: paste them into a gin file (after its
-    include) or pass each as --gin_bindings."""
+    """The gin lines that train on the written files (for a gin file or --gin_bindings)."""
     return (
         f"train.input_fn = @tfrecord_files()\n"
         f"tfrecord_files.train_pattern = '{written.train_pattern}'\n"

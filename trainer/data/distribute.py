@@ -1,10 +1,8 @@
-"""Training and eval data for a strategy, following its input contract (docs/design.md, rules 4 and 5).
+"""Training and eval data for a strategy (docs/design.md, rules 4 and 5): global batches for
+`experimental_distribute_dataset` ('dataset'); per-replica batches for `distribute_datasets_from_function`
+('function'), cut from the same global batches unless each pipeline reads its own files."""
 
-Global batches for `experimental_distribute_dataset` ('dataset'); per-replica batches
-sharded by `input_pipeline_id` for `distribute_datasets_from_function` ('function'),
-cut from the same global batches unless each pipeline reads its own files.
-"""
-
+import functools
 from typing import Sequence
 
 import tensorflow as tf
@@ -15,7 +13,6 @@ from trainer.errors import UserError
 
 
 def num_workers(strategy: tf.distribute.Strategy) -> int:
-    """How many workers feed this strategy (1 for single-machine strategies)."""
     if count := getattr(strategy.extended, "_num_workers", None):
         return int(count)
     if resolver := getattr(strategy, "cluster_resolver", None):
@@ -25,10 +22,7 @@ def num_workers(strategy: tf.distribute.Strategy) -> int:
 
 
 def _check(strategy: tf.distribute.Strategy, inp: Input, split: str, method: str, shard_policy: str) -> None:
-    """Catches, before any step, the input settings that fail or hang later.
-
-    The file checks need the function's `num_files`; functions without it are not checked.
-    """
+    """Catches, before any step, the input settings that fail or hang later (file checks need `num_files`)."""
     if method not in ("dataset", "function"):
         raise UserError(f"unknown input method {method!r}: use 'dataset' or 'function'")
     files = inp.num_files(split)
@@ -54,11 +48,8 @@ def _check(strategy: tf.distribute.Strategy, inp: Input, split: str, method: str
 
 
 def shards_by_file(source: Input | InputFunction, shard_policy: str, context: tf.distribute.InputContext) -> bool:
-    """Whether each input pipeline reads its own part of the train data ('function' method).
-
-    FILE asks for it; AUTO where the function says it has at least one file per pipeline.
-    Otherwise every pipeline reads all of it and keeps its replicas' slices.
-    """
+    """Whether each input pipeline reads its own part of the train data ('function' method): with FILE, and
+    with AUTO where there is a file per pipeline; otherwise every pipeline reads all and keeps its slices."""
     if context.num_input_pipelines <= 1:
         return False
     policy, files = shard_policy.upper(), as_input(source).num_files("train")
@@ -66,12 +57,8 @@ def shards_by_file(source: Input | InputFunction, shard_policy: str, context: tf
 
 
 def replica_slices(dataset: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.Dataset:
-    """Per-replica batches cut from global batches of any structure: this pipeline's replicas, in order.
-
-    Every pipeline reads the same global batches and keeps its own slices, so replica r
-    trains on slice r of global batch s, exactly as with `experimental_distribute_dataset`
-    and as one device would see it: results do not depend on how work is split.
-    """
+    """This pipeline's replicas' slices of global batches, in order: replica r trains on slice r of global
+    batch s, as with `experimental_distribute_dataset`, so results do not depend on how work is split."""
     replicas = context.num_replicas_in_sync
     per_pipeline = replicas // context.num_input_pipelines
     first = context.input_pipeline_id * per_pipeline
@@ -96,34 +83,28 @@ def distribute_train(
     skip_steps: int = 0,
     drop_batches: Sequence[int] = (),
 ) -> tf.distribute.DistributedDataset:
-    """The training data for `strategy`, resumed after `skip_steps` global steps.
-
-    `drop_batches` are global batch indices never trained on (see `train_dataset`).
-    """
+    """The training data for `strategy`, resumed after `skip_steps` global steps (see `train_dataset`)."""
     inp = as_input(inp)
     _check(strategy, inp, "train", method, shard_policy)
+    global_batches = functools.partial(
+        train_dataset, inp, global_batch_size, seed, skip_batches=skip_steps, drop_batches=drop_batches
+    )
     if method == "dataset":
-        dataset = train_dataset(
-            inp, global_batch_size, seed, shard_policy=shard_policy, skip_batches=skip_steps, drop_batches=drop_batches
-        )
-        return strategy.experimental_distribute_dataset(dataset)
+        return strategy.experimental_distribute_dataset(global_batches(shard_policy=shard_policy))
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        if shards_by_file(inp, shard_policy, context):
-            batches_per_step = context.num_replicas_in_sync // context.num_input_pipelines
-            return train_dataset(
-                inp,
-                context.get_per_replica_batch_size(global_batch_size),
-                seed,
-                shard_policy=shard_policy,
-                skip_batches=skip_steps * batches_per_step,
-                drop_batches=[s * batches_per_step + k for s in drop_batches for k in range(batches_per_step)],
-                input_context=context,
-            )
-        dataset = train_dataset(
-            inp, global_batch_size, seed, shard_policy="OFF", skip_batches=skip_steps, drop_batches=drop_batches
+        if not shards_by_file(inp, shard_policy, context):
+            return replica_slices(global_batches(shard_policy="OFF"), context)
+        per_step = context.num_replicas_in_sync // context.num_input_pipelines  # this pipeline's batches per step
+        return train_dataset(
+            inp,
+            context.get_per_replica_batch_size(global_batch_size),
+            seed,
+            shard_policy=shard_policy,
+            skip_batches=skip_steps * per_step,
+            drop_batches=[s * per_step + k for s in drop_batches for k in range(per_step)],
+            input_context=context,
         )
-        return replica_slices(dataset, context)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 
@@ -140,21 +121,11 @@ def distribute_eval(
     """The `split` data for `strategy`, padded so every replica sees the same number of batches."""
     inp = as_input(inp)
     _check(strategy, inp, split, method, shard_policy)
+    padded = functools.partial(
+        eval_dataset, inp, split=split, pad_to_multiple_of=global_batch_size, shard_policy=shard_policy
+    )
     if method == "dataset":
-        return strategy.experimental_distribute_dataset(
-            eval_dataset(
-                inp, global_batch_size, split=split, pad_to_multiple_of=global_batch_size, shard_policy=shard_policy
-            )
-        )
-
-    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        return eval_dataset(
-            inp,
-            context.get_per_replica_batch_size(global_batch_size),
-            split=split,
-            pad_to_multiple_of=global_batch_size,
-            shard_policy=shard_policy,
-            input_context=context,
-        )
-
-    return strategy.distribute_datasets_from_function(dataset_fn)
+        return strategy.experimental_distribute_dataset(padded(global_batch_size))
+    return strategy.distribute_datasets_from_function(
+        lambda context: padded(context.get_per_replica_batch_size(global_batch_size), input_context=context)
+    )

@@ -1,13 +1,8 @@
-"""Finding the four Fashion-MNIST idx files on this machine and reading them, checked by content.
-
-Fashion-MNIST is never downloaded. It is read from the directory the user names, else from
-Keras' cache (where `keras.datasets.fashion_mnist.load_data` keeps it), else from where
-Debian's `dataset-fashion-mnist` package installs it. Debian recompressed the files (other gzip
-headers), so the published .gz checksums fail there although the images are Zalando's byte for
-byte; what is checked is therefore the decompressed content: each file's idx header, that its
-size is what the header says, that images and labels agree, and, for a file with the original
-count of examples, the original's label counts (6,000 or 1,000 of every class), which tells
-Fashion-MNIST from other data of the same layout such as the MNIST digits.
+"""Finding the four Fashion-MNIST idx files on this machine (never downloaded: the user's directory, else
+Keras' cache, else Debian's `dataset-fashion-mnist`) and reading them, checked by content: Debian
+recompressed the files, so the published .gz checksums fail although the images are the same. Checked are
+each idx header, the size it states, that images and labels agree, and for the original count of examples
+the original's label counts, which tell Fashion-MNIST from the MNIST digits of the same layout.
 """
 
 from __future__ import annotations
@@ -32,19 +27,14 @@ ORIGINAL_COUNTS = {"train": 60_000, "eval": 10_000}
 _MAGIC = {1: 2049, 3: 2051}  # idx: unsigned bytes, then the number of dimensions
 
 
-def keras_cache_dir() -> str:
-    """Where `keras.datasets.fashion_mnist.load_data` caches the files (it honours KERAS_HOME)."""
-    keras_home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
-    return os.path.join(keras_home, "datasets", "fashion-mnist")
-
-
 def _missing(directory: str) -> list[str]:
     return [name for pair in FILES.values() for name in pair if not os.path.isfile(os.path.join(directory, name))]
 
 
 def find_directory(data_dir: str | None) -> str:
-    """`data_dir` if given (and then only it), else the first of Keras' cache and SYSTEM_DIR with all four files."""
-    keras_dir = keras_cache_dir()
+    """`data_dir` if given, else the first of Keras' cache and SYSTEM_DIR with all four files."""
+    keras_home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    keras_dir = os.path.join(keras_home, "datasets", "fashion-mnist")  # where keras.datasets caches it
     elsewhere = f"Keras' cache {keras_dir} or {SYSTEM_DIR} (`{INSTALL}`)"
     if data_dir is not None:
         if missing := _missing(data_dir):
@@ -65,7 +55,6 @@ def find_directory(data_dir: str | None) -> str:
 
 
 def _read_idx(path: str, num_dims: int) -> np.ndarray:
-    """The array of one gzipped idx file of unsigned bytes, its header and size checked."""
     try:
         with gzip.open(path, "rb") as f:
             content = f.read()

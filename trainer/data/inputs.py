@@ -1,16 +1,10 @@
 """The loop's view of an input function: what it yields, how many, and whether it is usable.
 
-An input function is `input_fn(split)` or `input_fn(split, input_context)` returning an
-UNBATCHED `tf.data.Dataset` of examples of any nested structure with fixed shapes. One
-that declares `input_context` gets a `tf.distribute.InputContext` (or None) and must then
-return only that pipeline's shard when `input_context.num_input_pipelines > 1`. Optional
-attributes it may have, all used only when present:
-
-- `num_classes: int`, `splits: tuple[str, ...]` (the splits it can make);
-- `num_examples(split) -> int` (saves counting by iterating), `num_files(split) -> int`
-  (enables the FILE-sharding checks), `validate()` (raises UserError early), and
-  `arrays(split)` (the split as stacked numpy arrays, already in memory).
-
+An input function is `input_fn(split)` or `input_fn(split, input_context)` returning an UNBATCHED
+`tf.data.Dataset` of fixed-shape examples of any structure; one that declares `input_context` returns
+only that pipeline's shard when `input_context.num_input_pipelines > 1`. Optional attributes, used where
+present: `num_classes`, `splits`, `num_examples(split)` (saves counting), `num_files(split)` (enables the
+FILE-sharding checks), `validate()` (raises UserError early), `arrays(split)` (the split in memory).
 The built-in sources (trainer.data.sources, trainer.data.tfrecord) are such functions.
 """
 
@@ -25,12 +19,10 @@ from trainer.errors import UserError
 from trainer.task.user_code import user_function
 
 SPLITS = ("train", "eval")
-# Train data whose fixed-shape examples take at most this many bytes in all are held in
-# memory and gathered in whole batches (see pipeline.shuffled_index_batches and gathered).
+# Train data of at most this many bytes is held in memory and gathered in whole batches (pipeline.gathered).
 MAX_IN_MEMORY_BYTES = 2 * 1024**3
-# A split of unknown cardinality is counted by iterating it once, for at most this long: an
-# endless one (a `from_generator` that never returns) would otherwise hang the start. One that
-# takes longer is refused, naming the two ways to declare its size.
+# A split of unknown cardinality is counted by iterating it, for at most this long: an endless one would
+# otherwise hang the start.
 COUNT_SECONDS = 20.0
 COUNT_PROGRESS_SECONDS = 5.0  # a progress line this often while counting
 Shard = tuple[int, int]  # (number of shards, this shard's index)
@@ -43,15 +35,10 @@ class DataSource(Protocol):
     num_classes: int | None
     splits: tuple[str, ...]
 
-    def __call__(self, split: str, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
-        """Unbatched examples of `split`, only this pipeline's shard under `input_context`."""
-
+    def __call__(self, split: str, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset: ...
     def num_examples(self, split: str) -> int: ...
-
     def num_files(self, split: str) -> int: ...
-
-    def validate(self) -> None:
-        """Raises UserError early (before anything is written) if the data is unusable."""
+    def validate(self) -> None: ...
 
 
 def shard_of(context: tf.distribute.InputContext | None) -> Shard | None:
@@ -67,61 +54,48 @@ def _name(input_fn: InputFunction) -> str:
     return type(input_fn).__name__
 
 
-def _check_signature(input_fn: InputFunction) -> None:
-    """Refuses a function that cannot be called as `input_fn(split)` (gin may supply its other parameters)."""
+def _checked_signature(input_fn: InputFunction) -> inspect.Signature | None:
+    """The function's signature (None for builtins without one); refuses one that cannot be called as
+    `input_fn(split)` (gin may supply its other parameters)."""
     try:
         signature = inspect.signature(input_fn)
-    except (TypeError, ValueError):  # builtins without a signature
-        return
-    if "split" in signature.parameters:
-        return
+    except (TypeError, ValueError):
+        return None
     try:
-        signature.bind("train")
+        "split" in signature.parameters or signature.bind("train")
     except TypeError:
         raise UserError(
             f"train.input_fn {_name(input_fn)}{signature} takes no split: the loop calls it as "
             "input_fn(split) with 'train' and each of train.eval_splits; add a first parameter "
             "`split`"
         ) from None
-
-
-def _declares_input_context(input_fn: InputFunction) -> bool:
-    try:
-        return "input_context" in inspect.signature(input_fn).parameters
-    except (TypeError, ValueError):  # builtins without a signature
-        return False
+    return signature
 
 
 def _example_bytes(spec: Any) -> int | None:
     """Bytes of one example from its spec, None where unknown (strings have no fixed size)."""
-    total = 0
-    for leaf in tf.nest.flatten(spec):
-        if not leaf.dtype.size:
-            return None
-        total += int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.size
-    return total
+    leaves = tf.nest.flatten(spec)
+    if all(leaf.dtype.size for leaf in leaves):
+        return sum(int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.size for leaf in leaves)
+    return None
 
 
 class Input:
-    """One input function as the loop sees it; caches counts and in-memory train data.
-
-    Build one per run and pass it around: every pipeline function also accepts a bare
-    input function, but then wraps it anew and counts or materializes it again.
-    """
+    """One input function as the loop sees it; caches counts and in-memory train data (so build one per
+    run: the pipeline functions also take a bare input function, but count it anew)."""
 
     def __init__(self, input_fn: InputFunction, *, eval_splits: Sequence[str] = ("eval",)) -> None:
         if isinstance(input_fn, Input) or not callable(input_fn):
             raise UserError(f"the input function must be a callable input_fn(split), got {input_fn!r}")
-        _check_signature(input_fn)
+        signature = _checked_signature(input_fn)
         self.input_fn = input_fn
         self.eval_splits = tuple(eval_splits)
         self.num_classes: int | None = getattr(input_fn, "num_classes", None)
         # An input function that cannot give the same examples in the same order twice says so
         # (`fn.deterministic = False`): exact resume and roll-back need them again.
         self.deterministic: bool = getattr(input_fn, "deterministic", True) is not False
-        self.shards_itself = _declares_input_context(input_fn)
+        self.shards_itself = signature is not None and "input_context" in signature.parameters
         self._counts: dict[str, int] = {}
-        # Where a long count says how far it got (the run's console; silent by default).
         self.print_fn: Callable[[str], None] | None = None
         self._memory: dict[Shard | None, Any] = {}
         self._spec: Any = None
@@ -131,7 +105,6 @@ class Input:
 
     @property
     def element_spec(self) -> Any:
-        """The structure of one train example (`tf.TensorSpec` leaves)."""
         if self._spec is None:
             with tf.init_scope():
                 self._spec = self.examples("train").element_spec
@@ -179,7 +152,6 @@ class Input:
                 )
 
     def num_examples(self, split: str) -> int:
-        """How many examples `split` holds: the function's own count, the known cardinality, else counted once."""
         if split not in self._counts:
             with tf.init_scope():
                 self._counts[split] = self._count(split)
@@ -201,7 +173,6 @@ class Input:
         return count
 
     def _count_by_iterating(self, dataset: tf.data.Dataset, split: str) -> int:
-        """Counts `split` (cardinality unknown) in batches, for at most COUNT_SECONDS (UserError after)."""
         sizes = dataset.batch(1024).map(_batch_size)
         count, started = 0, time.monotonic()
         next_line = started + COUNT_PROGRESS_SECONDS
@@ -221,9 +192,7 @@ class Input:
         return count
 
     def num_files(self, split: str) -> int | None:
-        """How many files `split` is read from, None where the function does not say."""
-        counter = getattr(self.input_fn, "num_files", None)
-        if counter is None:
+        if (counter := getattr(self.input_fn, "num_files", None)) is None:
             return None
         with user_function(self.input_fn, "train.input_fn", f"in its num_files({split!r})"):
             return int(counter(split))
@@ -252,12 +221,8 @@ class Input:
                 )
 
     def train_arrays(self, input_context: tf.distribute.InputContext | None = None) -> tuple[Any, Shard | None] | None:
-        """The train examples stacked as numpy arrays, and the shard still to keep from them by index.
-
-        None where they are too big (MAX_IN_MEMORY_BYTES) or of unknown count: those stream.
-        A function that shards itself is called with the context and its shard held (cached
-        per shard); any other is held whole and sharded by example index.
-        """
+        """The train examples as numpy arrays and the shard still to keep from them by index; None where too big
+        or of unknown count (those stream). A function that shards itself is held per shard, any other whole."""
         shard = shard_of(input_context)
         if arrays := getattr(self.input_fn, "arrays", None):
             return arrays("train"), shard
@@ -295,10 +260,8 @@ def _leaves(spec: Any, path: str = "") -> list[tuple[str, Any]]:
 
 
 def as_input(x: "Input | InputFunction", eval_splits: Sequence[str] = ("eval",)) -> Input:
-    """`x` itself if it is an Input, else an Input wrapping the input function or built-in source `x`."""
     return x if isinstance(x, Input) else Input(x, eval_splits=eval_splits)
 
 
 def check_sizes(source: "Input | InputFunction", global_batch_size: int) -> None:
-    """`as_input(source).check_sizes(global_batch_size)`, for callers holding a bare source."""
     as_input(source).check_sizes(global_batch_size)

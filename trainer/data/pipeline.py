@@ -1,16 +1,12 @@
-"""Batches of any input function's examples, in a deterministic, resumable order.
-
-`train_dataset` and `eval_dataset` take an `Input` or a bare input function (see
-trainer.data.inputs) and keep the example's structure, batched. The order depends only
-on the seed, so a resumed run skips to exactly the batches it would have seen
-(docs/design.md, rule 5); that holds for input functions that are themselves deterministic.
-"""
+"""Batches of any input function's examples (any structure), in a deterministic, resumable order: the order
+depends only on the seed, so a resumed run skips to exactly the batches it would have seen (docs/design.md,
+rule 5), for input functions that are themselves deterministic."""
 
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from trainer.data.inputs import Input, InputFunction, Shard, as_input
+from trainer.data.inputs import Input, InputFunction, Shard, as_input, shard_of
 from trainer.errors import UserError
 
 SHARD_POLICIES = {name: getattr(tf.data.experimental.AutoShardPolicy, name) for name in ("AUTO", "FILE", "DATA", "OFF")}
@@ -20,7 +16,6 @@ MAX_GATHER_BYTES = 16 * 1024**2
 
 
 def options(shard_policy: str) -> tf.data.Options:
-    """Deterministic order and the given auto-shard policy; UserError for an unknown policy."""
     policy = SHARD_POLICIES.get(shard_policy.upper())
     if policy is None:
         raise UserError(f"unknown shard_policy {shard_policy!r}: use one of {', '.join(SHARD_POLICIES)}")
@@ -31,18 +26,13 @@ def options(shard_policy: str) -> tf.data.Options:
 
 
 def whole(fn: Callable[[Any], Any], spec: Any) -> Callable[..., Any]:
-    """`fn` of one whole element, for `Dataset.map`, which passes a plain tuple's parts as arguments.
-
-    For the framework's own functions, plain TF ops: `tf.data` runs them without AutoGraph (see
-    `graph_code`)."""
-    if type(spec) is tuple:
-        return graph_code(lambda *parts: fn(parts))
-    return graph_code(fn)
+    """`fn` of one whole element, for `Dataset.map`, which passes a plain tuple's parts as arguments."""
+    return graph_code((lambda *parts: fn(parts)) if type(spec) is tuple else fn)
 
 
 def graph_code(fn: Callable) -> Callable:
-    """`fn`, which `tf.data` then traces as it is: the pipeline's own map, filter and scan functions
-    are plain TF ops, and converting each with AutoGraph costs start-up time (trainer/task/user_code.py)."""
+    """`fn` traced without AutoGraph: the pipeline's own functions are plain TF ops, and converting each costs
+    start-up time (trainer/task/user_code.py)."""
     return tf.autograph.experimental.do_not_convert(fn)
 
 
@@ -56,15 +46,10 @@ def train_dataset(
     drop_batches: Sequence[int] = (),
     input_context: tf.distribute.InputContext | None = None,
 ) -> tf.data.Dataset:
-    """Endless shuffled batches, deterministic by seed, starting at batch `skip_batches`.
-
-    `drop_batches` are indices (in the unskipped stream) of batches never to train on, such as
-    one that made the loss non-finite; `skip_batches` counts the batches that remain.
-    Train data of known count and at most MAX_IN_MEMORY_BYTES is held in memory and shuffled a
-    whole epoch at a time (see `shuffled_index_batches`); any other streams through a shuffle
-    buffer of up to MAX_SHUFFLE_BUFFER examples. With `input_context`, only that pipeline's
-    shard: by example in memory, else the function's own shard if it takes the context.
-    """
+    """Endless shuffled batches, deterministic by seed, starting at batch `skip_batches` (counted among those
+    kept). `drop_batches` are indices (in the unskipped stream) never to train on, such as one that made the
+    loss non-finite. Data held in memory is shuffled a whole epoch at a time (`shuffled_index_batches`), any
+    other streams through a shuffle buffer. With `input_context`, only that pipeline's shard."""
     inp = as_input(inp)
     dataset_options = options(shard_policy)
     drop_batches = sorted(set(drop_batches))
@@ -78,8 +63,8 @@ def train_dataset(
     else:
         buffer = min(inp.num_examples("train"), MAX_SHUFFLE_BUFFER)
         dataset = inp.examples("train", input_context)
-        if not inp.shards_itself and input_context is not None and input_context.num_input_pipelines > 1:
-            dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        if not inp.shards_itself and (shard := shard_of(input_context)):
+            dataset = dataset.shard(*shard)
         dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).repeat()
         dataset = dataset.batch(batch_size, drop_remainder=True).skip(first)
     if dropped := [b for b in drop_batches if b >= first]:
@@ -94,13 +79,10 @@ def train_dataset(
 
 
 def gathered(index_batches: tf.data.Dataset, arrays: Any, batch_size: int) -> tf.data.Dataset:
-    """The batches of `arrays` (any structure of equally long arrays) at each batch of indices, in order.
+    """The batches of `arrays` (equally long arrays of any structure) at each batch of indices, in order.
 
-    Up to GATHER_BATCHES batches are gathered per map call (at most MAX_GATHER_BYTES) and handed
-    out one by one: the pipeline's cost per element on the step's path falls by the calls it
-    saves. Measured with experiments.bench's MLP (400 KB batches, a 2 ms step, 2 cores): the loop at
-    0.92 of the bare step gathering one batch per call, 0.94 gathering 8; the data loop alone
-    100 -> 50 us per batch. The order, and so exact resume, is that of one batch per call.
+    Up to GATHER_BATCHES batches are gathered per map call and handed out one by one, which halves the
+    pipeline's cost per batch (measured: 100 -> 50 us); the order is that of one batch per call.
     """
     tensors = tf.nest.map_structure(tf.constant, arrays)
     batch_bytes = batch_size * sum(t.dtype.size * t.shape[1:].num_elements() for t in tf.nest.flatten(tensors))
@@ -116,38 +98,25 @@ def gathered(index_batches: tf.data.Dataset, arrays: Any, batch_size: int) -> tf
 
 
 def on_accelerator() -> bool:
-    """Whether the steps run on a GPU or TPU, leaving the host's cores to the input pipeline."""
     return any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
 
 
 def prefetch_for_accelerators(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """Prefetches where the steps run on an accelerator; on a CPU-only machine runs the pipeline inline.
-
-    Prefetching overlaps host input with device compute. Where the CPU is the device, the
-    step already keeps every core busy: a prefetch thread only takes cores from it and adds
-    a hand-off per batch (measured with experiments.bench's CNN on 2 cores: 5% more steps/s
-    without it; the MLP and MirroredStrategy, whose distributed iterator buffers per device
-    anyway, no slower).
-    """
+    """Prefetches where the steps run on an accelerator. Where the CPU is the device, the step keeps every core
+    busy and a prefetch thread only takes cores from it (measured on 2 cores: 5% more steps/s without)."""
     return dataset.prefetch(tf.data.AUTOTUNE) if on_accelerator() else dataset
 
 
 def parallel_calls() -> dict[str, Any]:
-    """Keywords for the sources' `interleave` and `map`: parallel (in order) on an accelerator, else none.
-
-    For the reason prefetching is off without one: where the CPU runs the step, parallel
-    reads and maps only add threads and hand-offs on the cores the step needs. Measured on
-    2 cores, 4 shards, batched parsing, examples/s sequential / parallel reads / both parallel:
-    digits 274k / 189k / 201k, 28x28 images 206k / 161k / 150k. In parallel the order stays
-    that of sequential calls (`deterministic=True`): exact resume depends on it.
-    """
+    """Keywords for the sources' `interleave` and `map`: parallel on an accelerator, else none (on a CPU they
+    cost the step's cores: measured 274k -> 201k examples/s). `deterministic=True`: exact resume needs the order."""
     return {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True} if on_accelerator() else {}
 
 
 def _raw_batch_index(skip_batches: int, drop_batches: Sequence[int]) -> int:
     """The index in the unfiltered stream of the first batch after `skip_batches` kept ones."""
     raw = skip_batches
-    for dropped in drop_batches:  # sorted: each dropped batch at or before the position pushes it on
+    for dropped in drop_batches:  # sorted
         if dropped <= raw:
             raw += 1
     return raw
@@ -158,11 +127,9 @@ def shuffled_index_batches(
 ) -> tf.data.Dataset:
     """Endless `[batch_size]` int64 batches of example indices, from batch `first_batch` on.
 
-    Epoch e is a permutation of the examples seeded by (seed, e); epochs follow each other
-    and batches run across their boundaries, as in `shuffle().repeat().batch()`. Whole
-    epochs are shuffled at once, so each batch costs the pipeline one slice instead of
-    `batch_size` trips through a shuffle buffer (on a CPU the pipeline's threads take cores
-    from the step), and a resumed run starts at its batch without replaying those before it.
+    Epoch e is a permutation seeded by (seed, e); batches run across epoch boundaries, as in
+    `shuffle().repeat().batch()`, but a batch costs one slice instead of `batch_size` trips through a
+    shuffle buffer, and a resumed run starts at its batch without replaying those before it.
     `shard` keeps every n-th example (the examples of one input pipeline).
     """
     ids = tf.range(num_examples, dtype=tf.int64)
@@ -192,7 +159,7 @@ def shuffled_index_batches(
 
 
 def with_weight(example: Any, weight: float | tf.Tensor) -> tuple:
-    """The eval element: a tuple example `(x, y)` as `(x, y, w)`, any other example as `(example, w)`."""
+    """A tuple example `(x, y)` as `(x, y, w)`, any other example as `(example, w)`."""
     weight = tf.constant(weight, tf.float32)
     return (*example, weight) if type(example) is tuple else (example, weight)
 
@@ -206,12 +173,10 @@ def eval_dataset(
     shard_policy: str = "AUTO",
     input_context: tf.distribute.InputContext | None = None,
 ) -> tf.data.Dataset:
-    """Every example of `split` once, weight 1.0 appended (see `with_weight`), batched, the last batch partial.
+    """Every example of `split` once, weight 1.0 appended (`with_weight`), batched, the last batch partial.
 
-    Padding (zeros of the example's spec, weight 0) to a multiple of `pad_to_multiple_of`
-    gives every worker and replica the same number of batches, so collective ops cannot
-    hang. With an input context the padded examples are sharded, never the files, to keep
-    counts equal.
+    Padding (zeros, weight 0) to a multiple of `pad_to_multiple_of` gives every worker and replica the same
+    number of batches, so collectives cannot hang; so the padded examples are sharded, never the files.
     """
     inp = as_input(inp)
     dataset_options = options(shard_policy)
@@ -222,7 +187,7 @@ def eval_dataset(
     if padding:
         zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), spec)
         dataset = dataset.concatenate(tf.data.Dataset.from_tensors(with_weight(zeros, 0.0)).repeat(padding))
-    if input_context is not None and input_context.num_input_pipelines > 1:
-        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+    if shard := shard_of(input_context):
+        dataset = dataset.shard(*shard)
     dataset = dataset.batch(batch_size, drop_remainder=False)
     return prefetch_for_accelerators(dataset).with_options(dataset_options)

@@ -1,9 +1,5 @@
-"""The built-in in-memory sources: input functions of unbatched `(image float32, label int32)`.
-
-Each is a frozen, gin-bindable dataclass; calling it, `source(split, input_context=None)`,
-makes it an input function (trainer.data.inputs). Being held in numpy arrays, they also
-give the pipelines `arrays(split)`, so training gathers whole batches from memory.
-"""
+"""The built-in in-memory sources: frozen, gin-bindable input functions of unbatched `(image float32, label
+int32)` whose `arrays(split)` let training gather whole batches from memory."""
 
 import dataclasses
 from functools import cached_property
@@ -27,22 +23,19 @@ def label_array(labels: np.ndarray) -> np.ndarray:
 
 
 class _InMemorySource:
-    """Shared behaviour of sources held as numpy arrays in `_arrays[split]`."""
+    """Sources held as numpy arrays in `_arrays[split]`."""
 
     _arrays: dict[str, Arrays]
     splits = SPLITS
 
     def __call__(self, split: str, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
-        """The input function: `split`'s examples, only this pipeline's share under `input_context`."""
         return self.examples(split, shard_of(input_context))
 
     def examples(self, split: str, shard: Shard | None = None) -> tf.data.Dataset:
-        """Unbatched `(image, label)`; `shard` keeps every n-th example."""
         dataset = tf.data.Dataset.from_tensor_slices(self.arrays(split))
         return dataset.shard(*shard) if shard else dataset
 
     def arrays(self, split: str) -> Arrays:
-        """All of `split` in memory: images float32, labels int32 (float32 if float), to gather whole batches."""
         images, labels = self._arrays[split]
         return images.astype(np.float32, copy=False), label_array(labels)
 
@@ -117,19 +110,11 @@ STANDARDIZE = ("global", "per_pixel")
 class FashionMnist(_InMemorySource):
     """The tutorial's Fashion-MNIST, read from local idx files (trainer/data/fashion_mnist_files.py).
 
-    `validation_size` training images are held out as split 'validation' ('train' is the rest),
-    taken as `validation_from` says: 'front', the first ones (the tutorial's
-    `x_train_all[:5000]`), or 'back', the last ones. 'eval' is always the t10k test files.
-    `standardize` fits the scaling on the 'train' split only and applies it unchanged to every
-    split, so nothing leaks from held-out data:
-    - 'global': one mean and one standard deviation over every pixel of every training image,
-      on the raw 0..255 values: the tutorial's StandardScaler fitted on `x_train.reshape(-1, 1)`.
-      It keeps the images' contrast (a pixel brighter than another stays so by as much).
-    - 'per_pixel': each of the 784 pixels its own mean and deviation (1 where a pixel is constant),
-      on values in [0, 1]: StandardScaler on `x_train.reshape(-1, 784)`. Every pixel then spans
-      the same range over the training set, so an almost always dark border pixel becomes as
-      loud as the centre.
-    - None: the pixels divided by 255.
+    `validation_size` training images are held out as split 'validation', the first ones ('front', the
+    tutorial's `x_train_all[:5000]`) or the last ('back'); 'eval' is the t10k files. `standardize` is fitted
+    on 'train' only, so nothing leaks from held-out data: 'global' (one mean and deviation over all raw
+    pixels, the tutorial's StandardScaler on `x_train.reshape(-1, 1)`: keeps contrast), 'per_pixel' (each
+    pixel its own, on [0, 1]: a dark border pixel becomes as loud as the centre), None (pixels / 255).
     """
 
     data_dir: str | None = None
@@ -171,7 +156,6 @@ class FashionMnist(_InMemorySource):
 
     @property
     def directory(self) -> str:
-        """Where the files are read from: `data_dir`, else Keras' cache, else Debian's package."""
         return fashion_mnist_files.find_directory(self.data_dir)
 
     def validate(self) -> None:

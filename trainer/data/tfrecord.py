@@ -1,12 +1,6 @@
-"""The user's own data in sharded TFRecord files, of the built-in format or any other schema.
-
-Built-in format (written by `trainer.write_tfrecords`): one `tf.train.Example` per record,
-`image` a float list of the flattened float32 image in row-major order (its length must
-equal the product of `input_shape`), `label` an int64; examples `(image float32, label int32)`.
-
-Any other schema: `features` maps each feature name to a `Feature` saying how to parse it,
-or `parse_fn(serialized_record) -> example` parses a record itself.
-"""
+"""The user's own data in sharded TFRecord files: the built-in format (written by `trainer.write_tfrecords`:
+`image` a float list of the flattened image (product of `input_shape` long), `label` an int64), or any
+other schema, through `features` (name -> `Feature`) or `parse_fn(serialized_record) -> example`."""
 
 import dataclasses
 from collections.abc import Callable, Mapping
@@ -29,14 +23,7 @@ FEATURE_KINDS = ("float", "int64", "bytes", "png", "jpeg", "int64_sequence")
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
-    """How to parse one feature of a `tf.train.Example`; every result has a fixed shape.
-
-    - 'float' float32 / 'int64' (returned as int32, like the built-in labels) / 'bytes'
-      (a string tensor): a fixed-length list reshaped to `shape`;
-    - 'png' / 'jpeg': one encoded image decoded to float32 in [0, 1] with `channels`
-      (default `shape[-1]`), of static shape `shape` (height, width, channels);
-    - 'int64_sequence': a list of any length, padded with 0 or truncated to `length`, int32.
-    """
+    """How to parse one feature of a `tf.train.Example` to a fixed shape (see the `*_feature` functions)."""
 
     kind: str
     shape: tuple[int, ...] = ()
@@ -53,7 +40,6 @@ class Feature:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
 
     def parse_spec(self) -> tf.io.FixedLenFeature | tf.io.VarLenFeature:
-        """The `tf.io.parse_single_example` spec of the raw feature."""
         if self.kind == "int64_sequence":
             return tf.io.VarLenFeature(tf.int64)
         if self.kind in ("png", "jpeg"):
@@ -62,7 +48,6 @@ class Feature:
         return tf.io.FixedLenFeature(self.shape, dtype)
 
     def decode(self, raw: tf.Tensor | tf.SparseTensor) -> tf.Tensor:
-        """The parsed raw feature as the fixed-shape tensor the example holds."""
         if self.kind == "int64_sequence":
             values = tf.sparse.to_dense(raw)[: self.length]
             values = tf.pad(values, [[0, self.length - tf.shape(values)[0]]])
@@ -75,7 +60,7 @@ class Feature:
 
 
 def float_feature(shape: tuple[int, ...] = ()) -> Feature:
-    """A float list of `shape` (gin: `@float_feature()`)."""
+    """A float list of `shape`, float32."""
     return Feature("float", shape)
 
 
@@ -110,12 +95,9 @@ def _single_or_dict(values: dict[str, tf.Tensor]) -> tf.Tensor | dict[str, tf.Te
 
 @dataclasses.dataclass(frozen=True)
 class TFRecordFiles:
-    """The user's own data: sharded TFRecord files by glob (see the module docstring).
-
-    With `features`, the example is `(features without the label, label)`, the features a
-    single tensor where only one remains, else a dict; with `label_key` None it is the
-    features alone. `parse_fn` replaces all of that. Without either, `input_shape` is needed.
-    """
+    """Sharded TFRecord files by glob. With `features`, the example is `(features without the label, label)`
+    (the features one tensor where only one remains, else a dict), or the features alone with `label_key`
+    None; `parse_fn` replaces all of that. Without either, `input_shape` is needed."""
 
     train_pattern: str
     eval_pattern: str
@@ -127,7 +109,6 @@ class TFRecordFiles:
     splits = SPLITS
 
     def __call__(self, split: str, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
-        """The input function: `split`'s examples, this pipeline's files (or examples) under `input_context`."""
         return self.examples(split, shard_of(input_context))
 
     def files(self, split: str) -> list[str]:
@@ -157,14 +138,9 @@ class TFRecordFiles:
             )
 
     def examples(self, split: str, shard: Shard | None = None) -> tf.data.Dataset:
-        """Unbatched examples; `shard` keeps one part, by file where there are enough files, else by record.
-
-        The order is fixed (resume skips a known number of examples: docs/design.md, rule 5). Records are
-        parsed PARSE_BATCH at a time and unbatched again where the schema allows: one
-        `parse_example` per batch delivered about 10x the examples/s of one `parse_single_example`
-        per record (`experiments.bench --mode=input`, digits on 2 cores: 26k -> 274k). Reads and
-        parsing run in parallel only where an accelerator runs the step (`parallel_calls`).
-        """
+        """Unbatched examples in a fixed order (rule 5); `shard` keeps one part, by file where there are enough
+        files, else by record. Records are parsed PARSE_BATCH at a time where the schema allows (10x the
+        examples/s of one `parse_single_example` per record)."""
         self._check_schema()
         files = self.files(split)
         by_file = shard is not None and len(files) >= shard[0]
@@ -184,7 +160,6 @@ class TFRecordFiles:
 
     @property
     def _parses_batches(self) -> bool:
-        """Whether `_parse` takes a batch of records: the built-in format, and features of BATCH_PARSED_KINDS."""
         if self.parse_fn is not None:
             return False
         return self.features is None or all(f.kind in BATCH_PARSED_KINDS for f in self.features.values())
@@ -204,7 +179,6 @@ class TFRecordFiles:
         return _single_or_dict(values), label
 
     def _parse_built_in(self, records: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """A batch of built-in records: images `[n, *input_shape]`, labels `[n]`."""
         size = int(np.prod(self.input_shape))
         spec = {"image": tf.io.FixedLenFeature([size], tf.float32), "label": tf.io.FixedLenFeature([], tf.int64)}
         features = tf.io.parse_example(records, spec)

@@ -1,10 +1,8 @@
 """Who am I in the cluster, and am I the chief: decided once, before TensorFlow starts.
 
-TensorFlow reads TF_CONFIG when a strategy is built and reports a malformed one
-as a stack trace or a hang at the first collective. Here the cluster is checked
-field by field first, so a mistake is one line naming the field and the fix.
-This module imports TensorFlow only inside the resolver functions, so the
-checks run before TensorFlow loads.
+TensorFlow reports a malformed TF_CONFIG as a stack trace or a hang at the first collective; here it is
+checked field by field first, one line naming the field and the fix. TensorFlow is imported only inside
+the resolver functions, so the checks run before it loads.
 """
 
 import dataclasses
@@ -12,7 +10,6 @@ import inspect
 import json
 import os
 import shutil
-import tempfile
 from typing import Any
 
 from trainer.distribution import modes
@@ -24,10 +21,7 @@ _FIX_HINT = 'write it like {"cluster": {"worker": ["host:port", ...]}, "task": {
 
 @dataclasses.dataclass(frozen=True)
 class ClusterInfo:
-    """This process's place in the cluster; an empty cluster means a single process.
-
-    `resolver` is the TensorFlow cluster resolver when `resolve` built one.
-    """
+    """This process's place in the cluster (empty: a single process); `resolver` where `resolve` built one."""
 
     cluster: dict[str, list[str]]
     task_type: str | None
@@ -36,70 +30,53 @@ class ClusterInfo:
 
     @property
     def num_workers(self) -> int:
-        """Tasks that run the training step: the chief and the workers (with parameter
-        servers the chief only coordinates, so only the workers)."""
+        """Tasks that run the step: the chief and the workers (with parameter servers only the workers)."""
         workers = len(self.cluster.get("worker", []))
         return workers if self.cluster.get("ps") else workers + len(self.cluster.get("chief", []))
 
     @property
     def is_chief(self) -> bool:
         """Task `chief`, or `worker` 0 where there is no chief, or the only process."""
-        if not self.cluster:
-            return True
-        if self.task_type == "chief":
-            return True
-        return self.task_type == "worker" and self.task_id == 0 and "chief" not in self.cluster
+        first_worker = self.task_type == "worker" and self.task_id == 0 and "chief" not in self.cluster
+        return not self.cluster or self.task_type == "chief" or first_worker
 
     @property
     def task_name(self) -> str:
-        """'worker1', 'chief0', ...; 'local' for a single process."""
         return f"{self.task_type}{self.task_id}" if self.task_type else "local"
 
     @property
     def is_distributed(self) -> bool:
         return bool(self.cluster)
 
-    @property
-    def has_ps(self) -> bool:
-        return bool(self.cluster.get("ps"))
+
+SINGLE_PROCESS = ClusterInfo(cluster={}, task_type=None, task_id=0)
 
 
 def parse_tf_config(text: str | None, *, allowed_task_types: set[str] | None = None) -> ClusterInfo:
-    """Checks a TF_CONFIG string and returns the cluster it describes.
-
-    None, an empty string or `{}` mean a single process (as in TensorFlow).
-    `allowed_task_types` are the task types the chosen strategy can use; None
-    allows any.
-    """
+    """The cluster a TF_CONFIG string describes, checked; None, '' or `{}` mean a single process.
+    `allowed_task_types` are the task types the chosen strategy can use (None: any)."""
     if text is None or not text.strip():
-        return ClusterInfo(cluster={}, task_type=None, task_id=0)
+        return SINGLE_PROCESS
     try:
         config = json.loads(text)
     except json.JSONDecodeError as error:
         raise UserError(
             f"TF_CONFIG: not valid JSON ({error.msg} at line {error.lineno} column {error.colno}); {_FIX_HINT}"
         ) from None
-    if config == {}:
-        return ClusterInfo(cluster={}, task_type=None, task_id=0)
-    return _validated(config, allowed_task_types, source="TF_CONFIG")
+    return SINGLE_PROCESS if config == {} else _validated(config, allowed_task_types, source="TF_CONFIG")
 
 
 def cluster_from_env(allowed_task_types: set[str] | None = None) -> ClusterInfo:
-    """Checks the TF_CONFIG environment variable; unset means a single process."""
     return parse_tf_config(os.environ.get("TF_CONFIG"), allowed_task_types=allowed_task_types)
 
 
 def allowed_task_types_for(strategy_name: str) -> set[str] | None:
-    """Task types a strategy can use; None for a name this module does not know.
-
-    The strategy builder rejects unknown names; this only narrows TF_CONFIG.
-    """
+    """Task types a strategy can use; None for an unknown name (the strategy builder rejects it)."""
     mode = modes.MODES.get(strategy_name)
     return set(mode.task_types) if mode is not None else None
 
 
 def check_single_machine(info: ClusterInfo, strategy_name: str) -> None:
-    """Rejects a multi-worker TF_CONFIG for a strategy that runs on one machine."""
     mode = modes.MODES.get(strategy_name)
     if mode is not None and not mode.multi_worker and info.num_workers > 1:
         raise UserError(
@@ -109,7 +86,6 @@ def check_single_machine(info: ClusterInfo, strategy_name: str) -> None:
 
 
 def resolve(strategy_name: str, resolver_kind: str = "tf_config", **slurm_kwargs: Any) -> ClusterInfo:
-    """Checks the cluster for a strategy and returns it with its TensorFlow resolver attached."""
     allowed = allowed_task_types_for(strategy_name)
     if resolver_kind == "tf_config":
         cluster_from_env(allowed)  # One-line errors before TensorFlow reads TF_CONFIG.
@@ -120,14 +96,7 @@ def resolve(strategy_name: str, resolver_kind: str = "tf_config", **slurm_kwargs
 
 
 def make_cluster_resolver(kind: str = "tf_config", **slurm_kwargs: Any) -> Any:
-    """Builds a TensorFlow cluster resolver: 'tf_config' (TF_CONFIG) or 'slurm'.
-
-    `slurm_kwargs` go to `tf.distribute.cluster_resolver.SlurmClusterResolver`
-    (jobs, port_base, gpus_per_node, gpus_per_task, tasks_per_node, auto_set_gpu,
-    rpc_layer). On nodes without GPUs (or with gpus_per_node=0) the Slurm
-    cluster is resolved for CPU and frozen into a SimpleClusterResolver that
-    reports no accelerators, because TensorFlow's resolver assumes GPUs.
-    """
+    """A TensorFlow cluster resolver: 'tf_config' or 'slurm' (`slurm_kwargs` go to SlurmClusterResolver)."""
     if kind == "tf_config":
         if slurm_kwargs:
             raise UserError(
@@ -148,28 +117,10 @@ def cluster_info_from_resolver(resolver: Any, *, allowed_task_types: set[str] | 
     """The ClusterInfo of any resolver, checked like TF_CONFIG (the resolver is not attached)."""
     cluster = resolver.cluster_spec().as_dict()  # Slurm sets task_type only once this has run.
     if not cluster:
-        return ClusterInfo(cluster={}, task_type=None, task_id=0)
+        return SINGLE_PROCESS
     task = {"type": resolver.task_type, "index": resolver.task_id}
     source = type(resolver).__name__
     return _validated({"cluster": cluster, "task": task}, allowed_task_types, source=source)
-
-
-def temp_dir_for(model_dir: str, info: ClusterInfo) -> str:
-    """Where this task saves checkpoints: model_dir for the chief, a fresh temp dir otherwise.
-
-    Every worker must save (saving only on the chief deadlocks), but only the
-    chief's files belong in model_dir, so the others write outside it. The
-    caller removes the temp dir with `remove_temp_dir` after each save.
-    """
-    if info.is_chief:
-        return model_dir
-    return tempfile.mkdtemp(prefix=f"trainer-{info.task_type}{info.task_id}-")
-
-
-def remove_temp_dir(path: str, info: ClusterInfo) -> None:
-    """Deletes a dir made by `temp_dir_for`; never touches the chief's model_dir."""
-    if not info.is_chief:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _validated(config: Any, allowed: set[str] | None, *, source: str) -> ClusterInfo:
@@ -262,8 +213,7 @@ def _slurm_resolver(kwargs: dict[str, Any]) -> Any:
 
     slurm_class = tf.distribute.cluster_resolver.SlurmClusterResolver
     parameters = inspect.signature(slurm_class).parameters
-    unknown = sorted(set(kwargs) - set(parameters))
-    if unknown:
+    if unknown := sorted(set(kwargs) - set(parameters)):
         raise UserError(f"slurm resolver: unknown argument(s) {unknown}; use some of {', '.join(parameters)}")
     _check_slurm_env(kwargs)
     gpus_per_node = kwargs.get("gpus_per_node")
@@ -280,12 +230,8 @@ def _slurm_resolver(kwargs: dict[str, Any]) -> Any:
 
 
 def _check_own_node(resolver: Any) -> None:
-    """Refuses an address on another node than the one this task runs on (SLURMD_NODENAME).
-
-    TensorFlow's resolver numbers the tasks through the nodes in the sorted order of their
-    names (node10 before node9), SLURM through its own node order (node9 before node10);
-    where the two differ, tasks would claim each other's addresses and the cluster never forms.
-    """
+    """Refuses an address on another node than this task's (SLURMD_NODENAME): TensorFlow numbers the tasks
+    through the nodes in sorted name order, SLURM in its own; where they differ the cluster never forms."""
     node = os.environ.get("SLURMD_NODENAME")  # set by slurmd in every task
     address = resolver.cluster_spec().task_address(resolver.task_type, resolver.task_id)
     host = address.rpartition(":")[0]
@@ -307,8 +253,7 @@ def _check_slurm_env(kwargs: dict[str, Any]) -> None:
         needed.append("SLURM_STEP_NODELIST")
     if kwargs.get("tasks_per_node") is None:
         needed.append("SLURM_STEP_TASKS_PER_NODE")
-    missing = [name for name in needed if name not in os.environ]
-    if missing:
+    if missing := [name for name in needed if name not in os.environ]:
         raise UserError(
             f"slurm resolver chosen but {', '.join(missing)} not set: "
             "run inside an sbatch/srun job or use cluster_resolver='tf_config'"
@@ -320,12 +265,8 @@ def _gpus_visible() -> bool:
 
 
 def _cpu_slurm_resolver(slurm_class: Any, kwargs: dict[str, Any]) -> Any:
-    """Resolves the Slurm cluster with one pretend GPU slot per task, then reports no GPUs.
-
-    TF's resolver gives a task a port only together with a GPU slot, and divides
-    by gpus_per_task, so CPU tasks need slots; the frozen resolver then reports
-    no accelerators, so strategies place the work on the CPU.
-    """
+    """The Slurm cluster resolved with one pretend GPU slot per task (TF's resolver gives a port only with a
+    GPU slot), frozen into a resolver that reports no accelerators, so strategies use the CPU."""
     import tensorflow as tf
 
     jobs = kwargs.get("jobs")

@@ -1,8 +1,5 @@
-"""Physical and logical device setup, done once before TensorFlow initialises its runtime.
-
-Logical devices let one CPU (or one GPU) stand in for several replicas, which is how
-`mirrored.gin` gets 2 replicas on a laptop and how the tests run multi-device code.
-"""
+"""Physical and logical device setup, done once before TensorFlow initialises its runtime: logical devices
+let one CPU (or GPU) stand in for several replicas (`mirrored.gin` on a laptop, the multi-device tests)."""
 
 from __future__ import annotations
 
@@ -16,28 +13,16 @@ from trainer.validation import check_bool, check_int, check_ints
 
 @dataclasses.dataclass(frozen=True)
 class DeviceConfig:
-    """What to do with the devices before the first op runs.
+    """What to do with the devices before the first op runs."""
 
-    Attributes:
-      gpu_memory_growth: allocate GPU memory as needed instead of all at once.
-      visible_gpus: indices of the physical GPUs to use; None keeps all.
-      logical_gpus_per_gpu: split each visible GPU into this many logical GPUs (0 = no split).
-      logical_gpu_memory_mb: memory limit of each logical GPU (required with a split).
-      logical_cpus: split the CPU into this many logical CPUs (0 = no split).
-      logical_cpus_without_gpu: like `logical_cpus`, but only when no GPU is visible,
-        so one config gives N replicas on a laptop and uses the GPUs on a GPU machine.
-      log_device_placement: log the device of every op (verbose).
-      soft_placement: fall back to a supported device when an op cannot run where asked.
-    """
-
-    gpu_memory_growth: bool = True
-    visible_gpus: tuple[int, ...] | None = None
-    logical_gpus_per_gpu: int = 0
-    logical_gpu_memory_mb: int | None = None
-    logical_cpus: int = 0
-    logical_cpus_without_gpu: int = 0
+    gpu_memory_growth: bool = True  # allocate GPU memory as needed instead of all at once
+    visible_gpus: tuple[int, ...] | None = None  # indices of the physical GPUs to use; None keeps all
+    logical_gpus_per_gpu: int = 0  # split each visible GPU into this many (0: no split)
+    logical_gpu_memory_mb: int | None = None  # memory of each logical GPU (required with a split)
+    logical_cpus: int = 0  # split the CPU into this many (0: no split)
+    logical_cpus_without_gpu: int = 0  # the same, only where no GPU is visible (N replicas on a laptop)
     log_device_placement: bool = False
-    soft_placement: bool = True
+    soft_placement: bool = True  # fall back to a supported device when an op cannot run where asked
 
     def __post_init__(self) -> None:
         for name in ("gpu_memory_growth", "log_device_placement", "soft_placement"):
@@ -49,7 +34,6 @@ class DeviceConfig:
 
 
 def configure_devices(config: DeviceConfig) -> None:
-    """Applies `config`; raises UserError if TensorFlow's runtime is already up or values are off."""
     try:
         _configure(config)
     except RuntimeError as e:
@@ -59,8 +43,7 @@ def configure_devices(config: DeviceConfig) -> None:
 def _configure(config: DeviceConfig) -> None:
     gpus = tf.config.list_physical_devices("GPU")
     if config.visible_gpus is not None:
-        bad = [i for i in config.visible_gpus if not 0 <= i < len(gpus)]
-        if bad:
+        if bad := [i for i in config.visible_gpus if not 0 <= i < len(gpus)]:
             raise UserError(
                 f"visible_gpus {list(config.visible_gpus)} names GPU {bad[0]} but this machine has "
                 f"{len(gpus)} GPU(s); pick indices in 0..{len(gpus) - 1} or leave visible_gpus unset"
@@ -70,12 +53,9 @@ def _configure(config: DeviceConfig) -> None:
     if config.logical_gpus_per_gpu > 0 and gpus:
         if not config.logical_gpu_memory_mb:
             raise UserError("logical_gpus_per_gpu needs logical_gpu_memory_mb (memory per logical GPU in MB)")
+        logical = tf.config.LogicalDeviceConfiguration(memory_limit=config.logical_gpu_memory_mb)
         for gpu in gpus:
-            tf.config.set_logical_device_configuration(
-                gpu,
-                [tf.config.LogicalDeviceConfiguration(memory_limit=config.logical_gpu_memory_mb)]
-                * config.logical_gpus_per_gpu,
-            )
+            tf.config.set_logical_device_configuration(gpu, [logical] * config.logical_gpus_per_gpu)
     elif config.gpu_memory_growth:
         for gpu in gpus:
             tf.config.experimental.set_memory_growth(gpu, True)

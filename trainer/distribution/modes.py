@@ -1,13 +1,8 @@
 """What each strategy can do: the one place that decides capabilities.
 
-A feature that does not work under every strategy says what it needs as a `Support` (for
-example `SYNCHRONOUS`), and `require` checks that against the run's strategy, before anything
-is built, with one wording for every refusal. Code that behaves differently per strategy asks
-the run's `Mode` (`mode.synchronous`, `mode.aggregates_variables`, ...) instead of comparing
-strategy names or types; `of` maps a strategy object back to its mode.
-
-This module imports no TensorFlow at import time: entry points read it before TensorFlow
-starts (an embedded parameter-server cluster is decided from the gin text alone).
+A feature that does not work under every strategy states a `Support` (e.g. `SYNCHRONOUS`) that `require`
+checks before anything is built, in one wording; code that differs per strategy asks the run's `Mode`
+instead of comparing strategy names or types. No TensorFlow at import: entry points read this before it starts.
 """
 
 from __future__ import annotations
@@ -20,26 +15,17 @@ from trainer.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """One strategy name and what training under it is like.
-
-    Attributes:
-      name: the `train.strategy` value.
-      synchronous: every step is one update that all replicas agree on (all but parameter_server).
-      multi_worker: it may span processes described by TF_CONFIG or SLURM.
-      task_types: the cluster task types it can use.
-      one_device: one replica, no cross-device sum (the optimizer update may compile with the step).
-      aggregates_variables: with several replicas each variable is one AggregatingVariable, whose
-        replica-context updates need an aggregation (layer state, see trainer/task/layer_state.py).
-      coordinates_workers: the training program only coordinates; remote workers run the steps.
-    """
+    """One `train.strategy` name and what training under it is like."""
 
     name: str
-    synchronous: bool = True
-    multi_worker: bool = False
+    synchronous: bool = True  # every step is one update all replicas agree on
+    multi_worker: bool = False  # it may span processes (TF_CONFIG or SLURM)
     task_types: frozenset[str] = frozenset({"chief", "worker"})
-    one_device: bool = False
+    one_device: bool = False  # one replica, no cross-device sum (the update may compile with the step)
+    # With several replicas each variable is one AggregatingVariable, whose replica-context updates need an
+    # aggregation (trainer/task/layer_state.py).
     aggregates_variables: bool = False
-    coordinates_workers: bool = False
+    coordinates_workers: bool = False  # the program only coordinates; remote workers run the steps
 
 
 MODES: dict[str, Mode] = {
@@ -65,7 +51,6 @@ STRATEGY_NAMES = tuple(MODES)
 
 
 def get(name: str) -> Mode:
-    """The mode of strategy `name`; an unknown name is one UserError line."""
     if not isinstance(name, str) or name not in MODES:
         raise UserError(f"unknown train.strategy {name!r}: use one of {', '.join(map(repr, STRATEGY_NAMES))}")
     return MODES[name]
@@ -75,36 +60,16 @@ def of(strategy: Any) -> Mode:
     """The mode a strategy object runs in (TensorFlow's default strategy: 'default')."""
     import tensorflow as tf
 
-    kinds = (
-        (
-            (
-                tf.distribute.experimental.ParameterServerStrategy,
-                tf.compat.v1.distribute.experimental.ParameterServerStrategy,
-            ),
-            "parameter_server",
-        ),
-        (
-            (
-                tf.distribute.MultiWorkerMirroredStrategy,
-                tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy,
-            ),
-            "multi_worker_mirrored",
-        ),
-        (
-            (
-                tf.distribute.experimental.CentralStorageStrategy,
-                tf.compat.v1.distribute.experimental.CentralStorageStrategy,
-            ),
-            "central_storage",
-        ),
-        ((tf.distribute.OneDeviceStrategy,), "one_device"),
-        ((tf.distribute.TPUStrategy,), "tpu"),
-        ((tf.distribute.MirroredStrategy,), "mirrored"),
+    v1 = tf.compat.v1.distribute.experimental
+    kinds = (  # subclasses before their base classes (MirroredStrategy last)
+        ("parameter_server", tf.distribute.experimental.ParameterServerStrategy, v1.ParameterServerStrategy),
+        ("multi_worker_mirrored", tf.distribute.MultiWorkerMirroredStrategy, v1.MultiWorkerMirroredStrategy),
+        ("central_storage", tf.distribute.experimental.CentralStorageStrategy, v1.CentralStorageStrategy),
+        ("one_device", tf.distribute.OneDeviceStrategy),
+        ("tpu", tf.distribute.TPUStrategy),
+        ("mirrored", tf.distribute.MirroredStrategy),
     )
-    for types, name in kinds:
-        if isinstance(strategy, types):
-            return MODES[name]
-    return MODES["default"]
+    return next((MODES[name] for name, *types in kinds if isinstance(strategy, tuple(types))), MODES["default"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +84,8 @@ class Support:
 
 
 def support(names: Iterable[str], description: str) -> Support:
-    """A `Support` of the given strategy names (each checked)."""
     names = frozenset(names)
-    unknown = sorted(names - set(MODES))
-    if unknown:
+    if unknown := sorted(names - set(MODES)):
         raise ValueError(f"unknown strategies {unknown} in a Support; known: {', '.join(STRATEGY_NAMES)}")
     return Support(names, description)
 
@@ -132,11 +95,8 @@ SYNCHRONOUS = support((m.name for m in MODES.values() if m.synchronous), "the sy
 
 
 def require(setting: str, needs: Support, strategy: str, *, reason: str = "", fix: str = "") -> None:
-    """Refuses `setting` under `strategy` unless `needs` holds it, in the one wording of every refusal:
-
-    `<setting> is not supported with <strategy> (<reason>); it works with <support>: <fix>`
-    (the fix defaults to unsetting it).
-    """
+    """Refuses `setting` under `strategy` unless `needs` holds it, in the one wording of every refusal
+    (the fix defaults to unsetting it)."""
     if strategy in needs:
         return
     because = f" ({reason})" if reason else ""

@@ -1,23 +1,13 @@
 """A private network namespace with only loopback, for clusters that run on this machine.
 
-TensorFlow's gRPC servers listen on `0.0.0.0:<port>` whatever host the cluster spec names,
-unauthenticated, and run any graph sent to them (docs/design.md, rule 12). A local cluster (the
-embedded ParameterServer cluster, `trainer.launch`) only talks over loopback, so it runs in
-a network namespace of its own: there its servers still listen on every address, but the
-only interface is `lo`, invisible from the host's network and from its other processes.
-
-Unprivileged Linux allows this through a user namespace (`unshare -rn` does the same): the
-process unshares a user and a network namespace, maps its own user and group ids onto
-themselves (files keep the invoking user's ownership; other users' files show as owned by
-`nobody`, and root's override of their permissions does not reach them), and brings `lo`
-up (it starts down) with the capability it holds in its new user namespace. Children
-inherit the namespace; the filesystem, pids and signals are the host's.
-
-A user namespace can only be entered by a single-threaded process, so `enter` runs before
-TensorFlow loads (it starts threads); a process that has loaded it re-executes itself with
-`REQUEST` set, and the new image enters at its first line (`enter_if_requested`). Where
-none of this is possible (not Linux, user namespaces disabled), one `warning:` line says
-what is exposed and how to close it, and the run goes on as before.
+TensorFlow's gRPC servers listen on `0.0.0.0:<port>` whatever the cluster spec names, unauthenticated, and
+run any graph sent to them (docs/design.md, rule 12). A local cluster only talks over loopback, so it runs
+in a network namespace whose only interface is `lo`. Unprivileged Linux allows this through a user
+namespace (as `unshare -rn`): own uid/gid mapped onto themselves (files keep their owner), `lo` brought up;
+children inherit it, the filesystem, pids and signals are the host's. Only a single-threaded process can
+enter, so `enter` runs before TensorFlow loads (it starts threads); a process that has loaded it
+re-executes itself with `REQUEST` set and the new image enters at its first line (`enter_if_requested`).
+Where none of this is possible, one `warning:` line says what is exposed and how to close it.
 """
 
 from __future__ import annotations
@@ -31,9 +21,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-# The process's state, in its environment so children and a re-executed image see it:
-# "enter" asks the next image to enter; "net:[inode]" means inside that namespace;
-# "exposed" means entering failed and the warning has been printed.
+# The process's state, in its environment for children and a re-executed image: "enter" asks the next image
+# to enter; "net:[inode]" means inside that namespace; "exposed": entering failed and the warning was printed.
 STATE_ENV = "TRAINER_PRIVATE_NETWORK"
 REQUEST = "enter"
 EXPOSED = "exposed"
@@ -54,17 +43,13 @@ def _current_namespace() -> str:
 
 
 def is_private() -> bool:
-    """Whether this process runs in the private namespace its environment records."""
     state = os.environ.get(STATE_ENV, "")
     return state.startswith("net:") and sys.platform == "linux" and state == _current_namespace()
 
 
 def enter() -> None:
-    """Moves this (single-threaded) process into a new user + network namespace, `lo` up.
-
-    Raises Unavailable, the process unchanged, where the kernel refuses. A failure after
-    that (the process would be in a namespace without a working `lo`) is a RuntimeError.
-    """
+    """Moves this (single-threaded) process into a new user + network namespace, `lo` up; Unavailable (the
+    process unchanged) where the kernel refuses, RuntimeError where `lo` then cannot be set up."""
     if sys.platform != "linux":
         raise Unavailable(f"network namespaces are Linux-only (this is {sys.platform})")
     if len(os.listdir("/proc/self/task")) > 1:
@@ -72,8 +57,7 @@ def enter() -> None:
     uid, gid = os.getuid(), os.getgid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-        error = ctypes.get_errno()
-        raise Unavailable(f"unshare(CLONE_NEWUSER|CLONE_NEWNET) failed: {os.strerror(error)}")
+        raise Unavailable(f"unshare(CLONE_NEWUSER|CLONE_NEWNET) failed: {os.strerror(ctypes.get_errno())}")
     try:
         _map_ids(uid, gid)
         _bring_loopback_up()
@@ -83,10 +67,7 @@ def enter() -> None:
 
 
 def _map_ids(uid: int, gid: int) -> None:
-    """Maps our own uid and gid onto themselves: files keep the invoking user's ownership.
-
-    Only one id each: mapping more needs a helper in the parent namespace (newuidmap).
-    """
+    """Maps our own uid and gid onto themselves (only one id each: more needs newuidmap)."""
     _write("/proc/self/setgroups", "deny")  # required before an unprivileged gid_map
     _write("/proc/self/uid_map", f"{uid} {uid} 1")
     _write("/proc/self/gid_map", f"{gid} {gid} 1")
@@ -106,7 +87,6 @@ def _bring_loopback_up() -> None:
 
 
 def warn_exposed(what: str, reason: str) -> None:
-    """The one `warning:` line of a run that stays reachable from the network."""
     os.environ[STATE_ENV] = EXPOSED
     print(
         f"warning: {what} is reachable from the network: its TensorFlow servers listen on all "
@@ -119,10 +99,7 @@ def warn_exposed(what: str, reason: str) -> None:
 
 
 def isolate(what: str) -> bool:
-    """Enters the private namespace now (call before TensorFlow loads), or warns once.
-
-    Returns whether the process (and so every child it starts) is isolated.
-    """
+    """Enters the private namespace now (before TensorFlow loads), or warns once; whether it is isolated."""
     if is_private():
         return True
     if os.environ.get(STATE_ENV) == EXPOSED:
@@ -136,11 +113,8 @@ def isolate(what: str) -> bool:
 
 
 def enter_if_requested(what: str) -> None:
-    """An entry point's first line: enters if the image that exec'd this one asked to.
-
-    Also records whether this process could re-execute itself into a namespace later:
-    only if this ran while the process was still single-threaded (before TensorFlow).
-    """
+    """An entry point's first line: enters if the image that exec'd this one asked to, and records whether
+    this process could re-execute itself into one later (only if still single-threaded here)."""
     global _can_reexec
     _can_reexec = len(os.listdir("/proc/self/task")) == 1 if sys.platform == "linux" else False
     if os.environ.get(STATE_ENV) == REQUEST:
@@ -170,17 +144,12 @@ def can_enter() -> str | None:
 
 
 def reexec_isolated(what: str, extra_args: Sequence[str] = ()) -> None:
-    """Replaces this process (same pid, argv + `extra_args`, environment) by one that enters.
-
-    For a process that has started threads, whose entry point called `enter_if_requested`
-    at its first line. Returns (after the one warning) where entering is impossible.
-    """
+    """Replaces this process (same pid, argv + `extra_args`) by one that enters, for a process with threads
+    whose entry point called `enter_if_requested`; returns (after the one warning) where that is impossible."""
     if is_private() or os.environ.get(STATE_ENV) == EXPOSED:
         return
-    reason = (
-        can_enter() if _can_reexec else ("this entry point does not re-execute itself into one before TensorFlow loads")
-    )
-    if reason is not None:
+    no_reexec = "this entry point does not re-execute itself into one before TensorFlow loads"
+    if (reason := can_enter() if _can_reexec else no_reexec) is not None:
         warn_exposed(what, reason)
         return
     os.environ[STATE_ENV] = REQUEST

@@ -18,17 +18,8 @@ def make_strategy(
     variable_partitioner=None,
     tpu: str = "",
 ) -> tf.distribute.Strategy:
-    """Returns the strategy called `name`, on the devices set up by `trainer.devices`.
-
-    Args:
-      name: one of `modes.STRATEGY_NAMES`.
-      cluster_resolver: where the cluster comes from for the multi-worker strategies
-        (TF_CONFIG when None).
-      collective_timeout_secs: MultiWorkerMirrored only: a collective that waits longer
-        fails, so a dead peer becomes an error instead of a hang.
-      variable_partitioner: ParameterServer only: shards variables across ps tasks.
-      tpu: TPU name or address for `TPUClusterResolver` ('' = the local/default TPU).
-    """
+    """The strategy called `name` on the configured devices. `collective_timeout_secs` (MWMS) makes a dead
+    peer an error instead of a hang; `tpu` is a TPU name or address ('' = the local one)."""
     mode = modes.get(name)
     if variable_partitioner is not None and not mode.coordinates_workers:
         raise UserError(
@@ -53,10 +44,7 @@ def make_strategy(
 
 
 def _parameter_server_strategy(resolver, variable_partitioner) -> tf.distribute.Strategy:
-    """ParameterServerStrategy for the coordinator (task `chief`), checked before TF connects.
-
-    Workers and ps tasks do not run the training program: they run `python -m trainer.server`.
-    """
+    """ParameterServerStrategy for the coordinator (task `chief`), checked before TF connects."""
     if resolver is None:
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     jobs = resolver.cluster_spec().as_dict()

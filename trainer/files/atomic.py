@@ -7,7 +7,6 @@ import tempfile
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    """Writes to a temp file beside `path`, then renames, so readers never see half a file."""
     directory = os.path.dirname(path) or "."
     fd, temp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
     try:

@@ -10,7 +10,6 @@ from trainer.files import run_record
 
 
 def check_model_dir(model_dir: str) -> None:
-    """Raises UserError if `model_dir` cannot hold a run; creates nothing."""
     if not model_dir:
         raise UserError("model_dir is empty; pass --model_dir=DIR")
     if os.path.exists(model_dir):
@@ -27,7 +26,7 @@ def check_model_dir(model_dir: str) -> None:
 
 
 def _can_write_in(directory: str) -> bool:
-    """Tries it (permission bits say nothing for root or read-only mounts); leaves nothing."""
+    # Tried, not read from permission bits: they say nothing for root or read-only mounts.
     try:
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".trainer-probe-")
     except OSError:

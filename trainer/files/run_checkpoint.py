@@ -1,11 +1,6 @@
-"""The run's checkpoint: the task's state and the extensions' items, restored strictly, and each
-extension's own JSON state, restored where the checkpoint has it.
-
-A checkpoint that lacks a model variable or an extension's item (an EMA turned on in the middle
-of a run) cannot continue that run exactly, so that is refused. An extension's own state (early
-stopping's history, the best-k ranking) is different: a checkpoint written before the extension
-was turned on simply has none, and the extension starts afresh. So the state goes under one key,
-`extension_state/<name>`, read apart from the rest.
+"""The run's checkpoint: the task's state and the extensions' items, restored strictly (one that lacks an
+item, such as an EMA turned on mid-run, cannot continue the run exactly), and each extension's own JSON
+state under `extension_state/<name>`, restored where the checkpoint has it (else the extension starts afresh).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The run record: what a run was started with, kept to refuse a resume that would silently differ.
-
-Written once by the chief at step 0 as `model_dir/run_record.json` (operative config,
-versions, strategy, replica and worker counts, global batch size, model variables) and never
-overwritten. A later start that changes the global batch size, the replica count or the
-model's variables is refused with a message naming the difference, unless allowed.
-"""
+"""The run record: what a run was started with (`model_dir/run_record.json`, written once by the chief), kept
+to refuse a resume that changes the global batch size, the replica count or the model's variables."""
 
 from __future__ import annotations
 
@@ -21,16 +16,13 @@ from trainer.files.atomic import write_text_atomic
 from trainer.task.structure import named
 
 RECORD_FILE = "run_record.json"
-CHECKED = ("global_batch_size", "num_replicas", "model_variables")
 
 
 def variable_shapes(models) -> dict[str, list[int]]:
-    """Name -> shape of every model variable (Keras path, or tf.Module variable name); for a
-    dict of models each name starts with the model's key (`generator/dense/kernel`)."""
+    """Name -> shape of every model variable; in a dict of models the key leads (`generator/dense/kernel`)."""
     shapes = {}
     for key, model in named(models, default="").items():
-        variables = list(model.trainable_variables) + list(getattr(model, "non_trainable_variables", []))
-        for v in variables:
+        for v in [*model.trainable_variables, *getattr(model, "non_trainable_variables", [])]:
             name = getattr(v, "path", None) or v.name
             shapes[f"{key}/{name}" if key else name] = [int(d) for d in v.shape]
     return shapes
@@ -66,16 +58,12 @@ def write_record(model_dir: str, record: dict) -> None:
 
 
 def differences(recorded: dict, current: dict) -> list[str]:
-    """What a resume would change, in words; empty when nothing checked differs."""
-    found = []
-    for key in ("global_batch_size", "num_replicas"):
-        if recorded.get(key) != current[key]:
-            found.append(f"{key} {recorded.get(key)} -> {current[key]}")
+    """What a resume would change, in words."""
+    keys = ("global_batch_size", "num_replicas")
+    found = [f"{key} {recorded.get(key)} -> {current[key]}" for key in keys if recorded.get(key) != current[key]]
     old, new = recorded.get("model_variables", {}), current["model_variables"]
-    for name in sorted(set(old) | set(new)):
-        if old.get(name) != new.get(name):
-            found.append(f"variable {name} {old.get(name, 'absent')} -> {new.get(name, 'absent')}")
-    return found
+    names = [name for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+    return found + [f"variable {name} {old.get(name, 'absent')} -> {new.get(name, 'absent')}" for name in names]
 
 
 def check_resume(model_dir: str, current: dict, *, allow_changes: bool) -> None:
@@ -83,8 +71,7 @@ def check_resume(model_dir: str, current: dict, *, allow_changes: bool) -> None:
     recorded = read_record(model_dir)
     if recorded is None or allow_changes:
         return
-    found = differences(recorded, current)
-    if found:
+    if found := differences(recorded, current):
         shown = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
         raise UserError(
             f"model_dir {model_dir} was started with other settings ({shown}); resume with the "

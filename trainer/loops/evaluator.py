@@ -1,8 +1,4 @@
-"""The eval pass: every example of an eval split once, in one compiled call.
-
-The eval step returns per-replica SUMS (divided here by `num_examples`, its own or, if it
-returns none, the weight of the batch's real examples), and/or updates Keras metric objects.
-"""
+"""The eval pass: every example of an eval split once, in one compiled call."""
 
 from __future__ import annotations
 
@@ -15,6 +11,7 @@ from trainer.errors import UserError
 from trainer.loops.totals import ReplicaTotals
 from trainer.safety import tracing
 from trainer.task import contract
+from trainer.task.contract import function_name
 from trainer.task.user_code import call_user, placed
 
 StepFn = Callable[..., Mapping[str, tf.Tensor]]
@@ -22,23 +19,19 @@ WEIGHT_KEY = "__weight__"  # the real examples of a batch, counted by the loop i
 
 
 def make_metrics(eval_metrics_fn: Callable | None) -> dict[str, keras.metrics.Metric] | None:
-    """`eval_metrics_fn()` (call it under the scope the metrics must live in), checked to be a dict
-    of names to metric objects; None without a function."""
+    """`eval_metrics_fn()` (called under the metrics' scope), checked to be a dict of names to metrics."""
     if eval_metrics_fn is None:
         return None
     metrics = eval_metrics_fn()
-    name = getattr(eval_metrics_fn, "__name__", type(eval_metrics_fn).__name__)
     if not isinstance(metrics, Mapping) or not all(
         isinstance(k, str) and all(callable(getattr(m, a, None)) for a in ("update_state", "result", "reset_state"))
         for k, m in metrics.items()
     ):
-        shown = (
-            type(metrics).__name__
-            if not isinstance(metrics, Mapping)
-            else "{" + ", ".join(f"{k!r}: {type(m).__name__}" for k, m in metrics.items()) + "}"
-        )
+        shown = type(metrics).__name__
+        if isinstance(metrics, Mapping):
+            shown = "{" + ", ".join(f"{k!r}: {type(m).__name__}" for k, m in metrics.items()) + "}"
         raise UserError(
-            f"train.eval_metrics_fn {name} returned {shown}; return a dict of names to Keras metrics, "
+            f"train.eval_metrics_fn {function_name(eval_metrics_fn)} returned {shown}; return a dict of names to Keras metrics, "
             "e.g. {'auc': keras.metrics.AUC()}"
         )
     return dict(metrics)
@@ -57,14 +50,9 @@ def metric_results(metrics: Mapping[str, keras.metrics.Metric]) -> dict[str, flo
 
 
 class Evaluator:
-    """One pass over an eval split, every example once.
-
-    The eval step returns per-replica SUMS (divided here by `num_examples`, its own or, if it
-    returns none, the weight of the batch's real examples; an output `x` by the output
-    `x/denominator` where the step returns one), and/or updates the Keras metric
-    objects it gets as `metrics` (if it declares that parameter): they are reset before the
-    pass, updated in replica context, and read once after it.
-    """
+    """One pass over an eval split. The eval step returns per-replica SUMS (divided by `num_examples`, its own
+    or the weight of the real examples, or `x` by `x/denominator`), and/or updates the Keras metrics it gets
+    as `metrics` (reset before the pass, read once after it)."""
 
     def __init__(
         self,
@@ -84,25 +72,20 @@ class Evaluator:
         if self._metrics and not takes_metrics:
             raise UserError(
                 f"train.eval_metrics_fn gives metrics {sorted(self._metrics)} but train.eval_step_fn "
-                f"{getattr(eval_step_fn, '__name__', eval_step_fn)} takes no `metrics` parameter; "
+                f"{function_name(eval_step_fn)} takes no `metrics` parameter; "
                 "declare eval_step_fn(model, batch, metrics) and update them there"
             )
-        self._step_name = getattr(eval_step_fn, "__name__", type(eval_step_fn).__name__)
+        self._step_name = function_name(eval_step_fn)
 
         def replica_fn(batch):
             batch = placed(batch)
-            outputs = (
-                call_user(eval_step_fn, model, batch, self._metrics)
-                if takes_metrics
-                else call_user(eval_step_fn, model, batch)
-            )
+            outputs = call_user(eval_step_fn, model, batch, *([self._metrics] if takes_metrics else []))
             if not isinstance(outputs, Mapping):
                 raise UserError(
                     f"train.eval_step_fn {self._step_name} returned {type(outputs).__name__}; return "
                     "a dict of per-replica sums with 'num_examples' (or {} when it only updates metrics)"
                 )
-            weight = batch[-1]
-            return dict(outputs) | {WEIGHT_KEY: tf.reduce_sum(tf.cast(weight, tf.float32))}
+            return dict(outputs) | {WEIGHT_KEY: tf.reduce_sum(tf.cast(batch[-1], tf.float32))}
 
         totals = ReplicaTotals(strategy, replica_fn, "train.eval_step_fn", count_finite=False)
 
@@ -112,9 +95,8 @@ class Evaluator:
         self._eval_batches = tf.function(eval_batches, autograph=False)
 
     def trace(self) -> tuple[str, ...]:
-        """Traces the eval pass on the real batch spec now (the trace `evaluate` reuses) and checks
-        what the eval step returns, before anything is written; returns the names of the results
-        (the step's means and the metrics' results, without `num_examples`)."""
+        """Traces the eval pass now (the trace `evaluate` reuses) and checks what the step returns, before
+        anything is written; the names of the results, without `num_examples`."""
         concrete = tracing.traced(
             "train.eval_step_fn",
             self._step_name,
@@ -145,7 +127,6 @@ class Evaluator:
             )
 
     def evaluate(self) -> dict[str, float]:
-        """Per-example means of the step's sums, each metric's result, and `num_examples`."""
         for metric in self._metrics.values():
             metric.reset_state()
         totals = self._eval_batches(iter(self._dataset), tf.constant(self._num_batches, tf.int32))

@@ -1,22 +1,12 @@
-"""`tf.summary` calls inside the step (scalar, histogram, image, ...): written to the chief's
-train event file every `train.log_every_steps` steps under every synchronous strategy, refused in
-one line under parameter_server.
+"""`tf.summary` calls inside the step: written to the chief's train event file every `train.log_every_steps`
+steps under every synchronous strategy, refused in one line under parameter_server.
 
-How. TensorFlow writes a summary op only if a default writer is set when the op is traced, so
-the train loop traces its compiled function inside `StepSummaries.recording`: on the chief, the
-train event writer of model_dir (the one the train records go to, trainer/files/event_writers.py)
-is the default writer, the default step is a counter that is the global step of the step running,
-and recording is on only where that step is a multiple of `every_steps`: the step's summaries land
-at the steps of the train records. Each summary op sits in a `tf.cond` whose branch (the summary's
-own computation too, such as a histogram's buckets) runs only on those steps; the other steps pay
-the counter's increment and the false condition. Other workers (MultiWorkerMirrored) trace with
-a no-op writer, under which TensorFlow traces no summary op at all.
-
-Which replica. In replica context TensorFlow records a summary from replica 0 only (every
-`tf.distribute.ReplicaContext` makes recording conditional on `replica_id_in_sync_group == 0`),
-so under MirroredStrategy and MultiWorkerMirrored the values written are those of the first
-replica: its own batch, and a loss scaled by `compute_average_loss` is its share of the
-global-batch mean (the loop's own `loss` record is the SUM over replicas).
+TensorFlow writes a summary op only if a default writer is set when the op is traced, so the train loop
+traces inside `StepSummaries.recording`: on the chief, the train event writer is the default, the default
+step a counter that is the global step of the step running, and recording on only where it is a multiple of
+`every_steps`; each summary op (and its computation) sits in a `tf.cond` that runs only on those steps.
+Other workers trace with a no-op writer, under which no summary op is traced. In replica context TensorFlow
+records from replica 0 only: the values written are the first replica's (its batch, its share of a loss).
 """
 
 from __future__ import annotations
@@ -31,11 +21,8 @@ from trainer.files.event_writers import EventWriter
 
 
 class StepSummaries:
-    """The default summary writer, step and recording condition of the train loop's trace.
-
-    `writer`: the chief's train `EventWriter`; a no-op writer on other workers; None where the
-    loop has no model_dir (nothing is recorded, as without this class).
-    """
+    """The default summary writer, step and recording condition of the train loop's trace. `writer`: the
+    chief's train `EventWriter`; a no-op writer on other workers; None without a model_dir."""
 
     def __init__(self, writer: tf.summary.SummaryWriter | None, every_steps: int):
         self._writer = writer
@@ -46,8 +33,7 @@ class StepSummaries:
 
     @contextlib.contextmanager
     def recording(self, global_step: tf.Variable) -> Iterator[Callable[[], None]]:
-        """Around the body of the compiled loop (cross-replica context), starting at `global_step`;
-        yields `advance`, to call before each step."""
+        """Around the compiled loop's body, from `global_step`; yields `advance`, to call before each step."""
         if self._step is None:
             with self._writer.as_default() if self._writer is not None else contextlib.nullcontext():
                 yield lambda: None
@@ -58,14 +44,12 @@ class StepSummaries:
             yield lambda: step.assign_add(1)
 
     def start(self) -> None:
-        """Before the first loop call: the writer's event file (after the run's checks)."""
         if isinstance(self._writer, EventWriter):
             self._writer.init()
 
 
 def writes_summaries(concrete_function) -> bool:
-    """Whether a traced function writes summaries (its graph or any function it calls: loop and
-    branch bodies, nested tf.functions)."""
+    """Whether a traced function (or any function it calls) writes summaries."""
     graph = concrete_function.graph.as_graph_def()
     nodes = [*graph.node, *(node for function in graph.library.function for node in function.node_def)]
     return any(node.op.startswith("Write") and node.op.endswith("Summary") for node in nodes)
@@ -73,8 +57,7 @@ def writes_summaries(concrete_function) -> bool:
 
 @contextlib.contextmanager
 def tracing_for_summaries() -> Iterator[None]:
-    """A writer that is never created as the default writer, recording on: traced under it, a
-    step's summary calls become summary ops (`writes_summaries`) instead of nothing."""
+    """A default writer never created, recording on: a step traced under it has its summary ops."""
     with EventWriter("never-created").as_default(step=0), tf.summary.record_if(True):
         yield
 

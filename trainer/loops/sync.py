@@ -1,10 +1,5 @@
-"""The synchronous train loop: several train steps per compiled call.
-
-Each call runs `num_steps` steps on device in a graph while loop (the count a tensor, so a new
-count never retraces), calls the step in replica context with `strategy.run`, sums its outputs
-on each replica and reduces those sums with SUM in cross-replica context once per call
-(`ReplicaTotals`). Hooks run between calls. The step's own `tf.summary` calls are recorded
-every `log_every_steps` steps (trainer/loops/step_summaries.py).
+"""The synchronous train loop: `num_steps` steps per compiled call (`ReplicaTotals`), hooks between calls;
+the step's own `tf.summary` calls recorded every `log_every_steps` steps (trainer/loops/step_summaries.py).
 """
 
 from __future__ import annotations
@@ -78,11 +73,8 @@ class TrainLoop:
         self.last_nonfinite_offset: int | None = None
 
     def run(self, num_steps: int) -> dict[str, float]:
-        """Trains `num_steps` steps; returns each output's mean over them as Python floats.
-
-        Afterwards `last_nonfinite_offset` is the 0-based index within this call of the
-        first step with a non-finite output (None if every step was finite).
-        """
+        """Trains `num_steps` steps; each output's mean over them. `last_nonfinite_offset` is then the index in
+        this call of the first step with a non-finite output (None if none)."""
         self._summaries.start()
         means, first_nonfinite = self._train_steps(self._iterator, tf.constant(num_steps, tf.int32))
         offset = int(first_nonfinite)
@@ -90,9 +82,8 @@ class TrainLoop:
         return {k: float(v) for k, v in means.items()}
 
     def trace(self, step_name: str) -> tuple[str, ...]:
-        """Traces the compiled loop on the real batch spec now (the trace the first call reuses), so
-        that a step or model that cannot take the batch is one UserError line before anything is
-        written; returns the names of the step's outputs."""
+        """Traces the compiled loop now (the trace the first call reuses), so a step that cannot take the batch is
+        one UserError line before anything is written; the names of the step's outputs."""
         concrete = tracing.traced(
             "train.step_fn",
             step_name,
@@ -107,10 +98,8 @@ class TrainLoop:
         return tuple(self._totals.names)
 
     def set_dataset(self, dataset) -> None:
-        """Continues from a new distributed dataset (after a roll-back); no retracing."""
         self._iterator = iter(dataset)
 
     @property
     def trace_count(self) -> int:
-        """How often the step function was traced (1 after the first call, if nothing retraces)."""
         return self._train_steps.experimental_get_tracing_count()

@@ -1,10 +1,7 @@
-"""A call's worth of steps on every replica: the step outputs checked, summed on each replica,
-and reduced with SUM across replicas once per call (docs/design.md, rule 3); an output the step
-declares a "mean", "max" or "min" (trainer/task/combine.py) is combined that way instead.
-
-Shared by the train loop, the eval pass and the bench's bare loop, so that all of them run
-their steps the same way: a graph while loop whose count is a tensor (a new count never
-retraces), the step in replica context through `strategy.run`.
+"""A call's worth of steps on every replica: outputs checked, summed on each replica, and reduced with SUM
+across replicas once per call (docs/design.md, rule 3), or combined as the step declares
+(trainer/task/combine.py). Shared by the train loop and the eval pass: a graph while loop whose count is a
+tensor (a new count never retraces), the step in replica context through `strategy.run`.
 """
 
 from __future__ import annotations
@@ -21,18 +18,14 @@ SUM = tf.distribute.ReduceOp.SUM
 
 
 def check_outputs(outputs, what: str = "train.step_fn") -> Mapping[str, tf.Tensor]:
-    """`outputs` if it is a dict of scalar numbers (one replica's, or any replica's local value); else UserError."""
+    """`outputs` if it is a dict of scalar numbers (one replica's local values); else UserError."""
     if not isinstance(outputs, Mapping):
         raise UserError(
             f"{what} returned {type(outputs).__name__}; return a dict of scalar tensors, e.g. {{'loss': loss}}"
         )
     for name, value in outputs.items():
-        if (
-            not isinstance(name, str)
-            or not hasattr(value, "shape")
-            or value.shape.rank != 0
-            or not (value.dtype.is_floating or value.dtype.is_integer)
-        ):
+        scalar = isinstance(name, str) and hasattr(value, "shape") and value.shape.rank == 0
+        if not (scalar and (value.dtype.is_floating or value.dtype.is_integer)):
             shown = getattr(value, "shape", type(value).__name__)
             raise UserError(
                 f"{what} output {name!r} is {shown} of {getattr(value, 'dtype', '?')}; each output must "
@@ -44,8 +37,7 @@ def check_outputs(outputs, what: str = "train.step_fn") -> Mapping[str, tf.Tenso
 def reduce_outputs(
     strategy: tf.distribute.Strategy, outputs, what: str = "train.step_fn", rule: Mapping[str, str] | None = None
 ) -> dict[str, tf.Tensor]:
-    """A step's `{name: scalar}` outputs across replicas: SUM, or as `rule` declares (refused in one
-    line if not a dict of scalars)."""
+    """A step's `{name: scalar}` outputs across replicas: SUM, or as `rule` declares."""
     if isinstance(outputs, Mapping):
         check_outputs({k: strategy.experimental_local_results(v)[0] for k, v in outputs.items()}, what)
     else:
@@ -58,7 +50,6 @@ def reduce_outputs(
 
 
 def _across_replicas(strategy: tf.distribute.Strategy, value, kind: str) -> tf.Tensor:
-    """A per-replica value (any shape) combined across replicas as `kind` says, in cross-replica context."""
     if kind == combine.SHARE:
         return strategy.reduce(SUM, value, axis=None)
     if kind == combine.MEAN:
@@ -73,12 +64,8 @@ def _across_replicas(strategy: tf.distribute.Strategy, value, kind: str) -> tf.T
 
 
 def repeated(step: Callable, num_steps: tf.Tensor):
-    """The state after `num_steps` (>= 1) calls of `step` on it, `step(None)` the first.
-
-    The first call is peeled so that the loop variables take the shapes of the step's own
-    outputs; the others are a graph while loop (bounded by their count, as AutoGraph bounds a
-    `tf.range` loop), written out because the loops trace without AutoGraph.
-    """
+    """The state after `num_steps` (>= 1) calls of `step` on it, `step(None)` the first (peeled, so the loop
+    variables take the shapes of the step's outputs); a bounded while loop, as AutoGraph would write it."""
     state = step(None)
     _, state = tf.while_loop(
         lambda i, _: i < num_steps,
@@ -92,16 +79,10 @@ def repeated(step: Callable, num_steps: tf.Tensor):
 class ReplicaTotals:
     """Sums a step's outputs over the steps of one call on each replica, reduced once per call.
 
-    For the train loop and the eval pass alike (`replica_fn` is their step in replica context,
-    `what` names it in the one-line refusal of outputs that are not a dict of scalars; eval and
-    the bench's bare loop, which have no use for it, set `count_finite=False`).
-
-    Each replica keeps its outputs' running totals as one float32 vector and counts the steps
-    after which that vector was still finite. A sum that went non-finite stays so, so the count
-    is the index of the replica's first non-finite step; the call's is the least over replicas.
-    Reducing once per call instead of once per step and output saves a cross-device (under
-    MultiWorkerMirroredStrategy a cross-process) reduction per output and step, and keeps the
-    per-step work to a few ops on one vector (docs/design.md, rule 3: still SUM, in cross-replica context).
+    Each replica keeps its totals as one float32 vector and counts the steps after which it was still finite:
+    a non-finite sum stays so, so the count is the replica's first non-finite step (the call's: the least over
+    replicas). One reduction per call instead of per step and output saves a cross-device (under MWMS a
+    cross-process) reduction per output and step (docs/design.md, rule 3). `what` names the step in refusals.
     """
 
     def __init__(
@@ -131,10 +112,8 @@ class ReplicaTotals:
     def accumulate(
         self, num_steps: tf.Tensor, next_batch: Callable[[], Any], *, after_step: Callable[[], None] | None = None
     ):
-        """The per-replica totals and finite-step counts after `num_steps` steps, each on `next_batch()`.
-
-        Call in cross-replica context; `after_step` runs there after each step's update (e.g. EMA).
-        """
+        """The per-replica totals and finite-step counts after `num_steps` steps, each on `next_batch()`, in
+        cross-replica context, where `after_step` runs after each step's update (e.g. EMA)."""
 
         def one_step(state):
             if state is None:
@@ -167,18 +146,15 @@ class ReplicaTotals:
         return tf.cast(tf.reduce_all(tf.math.is_finite(totals)), tf.int32)
 
     def sums(self, state) -> dict[str, tf.Tensor]:
-        """Each output's sum over the call's steps and the replicas (one reduce; one more per kind
-        of max and min, of those outputs only), or its mean over replicas, max or min, as declared."""
+        """Each output's sum over the call's steps and the replicas (one reduce; one more for each of max and
+        min), or its mean over replicas, max or min, as declared."""
         kinds = combine.kinds(self.rule, self.names)
         sums = self._strategy.reduce(SUM, state[0], axis=None)
         combined = {name: sums[i] for i, name in enumerate(self.names)}
         replicas = self._strategy.num_replicas_in_sync
-        for i, (name, kind) in enumerate(zip(self.names, kinds)):
-            if kind == combine.MEAN:
-                combined[name] = sums[i] / replicas
+        combined.update({name: sums[i] / replicas for i, name in enumerate(self.names) if kinds[i] == combine.MEAN})
         for extreme in (combine.MAX, combine.MIN):
-            where = [i for i, kind in enumerate(kinds) if kind == extreme]
-            if where:
+            if where := [i for i, kind in enumerate(kinds) if kind == extreme]:
                 values = _across_replicas(
                     self._strategy,
                     self._strategy.run(lambda totals, where=where: tf.gather(totals, where), args=(state[0],)),
@@ -188,7 +164,6 @@ class ReplicaTotals:
         return combined
 
     def per_interval(self, state, num_steps: tf.Tensor) -> dict[str, tf.Tensor]:
-        """What a train call reports: `sums` averaged over its `num_steps` steps, max and min as they are."""
         return combine.per_interval(self.rule, self.sums(state), tf.cast(num_steps, tf.float32))
 
     def first_nonfinite(self, state, num_steps: tf.Tensor) -> tf.Tensor:

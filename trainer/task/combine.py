@@ -1,23 +1,10 @@
 """How each step output is combined across replicas and over the steps of a log interval.
 
-By default a step output is this replica's share of a global-batch mean (a loss, an accuracy):
-the loop SUMS it over replicas and averages it over steps, and the loss-scaling guard checks
-that the sum on N replicas equals one replica's value. A diagnostic is often no such share: a
-max logit, the norm of the all-reduced gradient (the same on every replica). A step declares
-those, by output name, in plain Python:
-
-    @trainer.combine(max_logit="max", grad_norm="mean")
-    def my_step(model, optimizer, batch, global_batch_size): ...
-
-(or `my_step.combine = {"max_logit": "max", ...}`). The kinds:
-
-- "share" (the default): SUM over replicas; the mean over the steps of a log interval.
-- "mean": the MEAN over replicas (a value every replica computes alike, or a per-replica
-  figure to average); the mean over steps.
-- "max" / "min": the largest / smallest over replicas and over every step of the interval
-  (inside one compiled call of several steps and across calls alike).
-
-Only shares are checked by the guard (trainer/safety/loss_scaling.py).
+By default an output is this replica's share of a global-batch mean: SUMMED over replicas, averaged over
+steps, and checked by the loss-scaling guard. A diagnostic that is no such share (a max logit, the norm of
+the all-reduced gradient) is declared by name: `@trainer.combine(max_logit="max", grad_norm="mean")` (or
+`my_step.combine = {...}`). "mean": the MEAN over replicas, the mean over steps; "max" / "min": the extreme
+over replicas and every step of the interval.
 """
 
 from __future__ import annotations
@@ -55,8 +42,7 @@ def combine(**kinds: str) -> Callable[[F], F]:
 
 
 def rule_of(fn: Callable) -> dict[str, str]:
-    """The step's declared kinds by output name (`{}`: every output a share). Found on the function
-    or on what it wraps (`functools.wraps`, `functools.partial`, gin's wrapper)."""
+    """The step's declared kinds by output name, found on it or what it wraps (`{}`: every output a share)."""
     seen = set()
     while fn is not None and id(fn) not in seen:
         seen.add(id(fn))
@@ -79,18 +65,16 @@ def check_names(rule: Mapping[str, str], names: Iterable[str], what: str) -> Non
 
 
 def kinds(rule: Mapping[str, str], names: Iterable[str]) -> list[str]:
-    """The kind of each of `names`, in order."""
     return [rule.get(name, SHARE) for name in names]
 
 
 def shares(rule: Mapping[str, str], outputs: Mapping) -> dict:
-    """The outputs that are shares of a global-batch mean (what the guard compares)."""
     return {k: v for k, v in outputs.items() if rule.get(k, SHARE) == SHARE}
 
 
 def over_steps(rule: Mapping[str, str], totals, outputs):
-    """`outputs` of one more step (or closure) added to `totals` (None at first): summed, or the
-    max/min kept for outputs so declared. Tensors or Python floats alike."""
+    """`outputs` of one more step added to `totals` (None at first): summed, or the max/min kept. Tensors or
+    Python floats alike."""
     import tensorflow as tf  # here: `import trainer` (which offers `trainer.combine`) stays free of TensorFlow
 
     if totals is None:
@@ -108,6 +92,5 @@ def over_steps(rule: Mapping[str, str], totals, outputs):
 
 
 def per_interval(rule: Mapping[str, str], totals: Mapping, num_steps) -> dict:
-    """The values a loop call reports from `over_steps` totals of `num_steps` steps: shares and
-    means averaged over the steps, max and min as they are."""
+    """`over_steps` totals of `num_steps` steps as reported: averaged, max and min as they are."""
     return {k: v if rule.get(k, SHARE) in (MAX, MIN) else v / num_steps for k, v in totals.items()}

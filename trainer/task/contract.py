@@ -1,19 +1,11 @@
 """How the loop hands its values to a function it calls: by name, else by position.
 
-The loop supplies a step `model, optimizer, batch, global_batch_size`, an eval step `model,
-batch` (and `metrics` to one that declares it), an input function `split` (and
-`input_context` to one that declares it). A function gets each value through the parameter
-of that name; failing that (only for the values the contract passes positionally), through
-the parameter at that value's position among the parameters nobody else fills. Parameters a
-binding fills (gin's, see trainer/tools/gin_functions.py, which hides them from the signature)
-are not among those: an eval step `(model, batch, training=False)` with `training` bound gets
-`model` and `batch` by name and keeps its bound `training`, where a positional call would have
-put `metrics` into it. A parameter without a default that nothing fills is one UserError line.
-
-`adapt` returns the function itself when a positional call already does exactly this (every
-step written `(model, optimizer, batch, global_batch_size, ...)`), so nothing is added to a
-traced step in the common case; otherwise a small function of the contract's parameters that
-calls it by keyword.
+A function gets each value through the parameter of that name; failing that (only for the values passed
+positionally), through the parameter at that value's position. Parameters a gin binding fills are hidden
+from the signature, so an eval step `(model, batch, training=False)` with `training` bound keeps it where a
+positional call would have put `metrics` into it. A parameter without a default that nothing fills is one
+UserError line. `adapt` returns the function itself where a positional call already does exactly this
+(nothing is added to a traced step in the common case), else a small function that calls it by keyword.
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ DENOMINATOR = "/denominator"
 `num_examples`: a weighted mean, such as the weighted accuracy sum(w * correct) / sum(w)."""
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +56,8 @@ def function_name(fn: Callable) -> str:
 
 
 def targets(fn: Callable, contract: Contract) -> dict[str, str] | None:
-    """`{contract name: parameter of fn that receives it}` for what `fn` takes (None: no signature).
-
-    Raises UserError for a parameter without a default that neither the loop nor a binding fills.
-    """
+    """`{contract name: parameter of fn that receives it}` (None: no signature); UserError for a parameter
+    without a default that neither the loop nor a binding fills."""
     signature = _signature(fn)
     if signature is None:
         return None
@@ -75,28 +66,18 @@ def targets(fn: Callable, contract: Contract) -> dict[str, str] | None:
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     found: dict[str, str] = {}
     for index, name in enumerate(contract.positional):
-        if name in params and params[name].kind not in (
-            inspect.Parameter.VAR_POSITIONAL,
-            inspect.Parameter.VAR_KEYWORD,
-        ):
+        if name in params and params[name].kind not in _VARIADIC:
             found[name] = name
         elif index < len(positional) and positional[index] not in contract.names:
             found[name] = positional[index]
         elif takes_any:
             found[name] = name
     for name in contract.by_name:
-        if (
-            name in params
-            and params[name].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        ) or takes_any:
+        if (name in params and params[name].kind not in _VARIADIC) or takes_any:
             found[name] = name
     filled = set(found.values())
     for p in params.values():
-        if (
-            p.name not in filled
-            and p.default is inspect.Parameter.empty
-            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        ):
+        if p.name not in filled and p.default is inspect.Parameter.empty and p.kind not in _VARIADIC:
             raise UserError(
                 f"{contract.what} {function_name(fn)} has parameter '{p.name}', which the loop does not fill "
                 f"(it passes {', '.join(contract.names)} by name, the first {len(contract.positional)} else by "
@@ -107,14 +88,12 @@ def targets(fn: Callable, contract: Contract) -> dict[str, str] | None:
 
 
 def takes(fn: Callable, name: str, contract: Contract) -> bool:
-    """True if `fn` receives the contract's value `name` (e.g. an eval step its `metrics`)."""
     found = targets(fn, contract)
     return found is not None and name in found
 
 
 def adapt(fn: Callable, contract: Contract) -> Callable:
-    """`fn` as a function of the contract's positional values, then the `by_name` ones it takes,
-    in that order, passing each to the parameter that receives it (see the module doc)."""
+    """`fn` as a function of the contract's positional values, then the `by_name` ones it takes."""
     found = targets(fn, contract)
     if found is None:
         return fn
@@ -125,10 +104,10 @@ def adapt(fn: Callable, contract: Contract) -> Callable:
     ):
         return fn  # `(*args, ...)` naming none of the values: it takes them by position, as it says
     order = [*contract.positional, *(n for n in contract.by_name if n in found)]
-    positional = [p.name for p in signature.parameters.values() if p.kind in _POSITIONAL]
+    positional = [p.name for p in params.values() if p.kind in _POSITIONAL]
     if all(found.get(name) == (positional[i] if i < len(positional) else None) for i, name in enumerate(order)):
         return fn  # a positional call already passes each value where it belongs
-    only_positional = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+    only_positional = [p.name for p in params.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
     by_position = [name for name in order if found.get(name) in only_positional]
     keywords = {name: found[name] for name in order if name in found and name not in by_position}
     if [found[n] for n in by_position] != only_positional[: len(by_position)]:

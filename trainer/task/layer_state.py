@@ -1,52 +1,27 @@
-"""Keras layers' non-trainable state under a distribution strategy: created so that every
-strategy can update it in replica context and every replica keeps the same value, and found
-again for the checkpoint.
+"""Keras layers' non-trainable state under a distribution strategy: created so that every strategy can update
+it in replica context and every replica keeps the same value, and found again for the checkpoint.
 
-Keras 3 creates every layer variable with `aggregation="none"`, which Keras' TF backend passes
-to `tf.Variable` as `VariableAggregation.NONE`. Layers update their non-trainable state inside
-the step, in replica context (inside `strategy.run`):
-- a random layer (Dropout, GaussianNoise, ...) owns a `SeedGenerator` whose int state
-  ('seed_generator_state') advances by `state.assign(state + [0, 1])` at every call;
-- BatchNormalization assigns new moving statistics ('moving_mean', 'moving_variance', ...)
-  computed from this replica's part of the batch.
+Keras 3 creates every layer variable with aggregation NONE, and layers update their non-trainable state in
+replica context: a random layer's `SeedGenerator` state advances by `assign(state + [0, 1])` at every call,
+BatchNormalization assigns moving statistics from this replica's part of the batch. Under mirrored /
+multi_worker_mirrored such an assign updates only this replica's copy: seed states stay equal, but moving
+statistics DRIFT APART (the checkpoint keeps one copy, so resume is not exact, and eval normalises each
+replica's examples differently). Under central_storage (and parameter_server with several replicas per
+worker) the variable is one `AggregatingVariable`, whose replica-context assign fails with NONE ("You must
+specify an aggregation method to update a AggregatingVariable in Replica Context").
 
-What an assign in replica context does to a NONE variable depends on the strategy:
-- default / one_device: a plain variable, a plain assign.
-- mirrored / multi_worker_mirrored: a MirroredVariable; the assign updates only this
-  replica's own copy. Seed states stay equal (all copies start equal and add the same +1:
-  every replica draws the same seed each step). Moving statistics DRIFT APART: each copy
-  follows its own replica's batches, the checkpoint keeps one copy (so a resumed run differs
-  from one that never stopped), and eval normalises each replica's examples with its own copy.
-- central_storage (and parameter_server with several replicas per worker): the variable is one
-  `AggregatingVariable`, whose replica-context assign must combine the replicas' values and
-  with NONE cannot: "You must specify an aggregation method to update a AggregatingVariable in
-  Replica Context" (Dropout and BatchNorm both fail).
+`model_creation_scope(strategy)`, with more than one replica in sync, creates these variables with an
+aggregation that says what the update means: floating-point state -> MEAN (every copy holds the replicas'
+average, as tf.keras' BatchNormalization did: copies never drift, resume is exact; one small all-reduce per
+statistic and step); integer state under the aggregating strategies -> ONLY_FIRST_REPLICA (replica 0's
+update written once, advancing as a mirrored copy does); under mirrored integer state stays NONE.
 
-`model_creation_scope(strategy)`, with more than one replica in sync, creates these variables
-with an aggregation that says what the update means:
-- floating-point state (moving statistics) -> MEAN: the replicas' new values are averaged and
-  every copy holds the average (as tf.keras' BatchNormalization aggregated them), so copies never
-  drift, the checkpoint holds the state of all of them, resume is exact and eval normalises every
-  example alike (measured under mirrored: equal copies after training; one small all-reduce per
-  statistic and step);
-- integer state (seed generators, counters) under the aggregating strategies -> ONLY_FIRST_REPLICA:
-  every replica reads the same state and replica 0's update is written once, so it advances as a
-  mirrored copy does; under mirrored it stays NONE (its copies already advance alike, and every
-  replica draws the same seed each step).
-With one replica it changes nothing.
-
-Losses made inside a model call (`add_loss`, activity regularisers) need the same care.
-Keras 3 keeps them in each layer's `_losses` list, cleared when the outermost call starts
-and read by `model.losses`; that list is one Python object, while the replicas of a
-MirroredStrategy or CentralStorageStrategy call the model in threads of their own. The
-threads take turns wherever a replica synchronises with the others (`merge_call`): the MEAN
-update of BatchNorm statistics above inside the model call, any assign to a CentralStorage
-variable, a cross-replica sum in a layer, `apply_gradients`. So replica 0 could clear the list,
-be paused inside the call, and later read replica 1's activity penalty with its own (measured:
-the penalty summed over 2 replicas 1.5 times one device's, and the loss-scaling guard
-stopping a correct step). `separate_replica_losses(strategy, models)` gives every layer of
-the models one such list per thread, so each replica reads exactly the losses its own call
-made, as on one device.
+Losses made inside a model call (`add_loss`, activity regularisers) need the same care: Keras 3 keeps them in
+each layer's `_losses` list, one Python object, while the replicas of a Mirrored or CentralStorage strategy
+call the model in threads of their own that take turns wherever a replica synchronises (`merge_call`). So
+replica 0 could clear the list, be paused, and later read replica 1's penalty with its own (measured: the
+penalty over 2 replicas 1.5 times one device's). `separate_replica_losses` gives every layer one such list
+per thread, so each replica reads exactly the losses its own call made.
 """
 
 from __future__ import annotations
@@ -90,11 +65,8 @@ def _state_creator(aggregating: bool):
 
 @contextlib.contextmanager
 def model_creation_scope(strategy: tf.distribute.Strategy) -> Iterator[None]:
-    """Build the models inside this, so that their layers' non-trainable state suits `strategy`.
-
-    It enters `strategy.scope()` itself unless that scope is already the current one, so it
-    works both inside and outside `with strategy.scope():`. A no-op where nothing is needed.
-    """
+    """Build the models inside this (inside or outside `strategy.scope()`), so that their layers'
+    non-trainable state suits `strategy`."""
     if not needs_state_aggregation(strategy):
         yield
         return
@@ -110,9 +82,7 @@ def model_creation_scope(strategy: tf.distribute.Strategy) -> Iterator[None]:
 
 
 class PerThreadLosses(collections.abc.MutableSequence):
-    """A list with one content per thread: what a Keras layer's `_losses` must be when
-    several replica threads call the same model (see the module docstring). It supports what
-    Keras does with `_losses` (`extend`, `append`, `clear`, `[:]`, iteration, `len`); the
+    """A list with one content per thread, for a Keras layer's `_losses` (see the module docstring); the
     thread that installs it keeps the losses the list held."""
 
     def __init__(self, initial: Iterable = ()):
@@ -165,12 +135,8 @@ def _keras_layers(models: Any) -> list:
 
 
 def separate_replica_losses(strategy: tf.distribute.Strategy, models: Any) -> None:
-    """With more than one replica, gives every Keras layer of `models` a `PerThreadLosses` in place
-    of its `_losses` list, so that a replica's `model.losses` holds the losses of its own call only.
-
-    Call it once the models are built. Set past Keras' attribute tracking (`object.__setattr__`):
-    the list is per-call scratch, never state to track or save.
-    """
+    """With more than one replica, gives every Keras layer of the built `models` a `PerThreadLosses` for
+    `_losses`, set past Keras' attribute tracking: per-call scratch, never state to track or save."""
     if strategy.num_replicas_in_sync <= 1 or not keras.__version__.startswith("3."):
         return  # one replica; or tf_keras (the parity tool's fit), whose `_losses` are not per call
     for layer in _keras_layers(models):

@@ -32,13 +32,9 @@ def cnn(
 ) -> keras.Model:
     """The tutorial CNN: 3x [Conv 3x3 same relu x2, MaxPool 2], Flatten, Dense relu, Dense.
 
-    `pool_padding` 'same' (the default) fits any image of at least 1x1 (8x8 digits shrink to
-    4, 2, 1); 'valid', Keras' default and the tutorial's, drops an odd last row and column
-    (28 -> 14 -> 7 -> 3). The last layer returns logits, from which the built-in steps take
-    sparse_categorical_crossentropy: the same loss as the tutorial's softmax layer followed by
-    that loss (Keras hands the softmax layer's input on to the loss and computes it from there
-    too). From probabilities alone it would clip them to [1e-7, 1 - 1e-7], which caps the loss
-    of a confident mistake at 16.1 and loses its gradient.
+    `pool_padding` 'same' fits any image (8x8 digits shrink to 4, 2, 1); 'valid' (the tutorial's) drops an odd
+    last row and column. It returns logits: the tutorial's softmax + loss, as Keras computes it (from
+    probabilities the loss would be clipped, capping a confident mistake's loss and losing its gradient).
     """
     _check("cnn", filters, "filters", dropout)
     check_int("cnn.dense_units", dense_units)
@@ -89,5 +85,4 @@ def mlp(
 
 
 def num_parameters(model) -> int:
-    """Total number of trainable scalars, for the run record."""
     return sum(math.prod(v.shape) for v in model.trainable_variables)

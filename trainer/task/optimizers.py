@@ -1,8 +1,5 @@
-"""Optimizers with the tutorial's batch-size advice built in: the linear scaling rule with warm-up.
-
-When the global batch grows with the number of replicas, the learning rate is scaled by
-global_batch_size / reference_batch_size and reached linearly over `warmup_steps`.
-"""
+"""Optimizers with the tutorial's batch-size advice built in: the learning rate scaled by
+global_batch_size / reference_batch_size (the linear scaling rule), reached linearly over `warmup_steps`."""
 
 from __future__ import annotations
 
@@ -44,13 +41,7 @@ class ScaledWarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return lr
 
     def get_config(self):
-        return {
-            "base_learning_rate": self.base_learning_rate,
-            "scale": self.scale,
-            "warmup_steps": self.warmup_steps,
-            "decay": self.decay,
-            "decay_steps": self.decay_steps,
-        }
+        return {k: getattr(self, k) for k in ("base_learning_rate", "scale", "warmup_steps", "decay", "decay_steps")}
 
 
 def learning_rate_schedule(
@@ -83,22 +74,10 @@ def make_optimizer(
     warmup_steps: int = 0,
     decay: str = "constant",
 ) -> keras.optimizers.Optimizer:
-    """A Keras 3 optimizer; build it under `strategy.scope()` before the first step (rule 1).
-
-    Args:
-      global_batch_size, total_steps: filled in by the loop.
-      name: one of OPTIMIZERS.
-      learning_rate: the rate (at `reference_batch_size`, if given).
-      momentum: for sgd and rmsprop (adam and adamw have their own moments).
-      weight_decay: decoupled weight decay, applied as Keras 3 applies it for every optimizer:
-        before each update every trained variable is multiplied by (1 - learning_rate *
-        weight_decay). 0 means none, for every optimizer; None means Keras' default, which is
-        0.004 for adamw and none for the others.
-      reference_batch_size: the batch size `learning_rate` was tuned for; the rate is
-        scaled linearly to the global batch size (None: no scaling).
-      warmup_steps: steps of linear warm-up from 0 to the (scaled) rate.
-      decay: 'constant' or 'cosine' (to 0 at total_steps).
-    """
+    """A Keras 3 optimizer (built by the loop under the scope, rule 1). `learning_rate` is the rate at
+    `reference_batch_size`, scaled linearly to the global batch (None: no scaling); `momentum` is for sgd and
+    rmsprop; `weight_decay` is Keras 3's decoupled decay (0: none, None: Keras' default, 0.004 for adamw and
+    none for the others); `decay` 'cosine' reaches 0 at total_steps."""
     check_number("make_optimizer.learning_rate", learning_rate)
     check_number("make_optimizer.momentum", momentum, strictly=False, below=1.0)
     check_number("make_optimizer.weight_decay", weight_decay, strictly=False, optional=True)

@@ -1,17 +1,11 @@
 """Mixed precision as one gin option: `train.mixed_precision = 'mixed_bfloat16' | 'mixed_float16'`.
 
-The Keras dtype policy is global and read by each layer when it is created, so it is set
-before the model is built and put back when the run returns (`keeps_global_policy`).
-Variables stay float32; layers compute in bfloat16 or float16; the default step casts
-logits to float32 before the loss.
-
-`mixed_float16` needs loss scaling (float16 gradients underflow): the optimizer is wrapped
-in a `keras.optimizers.LossScaleOptimizer`, and the step computes its gradients from
-`optimizer.scale_loss(loss)`; `apply_gradients` divides them by the same scale, skips a
-step whose gradients are not finite and adapts the scale (halved on overflow, doubled
-after `dynamic_growth_steps` finite steps). `mixed_bfloat16` has float32's range and
-needs no scaling. Every Keras 3 optimizer has `scale_loss` (the loss itself without loss
-scaling), so a step written this way runs in every precision:
+The Keras dtype policy is global and read by each layer when it is created, so it is set before the model
+is built and put back when the run returns (`keeps_global_policy`). `mixed_float16` needs loss scaling
+(float16 gradients underflow): the optimizer is wrapped in a `keras.optimizers.LossScaleOptimizer`, whose
+`apply_gradients` divides the gradients of `optimizer.scale_loss(loss)` by the scale, skips non-finite steps
+and adapts the scale. Every Keras 3 optimizer has `scale_loss`, so a step written this way runs in every
+precision:
 
     with tf.GradientTape() as tape:
         logits = tf.cast(model(x, training=True), tf.float32)  # float16/bfloat16 under mixed precision
@@ -21,12 +15,9 @@ scaling), so a step written this way runs in every precision:
     optimizer.apply_gradients(zip(grads, variables))  # unscales, skips non-finite steps
     return {"loss": loss, ...}                       # the unscaled loss
 
-A step that skips `scale_loss` would apply gradients 32768 times too small (the initial
-scale), silently: measured on the digits MLP (300 steps), SGD stayed at chance (eval accuracy
-0.089) and Adam, nearly blind to the gradients' scale, reached 0.900 instead of 0.9415. The
-wrapping optimizer (`ScaleCheckedLossScaleOptimizer`) therefore refuses an update whose thread
-never called its `scale_loss`: the loops trace the step before step 1, so such a step stops
-there with one error line.
+A step that skips `scale_loss` would silently apply gradients 32768 times too small (measured: SGD stayed
+at chance), so `ScaleCheckedLossScaleOptimizer` refuses an update whose thread never called `scale_loss`:
+the loops trace the step before step 1, so such a step stops there with one error line.
 """
 
 from __future__ import annotations
@@ -44,7 +35,6 @@ POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 
 
 def check(name: str | None) -> str:
-    """The policy name to use (None means float32); UserError for an unknown one."""
     name = name or "float32"
     if name not in POLICIES:
         raise UserError(
@@ -54,7 +44,6 @@ def check(name: str | None) -> str:
 
 
 def set_global_policy(name: str | None) -> str:
-    """Sets the Keras global dtype policy that layers created from now on use."""
     name = check(name)
     keras.mixed_precision.set_global_policy(name)
     return name
@@ -95,19 +84,13 @@ def _scaled_here() -> weakref.WeakSet:
 
 @functools.cache
 def scale_checked_class() -> type:
-    """ScaleCheckedLossScaleOptimizer, defined at first use: a process that runs tf_keras in
-    place of Keras 3 (the parity tool's tf_keras fit) imports this module but has no
-    `keras.optimizers.LossScaleOptimizer` to derive from."""
+    """ScaleCheckedLossScaleOptimizer, defined at first use: under tf_keras (the parity tool's fit) there is
+    no `keras.optimizers.LossScaleOptimizer` to derive from."""
 
     @keras.saving.register_keras_serializable(package="trainer")
     class ScaleCheckedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
-        """Keras' dynamic LossScaleOptimizer that refuses (UserError) an update in a thread that never
-        called its `scale_loss`: the gradients of an unscaled loss, divided by the scale, are 32768 times too small.
-
-        Per thread, since each replica of a multi-device strategy runs the step in a thread of its own;
-        once a thread has scaled a loss it may apply any number of updates (one scaled loss, several
-        variable groups).
-        """
+        """Keras' dynamic LossScaleOptimizer refusing an update in a thread (each replica runs in its own) that
+        never called its `scale_loss`; once it has, any number of updates (several variable groups)."""
 
         def scale_loss(self, loss):
             _scaled_here().add(self)

@@ -1,13 +1,8 @@
-"""The researcher's extension point: train and eval step functions, run in replica context.
+"""The built-in train and eval steps, run in replica context (the contract: docs/design.md).
 
-Contract (docs/design.md): `step_fn(model, optimizer, batch, global_batch_size) -> {name: scalar}`,
-each value this replica's share of a global-batch mean, so SUM across replicas is the global
-value. Losses are per example, averaged with the *global* batch size; regularisation losses
-are divided by the replica count. Gradients are taken of `scale_loss(optimizer, loss)`, which
-is the loss itself unless mixed_float16 loss scaling is on (see trainer/precision.py).
-Eval steps return per-replica SUMS over the batch plus `num_examples`; the loop sums over
-replicas and batches and divides by `num_examples`, or an output `x` by `x/denominator` where the
-step returns one (a weighted mean).
+A train step returns this replica's share of each global-batch mean (losses averaged with the *global*
+batch size, regularisation divided by the replica count), so the SUM across replicas is the global value.
+An eval step returns per-replica SUMS plus `num_examples` (or `x/denominator`), which the loop divides by.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from trainer.task import contract
 
 @tf.autograph.experimental.do_not_convert  # plain TF ops (trainer/task/user_code.py)
 def call_model(model, inputs: tf.Tensor, *, training: bool) -> tf.Tensor:
-    """Calls a Keras model with `training`, a plain `tf.Module` without it."""
     if isinstance(model, keras.layers.Layer):
         return model(inputs, training=training)
     return model(inputs)
@@ -39,20 +33,13 @@ def regularization_loss(model) -> tf.Tensor:
 
 @tf.autograph.experimental.do_not_convert
 def scale_loss(optimizer, loss: tf.Tensor) -> tf.Tensor:
-    """The loss to take gradients of: `loss` times the optimizer's loss scale, if it has one.
-
-    Under `mixed_float16` the optimizer is a `LossScaleOptimizer`, whose `apply_gradients`
-    divides the gradients by the same scale (and skips steps with non-finite gradients);
-    without loss scaling this returns `loss` unchanged. A custom step does the same:
-    gradients of `scale_loss(optimizer, loss)`, the unscaled `loss` in its outputs.
-    """
+    """The loss to take gradients of: times the optimizer's loss scale under mixed_float16 (trainer/task/precision.py)."""
     scale = getattr(optimizer, "scale_loss", None)
     return scale(loss) if scale is not None else loss
 
 
 def _sample_weight(batch, index: int) -> tf.Tensor | None:
-    """The `(x, y, sample_weight)` example's weight at `index` of the batch, one per example (None
-    for `(x, y)` examples)."""
+    """The weight at `index` of `(x, y, sample_weight)` batches, one per example (None for `(x, y)`)."""
     if len(batch) <= index:
         return None
     return tf.reshape(tf.cast(batch[index], tf.float32), [-1])
@@ -60,13 +47,8 @@ def _sample_weight(batch, index: int) -> tf.Tensor | None:
 
 @tf.autograph.experimental.do_not_convert
 def classification_step(model, optimizer, batch, global_batch_size: int) -> Mapping[str, tf.Tensor]:
-    """One SGD step of softmax cross-entropy on integer labels; returns loss and accuracy.
-
-    `batch` is `(x, y)` or, with weighted examples, `(x, y, sample_weight)`: the loss is then
-    sum(loss_i * w_i) / global batch size, as Keras `fit` weights it (its `sum_over_batch_size`),
-    and the accuracy sum(correct_i * w_i) / global batch size (the weighted accuracy when the
-    weights average 1; the eval step reports the exact weighted accuracy).
-    """
+    """One step of softmax cross-entropy on integer labels. With `(x, y, sample_weight)` examples, the loss and
+    accuracy are sum(value_i * w_i) / global batch size, as Keras `fit` weights them."""
     images, labels = batch[0], batch[1]
     labels = tf.cast(labels, tf.int32)
     weights = _sample_weight(batch, 2)
@@ -86,15 +68,9 @@ def classification_step(model, optimizer, batch, global_batch_size: int) -> Mapp
 
 @tf.autograph.experimental.do_not_convert
 def classification_eval_step(model, batch) -> Mapping[str, tf.Tensor]:
-    """Sums of loss and correct predictions over the (weighted) examples of this replica's batch.
-
-    `batch` is the example with the loop's weight appended: (images, labels, weights), padding
-    examples weighing 0 and counting nowhere; or, for `(x, y, sample_weight)` examples,
-    (images, labels, sample_weight, weights). A weighted example counts as Keras' `evaluate`
-    counts it: the loss is sum(loss_i * w_i) / number of examples, the accuracy the weighted
-    accuracy sum(correct_i * w_i) / sum(w_i) (Keras' `weighted_metrics`), through the
-    `accuracy/denominator` output the loop divides it by (trainer/loops/evaluator.py).
-    """
+    """Sums of loss and correct predictions over this replica's batch, the loop's weight last (padding weighs
+    0). With sample weights, as Keras' `evaluate`: loss sum(loss_i * w_i) / examples, accuracy
+    sum(correct_i * w_i) / sum(w_i) through `accuracy/denominator`."""
     images, labels, weights = batch[0], batch[1], tf.cast(batch[-1], tf.float32)
     sample_weight = _sample_weight(batch, 2) if len(batch) > 3 else None
     weighted = weights if sample_weight is None else weights * sample_weight

@@ -29,12 +29,9 @@ def all_variables(structure: Any) -> list:
 
 
 def keras_layers_held(module: Any) -> list[str]:
-    """The attribute paths (`embeddings[0]`) of the Keras layers a `tf.Module` holds, in its
-    attributes, their lists and dicts, and its nested tf.Modules.
-
-    `tf.Module.trainable_variables` collects only `tf.Variable` objects from those places, and a
-    Keras 3 layer is neither a tf.Module nor holds tf.Variables (its `keras.Variable` wraps one in
-    `.value`), so the weights of such layers are invisible to it."""
+    """The attribute paths (`embeddings[0]`) of the Keras layers a `tf.Module` holds (also in lists, dicts and
+    nested tf.Modules): their weights are invisible to `tf.Module.trainable_variables` (Keras 3 layers are
+    neither tf.Modules nor hold tf.Variables)."""
     import keras
     import tensorflow as tf
 

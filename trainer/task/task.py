@@ -1,15 +1,10 @@
-"""The task: what is trained (models, optimizers, steps, eval metrics, input), built under the scope.
+"""The task: what is trained (models, optimizers, steps, input), built under the scope.
 
-A research task is not always one classifier with one optimizer. `model_fn` may return a Keras
-model, a `tf.Module` or a dict of them (a GAN's generator and discriminator); `optimizer_fn`
-one optimizer or a dict. The step functions receive them exactly as returned. Everything that
-holds state is created under `strategy.scope()` and built before the first step (docs/design.md
-rule 1: a Keras 3 optimizer built lazily inside tf.function fails under Mirrored), and all of it
-goes into one `tf.train.Checkpoint`, so a resumed run continues exactly.
-
-`model_fn` and `optimizer_fn` get only the keyword arguments they declare: `input_shape`,
-`num_classes` and `element_spec` (of the train example) for models; `global_batch_size` and
-`total_steps` for optimizers. A parameter the loop cannot supply is one UserError line.
+`model_fn` may return a Keras model, a `tf.Module` or a dict of them (a GAN); `optimizer_fn` one optimizer
+or a dict; the steps receive them as returned. All state is created under `strategy.scope()` and built
+before the first step (docs/design.md rule 1: a Keras 3 optimizer built lazily inside tf.function fails
+under Mirrored), and goes into one checkpoint. `model_fn` and `optimizer_fn` get only the keyword arguments
+they declare among MODEL_ARGUMENTS and OPTIMIZER_ARGUMENTS.
 """
 
 from __future__ import annotations
@@ -35,11 +30,8 @@ _MISSING_ARGUMENT = re.compile(r"missing \d+ required (?:positional|keyword-only
 
 
 def call_with_declared(fn: Callable, available: Mapping[str, Any], *, what: str) -> Any:
-    """Calls `fn` with those of `available` that it declares (all of them if it takes **kwargs).
-
-    A declared parameter without a default that is not available (None) is refused in one
-    line, unless something else supplies it (a gin binding): then the call itself tells.
-    """
+    """Calls `fn` with those of `available` that it declares (all if it takes **kwargs); a declared one without
+    a default that is not available (None) and that no gin binding supplies is refused in one line."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -61,7 +53,7 @@ def call_with_declared(fn: Callable, available: Mapping[str, Any], *, what: str)
         if not _MISSING_ARGUMENT.search(text):
             raise
         names = unsupplied or re.findall(r"'(\w+)'", text.split("argument", 1)[-1]) or ["?"]
-        offered = ", ".join(f"{k}" for k in available)
+        offered = ", ".join(available)
         raise UserError(
             f"{what} {function_name(fn)} needs parameter '{names[0]}', which the loop cannot supply (it passes only "
             f"those of {offered} that it knows); give '{names[0]}' a default or bind it in gin "
@@ -70,7 +62,6 @@ def call_with_declared(fn: Callable, available: Mapping[str, Any], *, what: str)
 
 
 def make_models(model_fn: Callable, inp: data.Input) -> Any:
-    """Calls `model_fn` with what it declares; checks it returned models."""
     available = {"input_shape": inp.input_shape, "num_classes": inp.num_classes, "element_spec": inp.element_spec}
     models = call_with_declared(model_fn, available, what="train.model_fn")
     for model in flat(models):
@@ -83,10 +74,8 @@ def make_models(model_fn: Callable, inp: data.Input) -> Any:
 
 
 def build_by_calling(models: Any, model_fn: Callable, inp: data.Input) -> None:
-    """Creates the variables of every model not built yet (a Keras model whose `built` is False, a
-    tf.Module without variables) by calling it once, in inference mode, on a batch of zeros of the
-    train features (docs/design.md rule 16: Keras 3's `build(shape)` creates no sublayer's
-    variables; `fit` builds such a model on its first batch)."""
+    """Builds every model not built yet by calling it once, in inference mode, on zeros shaped as the train
+    features (docs/design.md rule 16: Keras 3's `build(shape)` creates no sublayer's variables)."""
     spec = inp.element_spec
     features = spec[0] if isinstance(spec, (tuple, list)) and len(spec) >= 2 else spec
     zeros = tf.nest.map_structure(lambda s: tf.zeros([2, *s.shape], s.dtype), features)
@@ -94,11 +83,7 @@ def build_by_calling(models: Any, model_fn: Callable, inp: data.Input) -> None:
         built = getattr(model, "built", None)
         if built or (built is None and getattr(model, "variables", None)):
             continue
-        which = (
-            f"model {key!r} of train.model_fn {function_name(model_fn)}"
-            if key
-            else f"the model of train.model_fn {function_name(model_fn)}"
-        )
+        which = f"{f'model {key!r}' if key else 'the model'} of train.model_fn {function_name(model_fn)}"
         shapes = tf.nest.map_structure(lambda s: [None, *s.shape], features)
         try:
             call_model(model, zeros, training=False)
@@ -129,8 +114,7 @@ def build_by_calling(models: Any, model_fn: Callable, inp: data.Input) -> None:
 
 
 def make_optimizers(optimizer_fn: Callable, *, global_batch_size: int, total_steps: int, policy: str) -> Any:
-    """Calls `optimizer_fn` with what it declares, checks it returned optimizers, and wraps each
-    for loss scaling where the policy needs it."""
+    """`optimizer_fn`'s optimizers, checked, each wrapped for loss scaling where the policy needs it."""
     optimizers = call_with_declared(
         optimizer_fn, {"global_batch_size": global_batch_size, "total_steps": total_steps}, what="train.optimizer_fn"
     )
@@ -147,11 +131,8 @@ def make_optimizers(optimizer_fn: Callable, *, global_batch_size: int, total_ste
 
 
 def build_optimizers(models: Any, optimizers: Any) -> None:
-    """Creates every optimizer's variables now, under the scope, from the variables it trains.
-
-    One optimizer trains every model; a dict of optimizers is matched to a dict of models by
-    key (the optimizer 'generator' trains the model 'generator').
-    """
+    """Creates every optimizer's variables now, under the scope: one optimizer trains every model, a dict of
+    them the models of the same keys."""
     if not isinstance(optimizers, Mapping):
         if hasattr(optimizers, "build"):
             optimizers.build(trainable_variables(models))
@@ -193,7 +174,6 @@ def build_task(
     global_batch_size: int,
     total_steps: int,
 ) -> Task:
-    """Models, built optimizers, the global step and the checkpoint, all under `runtime`'s scope."""
     with runtime.strategy.scope(), layer_state.model_creation_scope(runtime.strategy):
         models = make_models(model_fn, inp)
         build_by_calling(models, model_fn, inp)  # before the optimizers are built and the checkpoint made
@@ -203,28 +183,11 @@ def build_task(
             optimizer_fn, global_batch_size=global_batch_size, total_steps=total_steps, policy=runtime.policy
         )
         build_optimizers(models, optimizers)  # rule 1: never lazily inside tf.function
-        global_step = tf.Variable(
-            0,
-            dtype=tf.int64,
-            trainable=False,
-            name="global_step",
-            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-        )
-    items = {
-        "model": models,
-        "optimizer": optimizers,
-        "global_step": global_step,
-        "random_state": layer_state.random_states(models),
-    }
-    return Task(
-        models=models,
-        optimizers=optimizers,
-        step_fn=step_fn,
-        eval_step_fn=eval_step_fn,
-        input=inp,
-        global_step=global_step,
-        checkpoint_items=items,
-    )
+        aggregation = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step", aggregation=aggregation)
+    random_state = layer_state.random_states(models)
+    items = {"model": models, "optimizer": optimizers, "global_step": global_step, "random_state": random_state}
+    return Task(models, optimizers, step_fn, eval_step_fn, inp, global_step, items)
 
 
 def build_eval_models(inp: data.Input, model_fn: Callable) -> tuple[Any, tf.Variable, tf.train.Checkpoint]:

@@ -1,34 +1,18 @@
 """`train.grad_accum_steps` (and the update for `train.clip_global_norm`): the step's update taken over.
 
-`train.global_batch_size` stays the batch of ONE optimizer update; with K accumulation steps
-each replica's share of it is processed as K micro-batches (memory, not a bigger batch). The
-data pipeline still delivers one global batch per step, so the global step counts updates
-and exact resume is unchanged; the batch is cut into micro-batches inside the step.
+`train.global_batch_size` stays the batch of ONE update: each replica's share is cut inside the step into K
+micro-batches (memory, not a bigger batch), so the global step counts updates and resume is unchanged. The
+user's step is called once per micro-batch with a recorder for an optimizer (trainer/update/recorder.py) and
+the update's `global_batch_size`, so each micro-step's loss and gradients are its share of the update's
+mean; the gradients are added locally and the real optimizer sums them across replicas once per update.
+With `train.clip_global_norm` the loop sums and clips them itself (trainer/update/clipping.py) and adds a
+`grad_norm` output (`grad_norm/<key>` per optimizer of a dict).
 
-The user's step function is unchanged: `update_step` calls it once per micro-batch with a
-stand-in optimizer that only records the gradients (trainer/update/xla.py's recorder), passing
-the full update's `global_batch_size`, so each micro-step's loss and gradients are its share
-of the update's mean. The recorded gradients are added up locally on each replica, then the
-real optimizer applies them once: its `apply_gradients` sums them across replicas once per
-update (not per micro-batch). With `train.clip_global_norm` the loop sums them itself,
-clips by the global norm of that sum and applies without a second sum (trainer/update/clipping.py),
-and the step gets a `grad_norm` output (the norm before clipping; `grad_norm/<key>` per
-optimizer of a dict, each clipped on its own).
-
-What else changes with K > 1:
-- Step outputs are the sums of the micro-steps' outputs (each is a share of the update's mean,
-  so a loss or accuracy comes out as over the whole batch; an output that is not a share,
-  such as a learning rate, comes out K times unless the step declares it "mean", "max" or
-  "min" with `trainer.combine`: then the mean, max or min over the micro-steps).
-- Layers see micro-batches: BatchNormalization normalises each micro-batch by its own
-  statistics and updates its moving statistics once per micro-batch (K times per update);
-  dropout draws a fresh mask per micro-batch (the seed state advances K times per update).
-  So with such layers K micro-batches are not bit-identical to one whole batch; without them
-  they are (up to float rounding of the sum).
-- The micro-steps are traced one after another into the step (K copies), each micro-batch
-  waiting for the previous one's gradients, so at most one micro-batch's activations are live.
-- The step may call `apply_gradients`/`apply` once per optimizer, and should not read a
-  variable the update changes after calling it (the update now runs after the step).
+With K > 1: outputs are the micro-steps' sums (an output that is not a share comes out K times unless
+declared "mean"/"max"/"min" with `trainer.combine`); BatchNormalization and dropout see K micro-batches
+(so K micro-batches are bit-identical to one batch only without such layers); the micro-steps are traced
+one after another, so one micro-batch's activations are live at a time; the step may call
+`apply_gradients` once per optimizer and should not read a variable the update changes after calling it.
 """
 
 from __future__ import annotations
@@ -50,8 +34,6 @@ NORM_KEY = "grad_norm"
 
 @dataclasses.dataclass(frozen=True)
 class UpdateOptions:
-    """How the optimizer update is made: micro-batches per update, global-norm clipping."""
-
     grad_accum_steps: int = 1
     clip_global_norm: float | None = None
 
@@ -61,11 +43,9 @@ class UpdateOptions:
 
     @property
     def takes_over(self) -> bool:
-        """True when the loop makes the update itself (otherwise the step runs as written)."""
         return self.grad_accum_steps > 1 or self.clip_global_norm is not None
 
     def check_batch_size(self, global_batch_size: int, num_replicas: int) -> None:
-        """Refuses a global batch that K micro-batches on every replica cannot share evenly."""
         parts = self.grad_accum_steps * num_replicas
         if self.grad_accum_steps > 1 and global_batch_size % parts:
             raise UserError(
@@ -75,7 +55,7 @@ class UpdateOptions:
 
 
 def micro_batches(batch: Any, k: int) -> list:
-    """`batch` (any nested structure, batched on axis 0) as `k` equal consecutive slices."""
+    """`batch` (any structure, batched on axis 0) as `k` equal consecutive slices."""
     sizes = {int(t.shape[0]) for t in tf.nest.flatten(batch) if t.shape.rank and t.shape[0] is not None}
     if len(sizes) > 1 or (sizes and next(iter(sizes)) % k):
         raise UserError(
@@ -133,8 +113,7 @@ def update_step(step_fn: Callable, options: UpdateOptions) -> Callable:
                     )
                 replicas = tf.distribute.get_replica_context().num_replicas_in_sync
                 totals[name] = norm / replicas  # a share: the loop's SUM over replicas gives the norm
-            pairs = [(g, v) for g, v in zip(grads, variables[key]) if g is not None]
-            if pairs:
+            if pairs := [(g, v) for g, v in zip(grads, variables[key]) if g is not None]:
                 optimizers[key].apply_gradients(pairs)
         return totals
 

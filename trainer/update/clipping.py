@@ -1,23 +1,13 @@
 """`train.clip_global_norm`: clipping by the norm of the gradient the update actually applies.
 
-Keras 3's `clipnorm`, `global_clipnorm` and `clipvalue` clip inside `apply_gradients` before
-its cross-replica sum, so on N replicas they clip N partial gradients, not the update's
-gradient (docs/design.md, rule 11: one SGD step on 1 and on 2 replicas differs by 4.9e-2). On more
-than one replica they are refused (`check_keras_clipping`), pointing here.
-
-Here the sum comes first, explicitly, in replica context
-(`get_replica_context().all_reduce(SUM, grads)`: every replica then holds the whole update's
-gradient), then `tf.clip_by_global_norm`, then the optimizer applies the clipped gradient
-without summing it again. How that is done in Keras 3.15 (TensorFlow backend): every
-cross-replica gradient sum goes through one method, `TFOptimizer._all_reduce_sum_gradients`,
-called by `_backend_update_step` before the distributed update (`internals.skip_keras_gradient_sum`). Keras skips it only in
-cross-replica context, and there its update cannot run (`maybe_merge_call` then calls
-`get_replica_context().merge_call` on None: measured under MirroredStrategy and
-CentralStorageStrategy on CPU). So `take_over_gradient_sum` replaces that method on the
-run's optimizer instances with the identity: the loop owns the one sum. The user's step
-never gets the real optimizer under this option (see trainer/update/accumulation.py), so no
-other gradients reach it unsummed. An optimizer without that method (not a Keras 3 TF
-optimizer) is refused rather than summed twice.
+Keras 3's `clipnorm`, `global_clipnorm` and `clipvalue` clip inside `apply_gradients` before its
+cross-replica sum, so on N replicas they clip N partial gradients (docs/design.md, rule 11); there they are
+refused (`check_keras_clipping`). Here the sum comes first, in replica context (`all_reduce(SUM)`), then
+`tf.clip_by_global_norm`, then the optimizer applies without summing again. In Keras 3.15 (TF backend) every
+cross-replica gradient sum goes through `TFOptimizer._all_reduce_sum_gradients`, skipped only in
+cross-replica context, where the update cannot run (`merge_call` on None: measured under Mirrored and
+CentralStorage). So `take_over_gradient_sum` replaces it (`internals.skip_keras_gradient_sum`) with the identity; the user's
+step never gets the real optimizer under this option, and an optimizer without that method is refused.
 """
 
 from __future__ import annotations
@@ -60,10 +50,7 @@ def check_keras_clipping(optimizers: Any, num_replicas: int, clip_global_norm: f
 
 
 def take_over_gradient_sum(optimizers: Any) -> None:
-    """Makes each optimizer apply the gradients it is given without summing them across replicas.
-
-    Only for gradients that `sum_and_clip` has already summed (see the module docstring).
-    """
+    """Makes each optimizer apply the gradients (`sum_and_clip` summed) without summing them across replicas."""
     for optimizer in flat(optimizers):
         inner = _inner(optimizer)
         if inner is not optimizer:
@@ -79,11 +66,8 @@ def take_over_gradient_sum(optimizers: Any) -> None:
 
 
 def sum_and_clip(gradients: Sequence[tf.Tensor | None], clip_norm: float) -> tuple[list, tf.Tensor]:
-    """The gradients summed over all replicas and clipped to global norm `clip_norm`, in replica context.
-
-    Returns the clipped gradients (None where a gradient is None) and the global norm before
-    clipping (the same on every replica).
-    """
+    """The gradients summed over all replicas and clipped to global norm `clip_norm` (None kept), and the norm
+    before clipping (the same on every replica)."""
     present = [g for g in gradients if g is not None]
     summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, present)
     clipped, norm = tf.clip_by_global_norm(summed, clip_norm)

@@ -1,9 +1,5 @@
-"""The optimizer as a step sees it when the loop makes the update itself: `apply_gradients` and
-`apply` only record what they are given, and everything else is the real optimizer's.
-
-Used where the update runs after the step (XLA under a multi-device strategy, gradient
-accumulation, global-norm clipping) and by the loss-scaling guard, whose probe must not update.
-"""
+"""The optimizer as a step sees it where the update runs after the step (XLA under a multi-device strategy,
+accumulation, clipping) and in the loss-scaling guard's probe: `apply_gradients` and `apply` only record."""
 
 from __future__ import annotations
 
@@ -19,11 +15,8 @@ ONCE_MESSAGE = (
 
 
 class GradientRecorder:
-    """Stands in for `optimizer`: records the gradients and variables of each update call.
-
-    `once`: a second call is an error (the loop applies exactly one update per optimizer);
-    otherwise every call's gradients are kept, in order (`gradients` is their concatenation).
-    """
+    """Stands in for `optimizer`, recording each update call's gradients and variables (`once`: a second call
+    is an error; otherwise all are kept, in order)."""
 
     def __init__(self, optimizer: Any, *, once: bool = True):
         self._optimizer = optimizer

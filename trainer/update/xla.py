@@ -1,16 +1,10 @@
 """`train.jit_compile`: the per-replica step compiled with XLA, where XLA can run it.
 
-XLA cannot compile the whole loop (iterator ops) nor, under a multi-device strategy, the
-optimizer update inside the step (measured on CPU with MirroredStrategy: the compiled
-update reads replica 1's variables from device 0 and fails). So:
-
-- one device (the default strategy, OneDeviceStrategy): the whole step, update included,
-  is one XLA function;
-- any other strategy: the step runs in XLA with a stand-in optimizer that only records the
-  gradients handed to `apply_gradients`; the real optimizer then applies them right after,
-  outside XLA but still in replica context (so the cross-replica gradient sum is TF's).
-  The step contract is unchanged, with two limits: the step calls `apply_gradients` (or
-  `apply`) at most once, and reads no variable the update changes after calling it.
+XLA cannot compile the loop (iterator ops) nor, under a multi-device strategy, the update inside the step
+(measured under Mirrored: the compiled update reads replica 1's variables from device 0). So on one device
+the whole step is one XLA function; elsewhere the step runs in XLA with a recorder for the optimizer, and the
+real optimizer applies the gradients right after, in replica context (the step may then call
+`apply_gradients` once, and read no variable the update changes after calling it).
 """
 
 from __future__ import annotations
@@ -28,7 +22,6 @@ ReplicaStep = Callable[[object], Mapping[str, tf.Tensor]]
 
 
 def update_inside_xla(strategy: tf.distribute.Strategy) -> bool:
-    """True where the optimizer update may be compiled with the step (no cross-device sum)."""
     return modes.of(strategy).one_device
 
 
