@@ -240,3 +240,22 @@ def test_ci_checks_the_style_first_and_runs_the_readme_s_test_command():
         options = tomllib.load(f)["tool"]["pytest"]["ini_options"]
     assert "--strict-markers" in options["addopts"].split()
     assert [marker.split(":")[0] for marker in options["markers"]] == ["slow"]
+
+
+def test_the_layer_diagrams_name_every_folder_of_the_package():
+    """The README's Concepts and docs/design.md's layers draw the same package: every folder of
+    trainer/ appears in both (as `trainer/<folder>/` or `<folder>/`), and neither names a folder
+    that is gone."""
+    folders = {
+        d
+        for d in os.listdir(os.path.join(REPO, "trainer"))
+        if os.path.isfile(os.path.join(REPO, "trainer", d, "__init__.py"))
+    }
+    readme = open(os.path.join(REPO, "README.md")).read().split("## Concepts", 1)[1].split("```")[1]
+    design = open(os.path.join(REPO, "docs", "design.md")).read().split("## The layers", 1)[1].split("```")[1]
+    for text in (readme, design):
+        named = set(re.findall(r"(?:^|[\s(,])(?:trainer/)?([a-z_]+)/", text, re.M))
+        assert folders <= named, sorted(folders - named)
+        assert not {n for n in named if n not in folders and os.path.isdir(os.path.join(REPO, "trainer", n))}
+        gone = {"hooks", "bench"} & named
+        assert not gone, gone
