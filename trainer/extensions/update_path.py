@@ -19,6 +19,7 @@ class UpdatePath(Extension):
     """Gradient accumulation over micro-batches and/or clipping by the global norm after the sum."""
 
     name = "update_path"
+    setting = "train.grad_accum_steps, train.clip_global_norm"  # the capability table's row
     supports = modes.SYNCHRONOUS
     unsupported_reason = "asynchronous updates"
 
