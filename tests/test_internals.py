@@ -142,3 +142,19 @@ def test_a_keras_optimizer_sums_through_the_method_it_skips():
     variable = keras.Variable([1.0, 2.0])
     optimizer.apply_gradients([(tf.constant([1.0, 1.0]), variable)])
     assert summed == [1] and variable.numpy().tolist() == [0.5, 1.5]  # the update goes through it, unchanged
+
+
+def test_a_multi_worker_strategys_worker_count_and_a_keras_variables_backing():
+    # A MultiWorkerMirroredStrategy sets up collectives for its process: made in a fresh one.
+    code = (
+        "import tensorflow as tf; from trainer import internals; "
+        "print(internals.strategy_worker_count(tf.distribute.MultiWorkerMirroredStrategy()))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.split() == ["1"], proc
+    assert internals.strategy_worker_count(tf.distribute.get_strategy()) is None
+    variable = keras.Variable(3, dtype="int64")
+    backing = internals.keras_variable_backing(variable)
+    assert isinstance(backing, tf.Variable) and backing is not variable
+    backing.assign_add(2)
+    assert int(variable.numpy()) == 5

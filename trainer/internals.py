@@ -118,3 +118,18 @@ def skip_keras_gradient_sum(optimizer: Any) -> bool:
         return False
     optimizer._all_reduce_sum_gradients = list  # noqa: SLF001  (the gradients and variables, as given)
     return True
+
+
+def strategy_worker_count(strategy: Any) -> int | None:
+    """The worker count a multi-worker strategy was built with (`extended._num_workers`; None for
+    others): its public `cluster_resolver` also counts a parameter-server cluster's coordinator. Without
+    it the input's shard count falls back to the cluster spec (trainer/data/distribute.py)."""
+    return getattr(strategy.extended, "_num_workers", None)
+
+
+def keras_variable_backing(variable: Any) -> Any:
+    """The TensorFlow variable behind a Keras 3 variable (`_value`): Keras' own `assign_add` reads,
+    adds and assigns in three ops, which lose counts when parameter-server workers add at once;
+    the backing variable's `assign_add` is one op. Without it trainer/loops/ps_schedules.py's
+    atomic step counter fails."""
+    return variable._value  # noqa: SLF001

@@ -7,13 +7,14 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from trainer import internals
 from trainer.data.inputs import Input, InputFunction, as_input
 from trainer.data.pipeline import eval_dataset, prefetch_for_accelerators, train_dataset, whole
 from trainer.errors import UserError
 
 
 def num_workers(strategy: tf.distribute.Strategy) -> int:
-    if count := getattr(strategy.extended, "_num_workers", None):
+    if count := internals.strategy_worker_count(strategy):
         return int(count)
     if resolver := getattr(strategy, "cluster_resolver", None):
         jobs = resolver.cluster_spec().as_dict()

@@ -28,10 +28,12 @@ def _atomic_class(keras_variable_class: type) -> type:
         counts_atomically = True
 
         def assign_add(self, value):
-            return self._value.assign_add(tf.cast(value, self._value.dtype))
+            backing = internals.keras_variable_backing(self)
+            return backing.assign_add(tf.cast(value, backing.dtype))
 
         def assign_sub(self, value):
-            return self._value.assign_sub(tf.cast(value, self._value.dtype))
+            backing = internals.keras_variable_backing(self)
+            return backing.assign_sub(tf.cast(value, backing.dtype))
 
     AtomicCounter.__name__ = AtomicCounter.__qualname__ = f"Atomic{keras_variable_class.__name__}"
     return AtomicCounter
