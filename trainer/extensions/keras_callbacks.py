@@ -1,22 +1,11 @@
-"""Standard Keras 3 callbacks (EarlyStopping, ReduceLROnPlateau, CSVLogger, TerminateOnNaN, your own)
-run as one extension, with the calls they get from `fit`.
+"""Standard Keras 3 callbacks (EarlyStopping, ReduceLROnPlateau, CSVLogger, your own) run as one
+extension, with the calls they get from `fit` (the table: docs/around-the-step.md).
 
-An "epoch" is the interval between two evals (`train.eval_every_steps` steps; the last one may be
-shorter when `total_steps` is not a multiple). The calls, as `fit` makes them:
-  set_model / set_params(epochs, steps)  at the start (the model's `optimizer` is the run's, so
-                                         ReduceLROnPlateau sets the rate the next step uses)
-  on_train_begin, on_epoch_begin(epoch)  at the start and after each epoch
-  on_train_batch_end(batch, logs)        after each compiled loop call (not each step): `batch` is
-                                         the epoch's last step index, logs the train outputs'
-                                         running mean over the epoch so far
-  on_epoch_end(epoch, logs)              at each eval: the epoch's train means plus the eval
-                                         outputs prefixed 'val_' (other eval splits: 'val_<split>_')
-  on_train_end(logs)                     at the end
-`model.stop_training` set by any callback on any worker ends the run on every worker after the
-same loop call (agreed with an all-reduce), with a final checkpoint there. Callbacks run on every
-worker, so that learning-rate changes stay alike; CSVLogger writes on the chief only (elsewhere
-into a temp file, deleted at the end). Callback state (e.g. EarlyStopping's wait) is not
-checkpointed: a resumed run starts it afresh; the learning rate itself is in the checkpoint.
+An "epoch" is the interval between two evals; `on_train_batch_end` comes after each compiled loop
+call, `on_epoch_end` at each eval with the eval outputs prefixed 'val_' ('val_<split>_' for other
+splits). Callbacks run on every worker, so learning-rate changes stay alike (CSVLogger writes on
+the chief only); `model.stop_training` on any worker stops all after the same loop call (agreed
+by an all-reduce). Callback state is not checkpointed (the learning rate is).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Progress: a live bar on a terminal, plain lines elsewhere, and a train record every N steps.
-
-Every long run shows step, loss, steps/s and ETA. The train records (the step outputs' means
-over the interval, the learning rate, steps/s and examples/s) go to metrics.jsonl and
-TensorBoard through the run's metrics log.
+"""Progress: a live bar on a terminal, plain lines elsewhere, and a train record every N steps
+(the outputs' means over the interval, learning rate, steps/s, examples/s) in the metrics log.
 """
 
 from __future__ import annotations
@@ -42,21 +39,12 @@ def format_duration(seconds: float) -> str:
 
 
 class ProgressLogger(Extension):
-    """Progress on stdout, and every N steps a train record in metrics (loss, ..., steps/s).
+    """Progress on stdout, and every `every_steps` steps a train record in the metrics log.
 
-    On a terminal (the chief's stdout is a tty) a live bar (step/total, loss, steps/s, ETA)
-    redraws in place after loop calls, at most every `refresh_secs`; on a single worker the
-    driver also ends loop calls about every `refresh_secs` so the bar moves. Lines printed by
-    other extensions (eval) appear above it. Elsewhere (CI, log files) a plain line every N steps.
-    Non-chief workers print only a finish line (train prints the start), unless `all_workers`.
-
-    Args:
-      every_steps: steps between train records and plain lines (train.log_every_steps).
-      live: True/False forces the bar on/off; None (default): on when stdout is a terminal.
-      refresh_secs: least time between two redraws of the bar (0: after every loop call).
-      all_workers: non-chief workers print plain progress lines too.
-      stream: where the bar is drawn (default: sys.stdout).
-    """
+    On a terminal (`live` None) or with `live`, the chief's bar redraws after loop calls, at most
+    every `refresh_secs`; on one process the driver also ends loop calls about that often so the
+    bar moves. Elsewhere a plain line every N steps; non-chief workers print only a finish line,
+    unless `all_workers`."""
 
     name = "progress"
 

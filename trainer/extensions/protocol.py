@@ -1,13 +1,6 @@
 """The extension protocol: the one plug-in type of every feature around the loop, built in or a
-researcher's own (docs/extensions.md lists all of it).
-
-An extension declares its `name` (for messages and others' `after`), the strategies it
-`supports` (checked for all in one place, trainer/extensions/registry.py, with one wording),
-what it must run `after`, and `every_steps` (loop calls end on its multiples). It may take
-part in how the run is built (`check`, `attach`, `restored`, `verify`), keep state of its own in
-every checkpoint (`state_dict`), and act between and around loop calls (`begin`, `rollback_to`,
-`after_loop`, `rewind`, `end`, `close`). Every stage but `check` and `verify` gets the same
-`Context` (trainer/extensions/context.py).
+researcher's own. Every stage but `check` and `verify` gets the same `Context`; the names an
+author needs are listed in docs/extensions.md.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from trainer.errors import UserError, error_line
-from trainer.extensions import factory
+from trainer.extensions import built_in
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Outputs, check_method_names
 from trainer.extensions.registry import Registry
@@ -113,7 +113,7 @@ def checked_registry(settings: Settings) -> Registry:
     the strategy, its own options), and model_dir checked: what a run refuses from its settings
     alone, before TensorFlow runs anything. Raises UserError. An entry point that starts an
     embedded cluster calls it first too, so that such a mistake starts no server."""
-    participants = factory.participants(settings)
+    participants = built_in.participants(settings)
     check_method_names(participants)
     registry = Registry(participants, settings)
     registry.check()
