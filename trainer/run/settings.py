@@ -1,11 +1,8 @@
 """`Settings`: everything a run is configured with, as one frozen object checked where it is made.
 
-`train`'s keyword parameters are exactly these fields (gin binds them as `train.<field>`), and
-every other entry point that builds what a run builds (the sidecar evaluator, `experiments.bench`,
-`trainer.parity`) takes a `Settings` too, so none of them names `train`'s parameters itself.
-Each value the core reads is checked here, in one UserError line naming the gin key; the
-options of an optional feature are checked by its extension (trainer/extensions/), also before
-anything is built or written.
+`train`'s keyword parameters are exactly these fields (gin: `train.<field>`); every entry point
+that builds what a run builds takes a `Settings` too. The core's values are checked here, an
+optional feature's options by its extension, each in one UserError line before anything is written.
 """
 
 from __future__ import annotations
@@ -26,10 +23,10 @@ from trainer.task import contract, models, optimizers, precision, steps
 from trainer.validation import check_bool, check_callable, check_choice, check_int, check_number
 
 ASYNC_REASON = "asynchronous closures on remote workers"
+# Options of the core (not extensions) that work under some strategies only.
 CAPABILITIES = (("train.jit_compile", modes.SYNCHRONOUS), ("train.async_checkpoint", modes.SYNCHRONOUS))
-"""Options of the core (not extensions) that work under some strategies only."""
+# Parameters `train` had, each with what replaces it.
 RETIRED = {"hooks": "hooks and extensions are one type now; bind train.extensions = [@my_extension()]"}
-"""Parameters `train` had, each with what replaces it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,9 +223,8 @@ def retired_binding(gin_error: Exception) -> str | None:
 
 
 def absolute_model_dir(model_dir: str) -> str:
-    """`model_dir` as an absolute path (a URL such as gs://... as it is), resolved once where a run
-    is configured: every reader and writer of the run then sees the same directory, whatever
-    working directory it was given relative to."""
+    """`model_dir` as an absolute path (a URL as it is), resolved once where a run is configured, so
+    every reader and writer sees the same directory."""
     return model_dir if "://" in model_dir else os.path.abspath(model_dir)
 
 
@@ -238,8 +234,7 @@ def _check_items(name: str, value: Any, kind: type, what: str) -> None:
 
 
 def signature() -> inspect.Signature:
-    """`train`'s signature: every field of Settings as a keyword-only parameter with its default
-    (gin reads it to refuse a binding of a name that is not a parameter)."""
+    """`train`'s signature: Settings' fields as keyword-only parameters (gin refuses other names)."""
     return inspect.Signature(
         [
             inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
