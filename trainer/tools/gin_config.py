@@ -1,10 +1,6 @@
-"""What a parsed gin config says, for the entry points: every configurable with its values and
-where each came from (`--print_config`), and the bindings flattened to TensorBoard hparams.
-
-Used after `main.parse_gin` has parsed and checked the config; nothing here starts TensorFlow.
-Gin has no public way to list its registered configurables or to tell where a binding came
-from, so `internals.gin_registry` reads its registry and `binding_sources` re-reads the files with
-gin's own parser.
+"""What a parsed gin config says: every configurable with its values and where each came from
+(`--print_config`), and the bindings flattened to TensorBoard hparams; no TensorFlow here. Gin
+cannot tell where a binding came from, so `binding_sources` re-reads the files with its parser.
 """
 
 from __future__ import annotations
@@ -132,24 +128,23 @@ def binding_sources(
             selector = match.selector if match is not None else selector
         sources[(statement.scope or "", selector, statement.arg_name)] = where
 
-    def walk(path: str) -> None:
+    def walk(statements, where) -> None:
+        for statement in statements:
+            if isinstance(statement, config_parser.BindingStatement):
+                record(statement, where(statement))
+            elif isinstance(statement, config_parser.IncludeStatement):
+                include(statement.filename)
+
+    def include(path: str) -> None:
         resolved = _resolve(path, search_paths)
         with open(resolved) as f:
-            for statement in _statements(f):
-                if isinstance(statement, config_parser.BindingStatement):
-                    record(statement, f"{_shown_path(resolved)}:{statement.location.line_num}")
-                elif isinstance(statement, config_parser.IncludeStatement):
-                    walk(statement.filename)
+            walk(_statements(f), lambda statement: f"{_shown_path(resolved)}:{statement.location.line_num}")
 
     for path in gin_files:
-        walk(path)
+        include(path)
     text = "\n".join(bindings)
     if text.strip():
-        for statement in _statements(text):
-            if isinstance(statement, config_parser.BindingStatement):
-                record(statement, FROM_FLAGS)
-            elif isinstance(statement, config_parser.IncludeStatement):
-                walk(statement.filename)
+        walk(_statements(text), lambda _: FROM_FLAGS)
     return sources
 
 
@@ -246,14 +241,9 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
                 lines.append((f"{text} = <from the caller>", "no default"))
             else:
                 lines.append((f"{text} = {format_value(defaults[param])}", DEFAULT))
-        for (scope, selector, param), value in bound_values.items():
-            if scope and selector == configurable.selector:
-                lines.append(
-                    (
-                        f"{_key(scope, configurable.name, param)} = {format_value(value)}",
-                        sources[(scope, selector, param)],
-                    )
-                )
+        for key, value in bound_values.items():
+            if key[0] and key[1] == configurable.selector:
+                lines.append((f"{_key(key[0], configurable.name, key[2])} = {format_value(value)}", sources[key]))
 
     macros = [(key, src) for key, src in sources.items() if not key[2]]
     if macros:
