@@ -156,10 +156,7 @@ class ProgressLogger(Extension):
         record = (
             means
             | learning_rates(context.task.optimizers)
-            | {
-                "steps_per_sec": steps_per_sec,
-                "examples_per_sec": steps_per_sec * context.settings.global_batch_size,
-            }
+            | {"steps_per_sec": steps_per_sec, "examples_per_sec": steps_per_sec * context.settings.global_batch_size}
         )
         context.metrics_log.record(step, "train", record)
         if self._bar is None and (context.runtime.is_chief or self.all_workers):

@@ -39,11 +39,7 @@ def checkpoints_in(model_dir: str) -> list[tuple[int, str]]:
 
 
 def evaluate_continuously(
-    settings: Settings,
-    *,
-    timeout_secs: float = 600.0,
-    poll_secs: float = 1.0,
-    print_fn: Callable[[str], None] = print,
+    settings: Settings, *, timeout_secs: float = 600.0, poll_secs: float = 1.0, print_fn: Callable[[str], None] = print
 ) -> dict[str, float]:
     """Evaluates each new checkpoint in `settings.model_dir` until the one at `settings.total_steps`;
     returns the first eval split's results of the last one evaluated ({} if none)."""
