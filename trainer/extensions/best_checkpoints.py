@@ -22,7 +22,6 @@ import dataclasses
 import glob
 import json
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -114,11 +113,9 @@ class BestCheckpoints(Extension):
 
     def _save(self, context: Context, step: int, value: float) -> None:
         if not context.runtime.is_chief:
-            temp_dir = tempfile.mkdtemp(prefix=f"trainer-{context.runtime.cluster.task_name}-best-")
-            try:
-                context.saver.write_copy(os.path.join(temp_dir, f"ckpt-{step}"))
-            finally:
-                shutil.rmtree(temp_dir, ignore_errors=True)
+            prefix = f"trainer-{context.runtime.cluster.task_name}-best-"
+            with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as temp:
+                context.saver.write_copy(os.path.join(temp, f"ckpt-{step}"))
             self._rank(step, value)
             return
         os.makedirs(self._dir, exist_ok=True)

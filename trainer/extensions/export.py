@@ -76,11 +76,8 @@ def export(
     """Every worker calls this; the chief's SavedModel lands in `model_dir/export/<step>` (returned;
     None on the other workers)."""
     if not is_chief:
-        temp_dir = tempfile.mkdtemp(prefix=f"trainer-{task_name}-export-")
-        try:
-            save(model, spec, os.path.join(temp_dir, str(step)))
-        finally:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=f"trainer-{task_name}-export-", ignore_cleanup_errors=True) as temp:
+            save(model, spec, os.path.join(temp, str(step)))
         return None
     root = os.path.join(model_dir, EXPORT_DIR)
     os.makedirs(root, exist_ok=True)

@@ -15,7 +15,6 @@ file): nothing on disk.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import uuid
 from typing import Any, Callable, Mapping
@@ -173,9 +172,8 @@ def _from_weights_file(models: Any, path: str, print_fn: Callable[[str], None], 
                 else f"{'model ' + repr(key) if key else 'the model'} is a {type(models).__name__}; use a checkpoint"
             )
         )
-    temp_dir = tempfile.mkdtemp(prefix="trainer-warm-start-")
-    try:
-        merged = os.path.join(temp_dir, "merged" + WEIGHTS_SUFFIX)
+    with tempfile.TemporaryDirectory(prefix="trainer-warm-start-", ignore_cleanup_errors=True) as temp:
+        merged = os.path.join(temp, "merged" + WEIGHTS_SUFFIX)
         models.save_weights(merged)
         source, own = _h5_shapes(path), _h5_shapes(merged)
         matched = compare(source, own, path)
@@ -183,8 +181,6 @@ def _from_weights_file(models: Any, path: str, print_fn: Callable[[str], None], 
             for name in matched:
                 dst[name][...] = src[name][...]
         models.load_weights(merged)
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
     report(path, matched, source, own, print_fn, key)
 
 

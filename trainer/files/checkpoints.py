@@ -114,13 +114,8 @@ class CheckpointSaver:
             except (tf.errors.OpError, OSError) as e:
                 raise self._failure(step, e) from e
         else:
-            temp_dir = tempfile.mkdtemp(prefix=f"trainer-{self._task_name}-ckpt-")
-            try:
-                path = tf.train.CheckpointManager(self._checkpoint, temp_dir, max_to_keep=1).save(
-                    checkpoint_number=step
-                )
-            finally:
-                shutil.rmtree(temp_dir, ignore_errors=True)
+            with self._temp_dir() as temp:
+                path = tf.train.CheckpointManager(self._checkpoint, temp, max_to_keep=1).save(checkpoint_number=step)
         self.last_saved_step = step
         return path
 
@@ -144,11 +139,12 @@ class CheckpointSaver:
             _write_snapshot(snapshot, prefix)
             self._commit(prefix)
             return
-        temp_dir = tempfile.mkdtemp(prefix=f"trainer-{self._task_name}-ckpt-")
-        try:
-            _write_snapshot(snapshot, os.path.join(temp_dir, f"ckpt-{step}"))
-        finally:
-            shutil.rmtree(temp_dir, ignore_errors=True)  # only now that the write is done
+        with self._temp_dir() as temp:  # deleted only once the write is done
+            _write_snapshot(snapshot, os.path.join(temp, f"ckpt-{step}"))
+
+    def _temp_dir(self) -> tempfile.TemporaryDirectory:
+        """Where a non-chief worker's copy goes (every worker takes part in a save), deleted after."""
+        return tempfile.TemporaryDirectory(prefix=f"trainer-{self._task_name}-ckpt-", ignore_cleanup_errors=True)
 
     def _commit(self, prefix: str) -> None:
         """Names the complete checkpoint `prefix` in the (atomically replaced) state file, then deletes
