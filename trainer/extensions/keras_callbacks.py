@@ -10,12 +10,12 @@ by an all-reduce). Callback state is not checkpointed (the learning rate is).
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import shutil
 import tempfile
 import traceback
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import keras
 
@@ -46,6 +46,22 @@ def check_callbacks(callbacks: Any) -> list[keras.callbacks.Callback]:
             if isinstance(callback, getattr(keras.callbacks, refused)):
                 raise UserError(f"train.keras_callbacks: keras.callbacks.{refused} is not needed here: {instead}")
     return list(callbacks)
+
+
+def _calling_callbacks(method: Callable) -> Callable:
+    """An exception a callback raises in `method` becomes one line naming it, with its own frames above."""
+
+    @functools.wraps(method)
+    def calling(self: "KerasCallbacks", *args: Any) -> None:
+        try:
+            method(self, *args)
+        except (UserError, RunFailure):
+            raise
+        except Exception as e:  # noqa: BLE001  (what a user's callback raises is theirs to fix)
+            name = self._raiser(e)
+            raise raised_by(e, name, f"{name} (train.keras_callbacks)") from e
+
+    return calling
 
 
 class KerasCallbacks(Extension):
@@ -87,17 +103,6 @@ class KerasCallbacks(Extension):
                 )
         self._model, self._optimizer = model, optimizer
 
-    @contextlib.contextmanager
-    def _calling_callbacks(self) -> Iterator[None]:
-        """An exception a callback raises becomes one line naming it, with its own frames above."""
-        try:
-            yield
-        except (UserError, RunFailure):
-            raise
-        except Exception as e:  # noqa: BLE001  (what a user's callback raises is theirs to fix)
-            name = self._raiser(e)
-            raise raised_by(e, name, f"{name} (train.keras_callbacks)") from e
-
     def _raiser(self, error: Exception) -> str:
         """`Class.method` of the callback whose method raised `error` (the innermost one)."""
         for frame, _ in reversed(list(traceback.walk_tb(error.__traceback__))):
@@ -106,11 +111,8 @@ class KerasCallbacks(Extension):
                 return f"{type(owner).__name__}.{frame.f_code.co_name}"
         return "a Keras callback"
 
+    @_calling_callbacks
     def begin(self, context: Context) -> None:
-        with self._calling_callbacks():
-            self._begin(context)
-
-    def _begin(self, context: Context) -> None:
         self._any_worker = AnyWorker(context.runtime.strategy)
         if not context.runtime.is_chief:
             for callback in self._callbacks:
@@ -134,11 +136,8 @@ class KerasCallbacks(Extension):
     def _epoch(self, step: int) -> int:
         return math.ceil(step / self._eval_every) - 1
 
+    @_calling_callbacks
     def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
-        with self._calling_callbacks():
-            self._after_loop(context, step, metrics)
-
-    def _after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         steps, self._last_step = step - self._last_step, step
         self._count += steps
         for key, value in metrics.items():
@@ -164,11 +163,8 @@ class KerasCallbacks(Extension):
     def _train_logs(self) -> dict[str, float]:
         return {k: v / self._count for k, v in self._sums.items()} if self._count else {}
 
+    @_calling_callbacks
     def end(self, context: Context, step: int) -> None:
-        with self._calling_callbacks():
-            self._end(context, step)
-
-    def _end(self, context: Context, step: int) -> None:
         # the final eval (or one after a stop)
         if context.evaluations.at(step) is not None and self._epoch_start != step:
             self._end_epoch(context, step, self._train_logs())

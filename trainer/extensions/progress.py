@@ -18,17 +18,12 @@ from trainer.task import combine
 from trainer.validation import check_bool, check_number
 
 
-def current_learning_rate(optimizer) -> float:
-    """The rate the next step uses, for a float, a schedule or a distributed variable."""
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-
-
 def learning_rates(optimizers) -> dict[str, float]:
-    """`{"learning_rate": r}` of one optimizer, `{"learning_rate/<key>": r}` of a dict of them
-    (optimizers without a `learning_rate` are left out)."""
+    """The rate the next step uses: `{"learning_rate": r}` of one optimizer, `{"learning_rate/<key>": r}`
+    of a dict of them (a float, a schedule or a distributed variable; optimizers without one left out)."""
     named = optimizers.items() if isinstance(optimizers, dict) else [(None, optimizers)]
     return {
-        ("learning_rate" if key is None else f"learning_rate/{key}"): current_learning_rate(o)
+        ("learning_rate" if key is None else f"learning_rate/{key}"): float(keras.ops.convert_to_numpy(o.learning_rate))
         for key, o in named
         if hasattr(o, "learning_rate")
     }

@@ -112,12 +112,11 @@ class Settings:
             )
         for name, rule in (("step_fn", contract.STEP), ("eval_step_fn", contract.EVAL_STEP)):
             object.__setattr__(self, name, contract.adapt(getattr(self, name), rule))  # by name, else position
-        _check_items(
-            "train.extensions",
-            self.extensions,
-            Extension,
-            "extensions (instances of trainer.extensions.Extension, bound as @my_extension())",
-        )
+        if not isinstance(self.extensions, (list, tuple)) or not all(isinstance(e, Extension) for e in self.extensions):
+            raise UserError(
+                "train.extensions must be a list of extensions (instances of trainer.extensions.Extension, bound as "
+                f"@my_extension()), got {self.extensions!r}"
+            )
         for name in ("extensions", "keras_callbacks"):
             value = getattr(self, name)
             if isinstance(value, list):
@@ -226,11 +225,6 @@ def absolute_model_dir(model_dir: str) -> str:
     """`model_dir` as an absolute path (a URL as it is), resolved once where a run is configured, so
     every reader and writer sees the same directory."""
     return model_dir if "://" in model_dir else os.path.abspath(model_dir)
-
-
-def _check_items(name: str, value: Any, kind: type, what: str) -> None:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(item, kind) for item in value):
-        raise UserError(f"{name} must be a list of {what}, got {value!r}")
 
 
 def signature() -> inspect.Signature:
