@@ -8,17 +8,16 @@ from typing import Any, Callable
 
 
 def gin_registry() -> Any:
-    """gin's registry (`gin.config._REGISTRY`, selector -> Configurable): gin lists no configurables
-    publicly. Without it `--print_config` and the hparams cannot list gin's names."""
+    """gin's registry (`gin.config._REGISTRY`): gin lists no configurables publicly. Without it
+    `--print_config` and the hparams cannot list gin's names."""
     import gin
 
     return gin.config._REGISTRY  # noqa: SLF001
 
 
 def record_operative(scope: str, selector: str, values: dict[str, Any]) -> None:
-    """Records `values` in gin's operative config (`_OPERATIVE_CONFIG`, under its lock) as gin's wrapper
-    does when it calls a configurable: our bound functions (trainer/tools/gin_functions.py) bypass the
-    wrapper, the only public way in. Without it `operative_config.gin` misses them."""
+    """Records `values` in gin's operative config (`_OPERATIVE_CONFIG`) as gin's wrapper does: our bound
+    functions (trainer/tools/gin_functions.py) bypass it. Without it `operative_config.gin` misses them."""
     import gin
 
     with gin.config._OPERATIVE_CONFIG_LOCK:  # noqa: SLF001
@@ -26,9 +25,8 @@ def record_operative(scope: str, selector: str, values: dict[str, Any]) -> None:
 
 
 def run_exit_handlers() -> None:
-    """What the interpreter's exit runs first, in order (`threading._shutdown`: exit callbacks, joins
-    of non-daemon threads; then `atexit._run_exitfuncs`), for a process that ends with `os._exit`
-    (trainer/cli.py). Without it MLflow, logging and temporary directories are not finished."""
+    """What the interpreter's exit runs first (`threading._shutdown`, then `atexit._run_exitfuncs`), for a
+    process ending with `os._exit` (trainer/cli.py). Without it MLflow, logging and temp dirs are not finished."""
     import atexit
     import threading
 
@@ -67,17 +65,15 @@ def set_summary_resource(writer: Any, resource: Any) -> None:
 
 
 def checkpoint_tensors(checkpoint: Any) -> tuple[dict, Any]:
-    """What a save of `checkpoint` writes: (tensors by trackable, registered savers), from
-    `_saver._gather_serialized_tensors`: no public API takes them apart from the write. Without it
-    no asynchronous checkpoint (trainer/files/checkpoints.py)."""
+    """What a save of `checkpoint` writes (`_saver._gather_serialized_tensors`): no public API takes them
+    apart from the write. Without it no asynchronous checkpoint (trainer/files/checkpoints.py)."""
     tensors, _, registered_savers, _ = checkpoint._saver._gather_serialized_tensors(None)  # noqa: SLF001
     return tensors, registered_savers
 
 
 def read_save_spec(value: Any) -> Any:
-    """A `SaveSpec` (a variable's lazy read among `checkpoint_tensors`) as its tensor read now (itself
-    for a variable without a value); anything else as it is. Without it an asynchronous save would
-    write the values of later steps."""
+    """A `SaveSpec` (a lazy read among `checkpoint_tensors`) as its tensor read now; anything else as it is.
+    Without it an asynchronous save would write the values of later steps."""
     from tensorflow.python.training.saving import saveable_object
 
     if isinstance(value, saveable_object.SaveSpec):

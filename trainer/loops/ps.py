@@ -57,8 +57,7 @@ def rejected_by_worker(error: Exception) -> bool:
 
 
 def _tf_variables(variable) -> list:
-    """The TensorFlow variables behind one model variable: a Keras 3 Variable wraps its own in
-    `.value`; a ShardedVariable (what a partitioner makes of a large one) is its components."""
+    """The TensorFlow variables behind one model variable (a Keras 3 Variable's `.value`, a ShardedVariable's parts)."""
     import keras
 
     value = variable.value if isinstance(variable, getattr(keras, "Variable", ())) else variable
@@ -66,9 +65,8 @@ def _tf_variables(variable) -> list:
 
 
 def check_partitioner(models) -> None:
-    """Refuses a Keras layer whose own variables the partitioner sharded: Keras 3 layers compute
-    with their variables as whole tensors, and a ShardedVariable is not one. Tables of a `tf.Module`
-    beside a Keras tower (wide and deep) are fine, as long as the tower's variables stay whole."""
+    """Refuses a Keras layer whose variables the partitioner sharded: Keras 3 layers compute with whole
+    tensors. A `tf.Module`'s sharded tables beside a Keras tower (wide and deep) are fine."""
     import keras
 
     for key, model in named(models, default="").items():
@@ -88,8 +86,8 @@ def check_partitioner(models) -> None:
 
 
 def describe_placement(models) -> str:
-    """Where the models' variables live, and which are sharded in how many parts (a Keras variable by
-    its path; a tf.Module lists a sharded variable's parts itself, named `<v>/part_<i>`)."""
+    """Where the models' variables live, and which are sharded in how many parts (a tf.Module lists a
+    sharded variable's parts itself, as `<v>/part_<i>`)."""
     import keras
 
     parts: dict[str, list] = {}
@@ -246,8 +244,7 @@ class PSTrainLoop:
 
 
 class _GraphNotingRecorder(GradientRecorder):
-    """A stand-in optimizer that also notes the graph each update call is traced in: one other than
-    the step's own is a loop or branch body (or a nested tf.function)."""
+    """A stand-in optimizer noting the graph each update is traced in (not the step's: a loop or branch body)."""
 
     def __init__(self, optimizer):
         super().__init__(optimizer, once=False)
