@@ -33,25 +33,16 @@ RETIRED = {"hooks": "hooks and extensions are one type now; bind train.extension
 class Settings:
     """A run's configuration (gin: `train.<field>`).
 
-    Length and sizes: total_steps, global_batch_size (the examples behind one update),
-    steps_per_loop (steps per compiled call), seed. Intervals: log_every_steps,
-    checkpoint_every_steps, eval_every_steps; keep_checkpoints newest ones are kept.
-    What is trained: model_fn, optimizer_fn (trainer/task/task.py), step_fn and eval_step_fn
-    (trainer/task/steps.py), eval_metrics_fn (Keras metrics for the eval step), input_fn
-    (`data_source` is its older name; default: the embedded digits) and eval_splits (default:
-    the input function's `splits` other than 'train', else ('eval',)).
-    Where: strategy (trainer/distribution/modes.py), device_config, cluster_resolver
-    ('tf_config' or 'slurm') and cluster_resolver_options, collective_timeout_secs,
-    distribute_method ('dataset' or 'function'), shard_policy, parameter_server.
-    Speed: jit_compile, mixed_precision, async_checkpoint (checkpoints written on a background
-    thread; synchronous strategies).
-    Safety: check_loss_scaling, nonfinite ('stop' or 'rollback') and max_rollbacks,
-    allow_resume_changes.
-    Optional features, each an extension: preemption_checkpointing, grad_accum_steps,
-    clip_global_norm, ema_decay, export_saved_model, warm_start, keep_best/best_metric/best_mode,
-    early_stopping, keras_callbacks; extensions of your own.
-    Set by the entry point: model_dir, describe_config (the operative config's text), hparams
-    (the flat bindings, for TensorBoard and MLflow), print_fn.
+    Length: total_steps, global_batch_size (the examples behind one update), steps_per_loop (steps
+    per compiled call), seed; intervals: log_/checkpoint_/eval_every_steps, keep_checkpoints.
+    Trained: model_fn, optimizer_fn (trainer/task/task.py), step_fn, eval_step_fn, eval_metrics_fn
+    (trainer/task/steps.py), input_fn (older name `data_source`; default the embedded digits) and
+    eval_splits (default: the input's `splits` but 'train', else ('eval',)). Where: strategy,
+    device_config, cluster_resolver(_options), collective_timeout_secs, distribute_method,
+    shard_policy, parameter_server. Speed: jit_compile, mixed_precision, async_checkpoint. Safety:
+    check_loss_scaling, nonfinite, max_rollbacks, allow_resume_changes. The optional features are
+    extensions (trainer/extensions/built_in.py), beside your own `extensions`. Set by the entry
+    point: model_dir, describe_config, hparams (the flat bindings), print_fn.
     """
 
     model_dir: str | None = None
