@@ -244,7 +244,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "extension_method_typo": (
         [IMPORT, *bind("train.extensions = [@misspelt_extension()]")],
-        "MisspeltExtension.atach is not a method of the hook and extension protocol, and the "
+        "MisspeltExtension.atach is not a method of the extension protocol, and the "
         "run never calls it; did you mean attach?",
     ),
     "model_fn_raises": (

@@ -43,7 +43,7 @@ class CheckpointSaver:
         if isinstance(checkpoint, tf.train.Checkpoint):
             checkpoint = RunCheckpoint.of(checkpoint)
         self._run_checkpoint = checkpoint
-        self._checkpoint = checkpoint.root
+        self.checkpoint = checkpoint.root  # what every save writes (the preemption handler reads it too)
         self.model_dir = model_dir
         self._is_chief = is_chief
         self._task_name = task_name
@@ -59,11 +59,6 @@ class CheckpointSaver:
         self._writer = pool(1, thread_name_prefix="trainer-checkpoint") if async_checkpoint else None
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         self.last_saved_step: int | None = None
-
-    @property
-    def checkpoint(self) -> tf.train.Checkpoint:
-        """What every save writes (for readers of the same checkpoints, e.g. the preemption handler)."""
-        return self._checkpoint
 
     def write_copy(self, path: str) -> None:
         """Writes the run's checkpoint, as it is now, at the prefix `path` (best checkpoints, a
@@ -105,7 +100,7 @@ class CheckpointSaver:
         checkpoint stays in charge and this one's partial files are removed."""
         self.wait()
         if self._writer is not None:
-            snapshot = _snapshot(self._checkpoint)  # this step's values, whatever the next steps do
+            snapshot = _snapshot(self.checkpoint)  # this step's values, whatever the next steps do
             self._pending = (step, self._writer.submit(self._write, snapshot, step))
             path = os.path.join(self.model_dir, f"ckpt-{step}")
         elif self._is_chief:
@@ -115,7 +110,7 @@ class CheckpointSaver:
                 raise self._failure(step, e) from e
         else:
             with self._temp_dir() as temp:
-                path = tf.train.CheckpointManager(self._checkpoint, temp, max_to_keep=1).save(checkpoint_number=step)
+                path = tf.train.CheckpointManager(self.checkpoint, temp, max_to_keep=1).save(checkpoint_number=step)
         self.last_saved_step = step
         return path
 
