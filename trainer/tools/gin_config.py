@@ -218,19 +218,11 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
 
     def emit(configurable: Configurable) -> None:
         doc = (inspect.getdoc(configurable.target) or "").splitlines()
-        lines.append(("", ""))
-        lines.append((f"# {configurable.name}: {doc[0] if doc else ''}".rstrip(": "), ""))
+        lines.extend([("", ""), (f"# {configurable.name}: {doc[0] if doc else ''}".rstrip(": "), "")])
         set_by_main = SET_BY_MAIN.get(configurable.name, {})
-        names = [p.name for p in parameters(configurable)]
-        names += sorted(
-            {
-                param
-                for scope, sel, param in bound_values
-                if sel == configurable.selector and not scope and param not in names
-            }
-        )
         defaults = {p.name: p.default for p in parameters(configurable)}
-        for param in names:
+        bound = {param for scope, sel, param in bound_values if sel == configurable.selector and not scope}
+        for param in [*defaults, *sorted(bound - set(defaults))]:
             key = ("", configurable.selector, param)
             text = _key("", configurable.name, param)
             if key in bound_values:
@@ -247,8 +239,7 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
 
     macros = [(key, src) for key, src in sources.items() if not key[2]]
     if macros:
-        lines.append(("", ""))
-        lines.append(("# macros", ""))
+        lines.extend([("", ""), ("# macros", "")])
         for (scope, name, _), where in macros:
             value = gin.query_parameter(f"{scope + '/' if scope else ''}{name}/gin.macro.value")
             lines.append((f"{name} = {format_value(value)}", where))
@@ -257,8 +248,7 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
     for configurable in first:
         emit(configurable)
     if rest:
-        lines.append(("", ""))
-        lines.append(("# ----- not bound or referenced by this config: at their defaults -----", ""))
+        lines.extend([("", ""), ("# ----- not bound or referenced by this config: at their defaults -----", "")])
         for configurable in rest:
             emit(configurable)
 
