@@ -12,11 +12,8 @@ from trainer.extensions.protocol import Extension
 
 
 class EvalHook(Extension):
-    """Evaluates every eval split every `every_steps` steps and at the end of the run.
-
-    At the end it does not evaluate again a step it already evaluated, nor a run that trained
-    no step (one started again after early stopping: its last eval is already recorded).
-    """
+    """Evaluates every eval split every `every_steps` steps and at the end of the run, unless that step
+    was evaluated or no step was trained (a run started again after early stopping)."""
 
     name = "eval"
 

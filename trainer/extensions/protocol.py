@@ -92,9 +92,8 @@ _MISSABLE = sorted(name for name in PROTOCOL_METHODS if len(name) >= 4)
 
 
 def check_method_names(participants: Sequence[Extension]) -> None:
-    """Refuses an extension with a public method whose name is a near miss of a protocol
-    method it does not define (`atach` for `attach`): the run would never call it, and the
-    feature would fail later, far from the typo (an AttributeError after model_dir was written)."""
+    """Refuses a public method whose name is a near miss of a protocol method the extension does not
+    define (`atach`): never called, the feature would fail later, far from the typo."""
     for participant in participants:
         cls = type(participant)
         own = {name for klass in cls.__mro__ if klass not in (Extension, object) for name in vars(klass)}

@@ -74,10 +74,8 @@ def _checkpoint_shapes(prefix: str, root: tuple[str, ...] = ("model",), label: s
     reader, graph = _object_graph(prefix)
     shapes = reader.get_variable_to_shape_map()
     start = _node(graph, root)
-    roots = [] if start is None else [start]
     found: dict[str, list[int]] = {}
-    seen = set(roots)
-    queue = [(node_id, label) for node_id in roots]
+    seen, queue = {start}, [] if start is None else [(start, label)]
     while queue:
         node_id, path = queue.pop(0)
         for attribute in graph.nodes[node_id].attributes:

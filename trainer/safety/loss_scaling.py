@@ -122,9 +122,8 @@ def check_loss_scaling(
 
 
 def _run_distributed(strategy, probe, slice_of: Callable[[int], object]):
-    """The step on every replica, replica i on `slice_of(i)`; outputs and gradients reduced with SUM,
-    and the sum of the outputs of every replica but the last (which tells, between two runs that
-    differ only in the last replica's slice, whether a replica's outputs depend on other replicas')."""
+    """The step on every replica, replica i on `slice_of(i)`: outputs and gradients SUM-reduced, and the
+    sum of every replica's outputs but the last's (do they move when only the last one's slice does?)."""
     SUM = tf.distribute.ReduceOp.SUM
     last = strategy.num_replicas_in_sync - 1
 
