@@ -80,9 +80,6 @@ def describe(configurable: Configurable) -> str:
     return f"{configurable.name}({params})\n    {doc[0] if doc else '(no docstring)'}"
 
 
-# --- where each binding came from -------------------------------------------------------------
-
-
 class _Placeholders(config_parser.ParserDelegate):
     """Parses without resolving references or macros: only the binding keys are wanted."""
 
@@ -146,9 +143,6 @@ def binding_sources(
     if text.strip():
         walk(_statements(text), lambda _: FROM_FLAGS)
     return sources
-
-
-# --- values -----------------------------------------------------------------------------------
 
 
 def format_value(value: Any) -> str:
@@ -255,9 +249,6 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
     width = min(max((len(text) for text, comment in lines if comment), default=0), 58)
     out = header + [f"{text.ljust(width)}  # {comment}" if comment else text for text, comment in lines]
     return "\n".join(out) + "\n"
-
-
-# --- hparams ----------------------------------------------------------------------------------
 
 
 def hparams(gin_files: list[str], bindings: list[str], search_paths: Iterable[str] = ()) -> dict[str, Any]:
