@@ -49,18 +49,16 @@ def keras_sublayers(layer: Any) -> list:
 
 
 def replace_layer_losses(layer: Any, replace: Callable[[list], Any]) -> None:
-    """Puts `replace(losses)` in place of a Keras 3 layer's list of the losses its call made (`_losses`,
-    read by `model.losses`), past attribute tracking; Keras has no hook into it. Without it the
-    replicas of a mirrored model read each other's `add_loss` losses."""
+    """Puts `replace(losses)` in place of a Keras 3 layer's `_losses` (read by `model.losses`), past attribute
+    tracking; Keras has no hook. Without it a mirrored model's replicas read each other's `add_loss` losses."""
     losses = layer.__dict__.get("_losses")
     if losses is not None:
         object.__setattr__(layer, "_losses", replace(losses))
 
 
 def set_summary_resource(writer: Any, resource: Any) -> None:
-    """Makes `resource` the writer resource a `tf.summary.SummaryWriter` subclass writes to (the summary
-    ops read `_resource`): `tf.summary.create_file_writer` creates its file at once, before a run's
-    checks. Without it no event file of trainer/files/event_writers.py is written."""
+    """Makes `resource` the one a `tf.summary.SummaryWriter` subclass writes to (`_resource`): `create_file_writer`
+    creates its file at once, before a run's checks. Without it trainer/files/event_writers.py writes nothing."""
     writer._resource = resource  # noqa: SLF001
 
 
@@ -91,10 +89,9 @@ def write_checkpoint_tensors(tensors: dict, registered_savers: Any, prefix: str)
 
 
 def keras_step_counter(optimizer: Any) -> Any:
-    """A Keras 3 optimizer's own step counter variable (`_iterations`; None for any other optimizer):
-    the public `iterations` is a computed value under gradient accumulation and the inner
-    optimizer's for a LossScaleOptimizer. Without it the ps loop's counter counts no steps atomically
-    (trainer/loops/ps_schedules.py)."""
+    """A Keras 3 optimizer's own step counter (`_iterations`): the public `iterations` is computed under
+    gradient accumulation, the inner optimizer's for a LossScaleOptimizer. Without it the ps loop's
+    counter counts no steps atomically (trainer/loops/ps_schedules.py)."""
     return getattr(optimizer, "_iterations", None)
 
 
@@ -106,10 +103,9 @@ def keras_learning_rate(optimizer: Any) -> Any:
 
 
 def skip_keras_gradient_sum(optimizer: Any) -> bool:
-    """Makes a Keras 3 TensorFlow optimizer apply gradients without summing them across replicas: every
-    sum goes through `TFOptimizer._all_reduce_sum_gradients`, replaced by the identity on this
-    instance (trainer/update/clipping.py sums first). Keras has no switch for it. False, changing
-    nothing, for an optimizer without that method; if Keras renames it, clipping is refused."""
+    """Makes a Keras 3 TensorFlow optimizer apply gradients without summing them across replicas (clipping
+    sums first): `TFOptimizer._all_reduce_sum_gradients` becomes the identity on this instance; Keras has no
+    switch. False, changing nothing, without that method (if Keras renames it, clipping is refused)."""
     if not callable(getattr(type(optimizer), "_all_reduce_sum_gradients", None)):
         return False
     optimizer._all_reduce_sum_gradients = list  # noqa: SLF001  (the gradients and variables, as given)

@@ -34,12 +34,10 @@ def format_duration(seconds: float) -> str:
 
 
 class ProgressLogger(Extension):
-    """Progress on stdout, and every `every_steps` steps a train record in the metrics log.
-
-    On a terminal (`live` None) or with `live`, the chief's bar redraws after loop calls, at most
-    every `refresh_secs`; on one process the driver also ends loop calls about that often so the
-    bar moves. Elsewhere a plain line every N steps; non-chief workers print only a finish line,
-    unless `all_workers`."""
+    """Progress on stdout, and every `every_steps` steps a train record in the metrics log. On a terminal
+    (or with `live`) the chief's bar redraws at most every `refresh_secs`, and on one process loop calls end
+    about that often so it moves; elsewhere a plain line every N steps. Non-chief workers print only a
+    finish line, unless `all_workers`."""
 
     name = "progress"
 

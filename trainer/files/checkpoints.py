@@ -177,19 +177,16 @@ class CheckpointSaver:
 
 
 def listed_checkpoints(model_dir: str) -> list[str]:
-    """The complete checkpoints model_dir's state file lists, oldest first, as it gives them:
-    tf.train.get_checkpoint_state joins model_dir to each relative one (joining it again breaks a
-    relative model_dir)."""
+    """The complete checkpoints model_dir's state file lists, oldest first, as get_checkpoint_state gives
+    them (joined to model_dir already: joining again breaks a relative model_dir)."""
     state = tf.train.get_checkpoint_state(model_dir)
     return [] if state is None else list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
 
 
 def _snapshot(checkpoint: tf.train.Checkpoint) -> tuple[Any, Any, str]:
-    """What a save of `checkpoint` writes, read now: (tensors by trackable, registered savers, device).
-
-    Reading costs no copy (the next update of a variable whose value is held copies first). The
-    device places the writer's ops: a new thread does not inherit the training thread's placement,
-    which under multi_worker_mirrored names this worker's job."""
+    """What a save of `checkpoint` writes, read now (no copy: the next update of a held value copies
+    first): (tensors by trackable, registered savers, device). The device places the writer's ops: a new
+    thread does not inherit the training thread's, which under multi_worker_mirrored names this job."""
     checkpoint.save_counter.assign_add(1)  # as CheckpointManager.save does: the files are the same
     tensors, registered_savers = internals.checkpoint_tensors(checkpoint)
     for trackable in list(tensors):

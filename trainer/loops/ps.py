@@ -46,12 +46,10 @@ LOST_PS = "lost a parameter server: its variables are gone"
 
 
 def rejected_by_worker(error: Exception) -> bool:
-    """Whether a worker's gRPC server refused a request it could not parse: the closure never ran.
-
-    Seen in CI (TF 2.21, first closures): INTERNAL "Unable to parse request" from a worker that
-    executed nothing, so the closure can run again. TF's coordinator cancels the other closures as
-    for a user error; `run` schedules those again too (a cancelled one already running may apply
-    part of its steps twice, as a worker failure does)."""
+    """Whether a worker's gRPC server refused a request it could not parse (seen in CI, TF 2.21, first
+    closures): it executed nothing, so the closure can run again. TF's coordinator cancels the other
+    closures as for a user error; `run` schedules those again too (a cancelled one already running may
+    apply part of its steps twice, as a worker failure does)."""
     text = str(error)
     return isinstance(error, tf.errors.InternalError) and "Unable to parse request" in text and "/job:worker" in text
 

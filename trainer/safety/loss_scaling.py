@@ -55,10 +55,8 @@ def check_loss_scaling(
     seed: int,
     print_fn: Callable[[str], None] = print,
 ) -> None:
-    """Raises UserError if `step_fn` on N > 1 replicas disagrees with itself on one replica.
-
-    Call it outside `strategy.scope()` before the first step; leaves every variable as it found it.
-    Does nothing for one replica or ParameterServerStrategy (whose workers each run whole batches)."""
+    """Raises UserError if `step_fn` on N > 1 replicas disagrees with one replica (none for parameter_server,
+    whose workers run whole batches). Call it outside `strategy.scope()`; it leaves every variable as it was."""
     replicas = strategy.num_replicas_in_sync
     if replicas <= 1 or not modes.of(strategy).synchronous:
         return

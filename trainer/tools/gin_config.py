@@ -112,9 +112,8 @@ def _shown_path(path: str) -> str:
 def binding_sources(
     gin_files: Iterable[str], bindings: Iterable[str], search_paths: Iterable[str] = ()
 ) -> dict[tuple[str, str, str], str]:
-    """(scope, complete selector, param) -> 'file:line' or '--gin_bindings', the last binding
-    of each key winning, as in gin (files in order, includes where they stand, then bindings).
-    Macros are keyed (scope, name, '')."""
+    """(scope, complete selector, param; '' for a macro) -> 'file:line' or '--gin_bindings', the last
+    binding of each key winning, as in gin (files in order, includes where they stand, then bindings)."""
     search_paths = list(search_paths)
     sources: dict[tuple[str, str, str], str] = {}
 
@@ -192,9 +191,8 @@ def _macro_value(value: Any) -> Any:
 
 
 def describe_config(gin_files: list[str], bindings: list[str], search_paths: Iterable[str] = ()) -> str:
-    """Every configurable and each of its parameters: `name.param = value  # source`, source
-    being file:line, --gin_bindings, or default. Configurables the config binds or refers to
-    come first; scoped bindings follow their configurable."""
+    """Every configurable's parameters as `name.param = value  # source` (file:line, --gin_bindings or
+    default); configurables the config binds or refers to first, scoped bindings after their own."""
     sources = binding_sources(gin_files, bindings, search_paths)
     configurables = registered_configurables()
     by_selector = {c.selector: c for c in configurables}
@@ -252,9 +250,8 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
 
 
 def hparams(gin_files: list[str], bindings: list[str], search_paths: Iterable[str] = ()) -> dict[str, Any]:
-    """Every bound parameter as a scalar hparam (str/int/float/bool) named like its binding,
-    e.g. {'train.total_steps': 600, 'train.model_fn': '@cnn', 'make_optimizer.name': 'adam'}:
-    references, lists and None become their gin text; macros are resolved."""
+    """Every bound parameter as a scalar hparam named like its binding ({'train.model_fn': '@cnn', ...}):
+    references, lists and None as their gin text, macros resolved."""
     flat: dict[str, Any] = {"gin_files": ",".join(gin_files)}
     for scope, selector, param in binding_sources(gin_files, bindings, search_paths):
         if not param:
