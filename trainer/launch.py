@@ -120,14 +120,8 @@ class _Task:
         self.task_type = task_type
         self.name = f"{task_type} {task_id}"
         env = {**os.environ, "TF_CONFIG": tf_config, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+        self.process = subprocess.Popen(command, env=env, start_new_session=True, **pipes)
         self._copier = threading.Thread(target=_copy_lines, args=(self.process.stdout, f"[{self.name}] "), daemon=True)
         self._copier.start()
 

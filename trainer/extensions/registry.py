@@ -32,13 +32,9 @@ class Registry:
                 raise UserError(
                     f"two extensions of this run are named {name!r}; give one another name (its `name` attribute)"
                 )
-        for participant in participants:
+        for e in participants:
             modes.require(
-                setting_of(participant),
-                participant.supports,
-                settings.strategy,
-                reason=participant.unsupported_reason,
-                fix=participant.unsupported_fix,
+                setting_of(e), e.supports, settings.strategy, reason=e.unsupported_reason, fix=e.unsupported_fix
             )
         self.extensions: list[Extension] = _ordered(list(participants))
         self.contributions = Contributions()
