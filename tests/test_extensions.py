@@ -13,7 +13,7 @@ import pytest
 from tests.support import REPO
 from trainer.distribution import modes
 from trainer.errors import UserError
-from trainer.extensions import built_in, capabilities, factory
+from trainer.extensions import built_in, capabilities
 from trainer.extensions.context import Context, Contributions
 from trainer.extensions.early_stopping import EarlyStoppingOptions
 from trainer.extensions.protocol import Extension
@@ -73,7 +73,7 @@ def test_every_built_in_refused_under_parameter_server_says_so_in_one_wording():
     for key, value in on.items():
         settings = Settings(strategy="parameter_server", **{key: value})
         with pytest.raises(UserError) as refusal:
-            Registry(factory.participants(settings), settings)
+            Registry(built_in.participants(settings), settings)
         assert wording.match(str(refusal.value)), str(refusal.value)
     for key in ("jit_compile", "async_checkpoint"):
         with pytest.raises(UserError, match=wording.pattern.replace("^(\\S.*)", f"^train.{key}")):
@@ -81,12 +81,12 @@ def test_every_built_in_refused_under_parameter_server_says_so_in_one_wording():
     # A user's extension declaring no support there is refused the same way, naming how it was turned on.
     with pytest.raises(UserError, match=r"^swa \(train.extensions\) is not supported with parameter_server"):
         Registry([Recorder("swa", [], supports=modes.SYNCHRONOUS)], PS)
-    Registry(factory.participants(Settings(strategy="parameter_server", keep_best=2)), PS)  # supported: no error
+    Registry(built_in.participants(Settings(strategy="parameter_server", keep_best=2)), PS)  # supported: no error
 
 
 def test_stages_follow_after_and_the_checkpoint_runs_after_every_extension_with_state():
     log = []
-    *first, checkpoint = factory.participants(Settings())
+    *first, checkpoint = built_in.participants(Settings())
     participants = [
         *first,
         Recorder("b", log, after=("a",)),
@@ -116,7 +116,7 @@ def test_after_must_name_something_known_and_not_loop():
 
 
 def test_state_cannot_be_ordered_after_the_checkpoint():
-    participants = [*factory.participants(Settings()), Recorder("late", [], after=("checkpoint",), state={})]
+    participants = [*built_in.participants(Settings()), Recorder("late", [], after=("checkpoint",), state={})]
     with pytest.raises(UserError, match="late keeps state of its own, so it must run before the checkpoint"):
         Registry(participants, Settings())
 
@@ -171,7 +171,7 @@ def test_each_built_in_is_declared_once_and_shows_in_the_factory_the_registry_th
         keras_callbacks=[keras.callbacks.TerminateOnNaN()],
         export_saved_model=True,
     )  # warm_start needs a checkpoint to start from: tests/test_warm_start.py
-    made = names(factory.participants(on))
+    made = names(built_in.participants(on))
     assert made == [e.name for e in built_in.BUILT_IN if e.name in made]  # the table's order is the default one
     rows = {setting for setting, _ in capabilities.rows()}
     import trainer.configurables  # noqa: F401  (gives the library its gin names)

@@ -31,10 +31,9 @@ from trainer.task import contract, models, optimizers, steps  # noqa: E402
 from trainer.tools import gin_config, gin_functions  # noqa: E402
 from trainer.tools.parity import config as parity_config  # noqa: E402
 
-# The train parameters that hold functions the loop calls, and the values the loop passes them
-# itself (trainer/task/contract.py): a gin binding of one of those is refused, every other
-# binding reaches the function whatever its position. model_fn and optimizer_fn get what they
-# declare of the loop's offers (input_shape, total_steps, ...), and a binding wins over the offer.
+# The train parameters that hold functions the loop calls, and the values the loop passes them itself
+# (trainer/task/contract.py): a binding of one of those is refused. model_fn and optimizer_fn get
+# what they declare of the loop's offers (input_shape, total_steps, ...); a binding wins over an offer.
 FUNCTIONS = {
     "step_fn": contract.STEP,
     "eval_step_fn": contract.EVAL_STEP,
@@ -53,16 +52,12 @@ def resolve_functions(arguments: dict) -> dict:
     resolved = dict(arguments)
     for name, supplied in FUNCTIONS.items():
         reference = raw.get(name)
-        if (
-            isinstance(reference, gin.config.ConfigurableReference)
-            and arguments.get(name) is reference.scoped_configurable_fn
-        ):
-            resolved[name] = (
-                gin_functions.plain_function(
-                    reference, supplied=supplied.names if supplied else (), what=f"train.{name}"
-                )
-                or arguments[name]
-            )
+        if not isinstance(reference, gin.config.ConfigurableReference):
+            continue
+        if arguments.get(name) is reference.scoped_configurable_fn:
+            names = supplied.names if supplied else ()
+            plain = gin_functions.plain_function(reference, supplied=names, what=f"train.{name}")
+            resolved[name] = plain or arguments[name]
     return resolved
 
 
@@ -114,10 +109,8 @@ REGISTERED = {
     "fixed_shards_partitioner": tf.distribute.experimental.partitioners.FixedShardsPartitioner,
     "parity": parity_config.ParityConfig,  # read by trainer.parity only; other entry points accept it
 }
-"""Gin name -> library object. Models are bound as `train.model_fn = @cnn` (called with the
-arguments it declares among input_shape, num_classes and element_spec), input functions
-(`train.input_fn`, or its older name `train.data_source`) and devices as instances (`@digits()`),
-TFRecord features as `@png_feature()` etc. inside `tfrecord_files.features = {...}`."""
+"""Gin name -> library object: models bound as `train.model_fn = @cnn`, input functions and devices as
+instances (`@digits()`), TFRecord features (`@png_feature()`) inside `tfrecord_files.features`."""
 
 CONFIGURABLES = {name: gin.external_configurable(target, name) for name, target in REGISTERED.items()}
 # The sidecar's own options; the rest of its setup is the run's (`settings_from_gin`).

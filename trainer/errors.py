@@ -12,11 +12,7 @@ MAX_LINE = 300
 
 
 class UserError(Exception):
-    """A mistake the user can fix (bad flag, gin, TF_CONFIG, data path).
-
-    Entry points print `str(error)` on one line to stderr and exit with code 2.
-    The message names the problem and the fix.
-    """
+    """A mistake the user can fix; entry points print its one line (the problem and the fix), exit 2."""
 
     # Raised while a tf.function traces user code (a step returning a list, say): AutoGraph
     # re-raises errors with its own multi-line "in user code" trace unless they carry this.
@@ -24,18 +20,14 @@ class UserError(Exception):
 
     @property
     def details(self) -> str:
-        """Text printed above the one line: the user's own frames of an exception their code raised.
-
-        Read through an attribute of the instance, so that it survives gin's re-raise of the
-        exception as a proxy (which looks up only what its class lacks on the original)."""
+        """Printed above the one line: the user's own frames. An instance attribute, so it survives gin's
+        re-raise as a proxy (which looks up only what its class lacks on the original)."""
         return getattr(self, "_details", "")
 
 
 class UserCodeError(UserError):
-    """An exception the user's own function raised (an input function whose file is missing, a
-    Keras callback with a bug): the one line names the function, its gin binding and the
-    exception; `details` holds that function's frames only (none of TensorFlow's, Keras' or
-    ours), as a traceback would show them, for the entry point to print above the line."""
+    """An exception the user's own function raised: the line names the function, its gin binding and the
+    exception; `details` holds that function's frames only, as a traceback would show them."""
 
     def __init__(self, message: str, details: str = ""):
         super().__init__(message)
@@ -43,18 +35,12 @@ class UserCodeError(UserError):
 
 
 class RunFailure(Exception):
-    """A run that cannot go on for a reason outside the code: a dead peer, a lost ps task.
-
-    Entry points print it on one line and exit 1; the message says what to do next
-    (usually: restart, and the run continues from the newest checkpoint).
-    """
+    """A run that cannot go on for a reason outside the code (a dead peer): one line, exit 1."""
 
 
 def error_line(error: BaseException) -> str:
-    """What happened, in one line, for a message that names it: TensorFlow's graph errors put it
-    below "Graph execution error", the nodes and the stack ("Detected at node ... File ..."); for
-    an error AutoGraph re-raised with the trace of the user's code ("in user code: File ...
-    ValueError: ..."), the original error's own message."""
+    """What happened, in one line: for TensorFlow's graph errors the line below "Graph execution error"
+    and the stack; for an error AutoGraph re-raised with the user's trace, the original's message."""
     text = _ANSI.sub("", re.sub(r"\{\{function_node [^}]*\}\}\s*", "", str(error)))
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for index, line in enumerate(lines):
@@ -69,8 +55,7 @@ def error_line(error: BaseException) -> str:
 
 
 def _shortened(line: str) -> str:
-    """`line` without its final stop; a line longer than `MAX_LINE` ends after its last whole
-    sentence that fits (else its last whole word, then "..."), never inside a word."""
+    """`line` without its final stop, cut after its last whole sentence (else word, then "...") that fits."""
     line = line.rstrip(".: ")
     if len(line) <= MAX_LINE:
         return line
@@ -82,9 +67,8 @@ def _shortened(line: str) -> str:
 
 
 def peer_failure(error: BaseException, when: str, lost: str, latest_checkpoint: str | None = None) -> RunFailure:
-    """Training stopped by a collective or remote call that failed because another task of the
-    cluster died or hangs: when, the error's own line, what was lost, and where a rerun continues
-    (`latest_checkpoint`, if the caller knows it)."""
+    """Training stopped by a call that failed because another task died or hangs: when, the error's
+    line, what was lost, and where a rerun continues."""
     resume = (
         f"a rerun continues from {latest_checkpoint}"
         if latest_checkpoint

@@ -8,17 +8,16 @@ from typing import Any, Callable
 
 
 def gin_registry() -> Any:
-    """gin's registry (`gin.config._REGISTRY`, selector -> Configurable): gin lists no configurables
-    publicly. Without it `--print_config` and the hparams cannot list gin's names."""
+    """gin's registry (`gin.config._REGISTRY`): gin lists no configurables publicly. Without it
+    `--print_config` and the hparams cannot list gin's names."""
     import gin
 
     return gin.config._REGISTRY  # noqa: SLF001
 
 
 def record_operative(scope: str, selector: str, values: dict[str, Any]) -> None:
-    """Records `values` in gin's operative config (`_OPERATIVE_CONFIG`, under its lock) as gin's wrapper
-    does when it calls a configurable: our bound functions (trainer/tools/gin_functions.py) bypass the
-    wrapper, the only public way in. Without it `operative_config.gin` misses them."""
+    """Records `values` in gin's operative config (`_OPERATIVE_CONFIG`) as gin's wrapper does: our bound
+    functions (trainer/tools/gin_functions.py) bypass it. Without it `operative_config.gin` misses them."""
     import gin
 
     with gin.config._OPERATIVE_CONFIG_LOCK:  # noqa: SLF001
@@ -26,9 +25,8 @@ def record_operative(scope: str, selector: str, values: dict[str, Any]) -> None:
 
 
 def run_exit_handlers() -> None:
-    """What the interpreter's exit runs first, in order (`threading._shutdown`: exit callbacks, joins
-    of non-daemon threads; then `atexit._run_exitfuncs`), for a process that ends with `os._exit`
-    (trainer/cli.py). Without it MLflow, logging and temporary directories are not finished."""
+    """What the interpreter's exit runs first (`threading._shutdown`, then `atexit._run_exitfuncs`), for a
+    process ending with `os._exit` (trainer/cli.py). Without it MLflow, logging and temp dirs are not finished."""
     import atexit
     import threading
 
@@ -51,33 +49,29 @@ def keras_sublayers(layer: Any) -> list:
 
 
 def replace_layer_losses(layer: Any, replace: Callable[[list], Any]) -> None:
-    """Puts `replace(losses)` in place of a Keras 3 layer's list of the losses its call made (`_losses`,
-    read by `model.losses`), past attribute tracking; Keras has no hook into it. Without it the
-    replicas of a mirrored model read each other's `add_loss` losses."""
+    """Puts `replace(losses)` in place of a Keras 3 layer's `_losses` (read by `model.losses`), past attribute
+    tracking; Keras has no hook. Without it a mirrored model's replicas read each other's `add_loss` losses."""
     losses = layer.__dict__.get("_losses")
     if losses is not None:
         object.__setattr__(layer, "_losses", replace(losses))
 
 
 def set_summary_resource(writer: Any, resource: Any) -> None:
-    """Makes `resource` the writer resource a `tf.summary.SummaryWriter` subclass writes to (the summary
-    ops read `_resource`): `tf.summary.create_file_writer` creates its file at once, before a run's
-    checks. Without it no event file of trainer/files/event_writers.py is written."""
+    """Makes `resource` the one a `tf.summary.SummaryWriter` subclass writes to (`_resource`): `create_file_writer`
+    creates its file at once, before a run's checks. Without it trainer/files/event_writers.py writes nothing."""
     writer._resource = resource  # noqa: SLF001
 
 
 def checkpoint_tensors(checkpoint: Any) -> tuple[dict, Any]:
-    """What a save of `checkpoint` writes: (tensors by trackable, registered savers), from
-    `_saver._gather_serialized_tensors`: no public API takes them apart from the write. Without it
-    no asynchronous checkpoint (trainer/files/checkpoints.py)."""
+    """What a save of `checkpoint` writes (`_saver._gather_serialized_tensors`): no public API takes them
+    apart from the write. Without it no asynchronous checkpoint (trainer/files/checkpoints.py)."""
     tensors, _, registered_savers, _ = checkpoint._saver._gather_serialized_tensors(None)  # noqa: SLF001
     return tensors, registered_savers
 
 
 def read_save_spec(value: Any) -> Any:
-    """A `SaveSpec` (a variable's lazy read among `checkpoint_tensors`) as its tensor read now (itself
-    for a variable without a value); anything else as it is. Without it an asynchronous save would
-    write the values of later steps."""
+    """A `SaveSpec` (a lazy read among `checkpoint_tensors`) as its tensor read now; anything else as it is.
+    Without it an asynchronous save would write the values of later steps."""
     from tensorflow.python.training.saving import saveable_object
 
     if isinstance(value, saveable_object.SaveSpec):
@@ -95,10 +89,9 @@ def write_checkpoint_tensors(tensors: dict, registered_savers: Any, prefix: str)
 
 
 def keras_step_counter(optimizer: Any) -> Any:
-    """A Keras 3 optimizer's own step counter variable (`_iterations`; None for any other optimizer):
-    the public `iterations` is a computed value under gradient accumulation and the inner
-    optimizer's for a LossScaleOptimizer. Without it the ps loop's counter counts no steps atomically
-    (trainer/loops/ps_schedules.py)."""
+    """A Keras 3 optimizer's own step counter (`_iterations`): the public `iterations` is computed under
+    gradient accumulation, the inner optimizer's for a LossScaleOptimizer. Without it the ps loop's
+    counter counts no steps atomically (trainer/loops/ps_schedules.py)."""
     return getattr(optimizer, "_iterations", None)
 
 
@@ -110,10 +103,9 @@ def keras_learning_rate(optimizer: Any) -> Any:
 
 
 def skip_keras_gradient_sum(optimizer: Any) -> bool:
-    """Makes a Keras 3 TensorFlow optimizer apply gradients without summing them across replicas: every
-    sum goes through `TFOptimizer._all_reduce_sum_gradients`, replaced by the identity on this
-    instance (trainer/update/clipping.py sums first). Keras has no switch for it. False, changing
-    nothing, for an optimizer without that method; if Keras renames it, clipping is refused."""
+    """Makes a Keras 3 TensorFlow optimizer apply gradients without summing them across replicas (clipping
+    sums first): `TFOptimizer._all_reduce_sum_gradients` becomes the identity on this instance; Keras has no
+    switch. False, changing nothing, without that method (if Keras renames it, clipping is refused)."""
     if not callable(getattr(type(optimizer), "_all_reduce_sum_gradients", None)):
         return False
     optimizer._all_reduce_sum_gradients = list  # noqa: SLF001  (the gradients and variables, as given)

@@ -3,20 +3,13 @@
     python -m trainer.launch --num_workers=2 -- --gin_file=gin/mwms.gin
     python -m trainer.launch --num_workers=2 --num_ps=1 -- --gin_file=gin/ps.gin
 
-Multi-worker runs are tested and debugged locally before they go to a cluster,
-and a half-dead local cluster (a worker gone, its peers hanging in a collective)
-is the usual way that goes wrong. So the launcher treats the tasks as one group:
-one task failing ends them all, a signal to the launcher reaches every task
-(Ctrl-C the training tasks first, which save and say so, then the servers),
-each task runs in its own process group that is killed at the end, and the
-group can be restarted whole on fresh ports (as after a preemption, exit 42).
-The whole group runs in a private network namespace with only loopback
-(trainer/distribution/netns.py), since TensorFlow's servers listen on every
-address; where that is impossible, one `warning:` line says so.
-
-Layout: without ps, N `worker` tasks (worker 0 is the chief, as in
-MultiWorkerMirrored); with ps, one `chief` (the coordinator, which runs the
-module), N `worker` and P `ps` tasks, which run `--server_module`.
+A half-dead local cluster (a worker gone, its peers hanging in a collective) is the usual way a
+local multi-worker run goes wrong, so the tasks are one group: one failing ends them all, a signal
+reaches every task (Ctrl-C the training tasks first, which save, then the servers), each task's
+process group is killed at the end, and the group can restart whole on fresh ports (exit 42). It
+runs in a private network namespace with only loopback (trainer/distribution/netns.py), since
+TensorFlow's servers listen on every address. Without ps: N `worker` tasks (worker 0 the chief);
+with ps: one `chief` running the module, N `worker` and P `ps` tasks running `--server_module`.
 """
 
 import dataclasses
@@ -69,14 +62,9 @@ def launch(
     max_restarts: int = 0,
     grace_secs: float = 10.0,
 ) -> int:
-    """Runs the group until it succeeds, fails past its restarts, or a signal stops it.
-
-    Each restart starts every task again, on fresh ports, with the same flags.
-
-    Returns the exit code for the launcher: 0, the failing task's code (128 + N
-    for a task killed by signal N), or 128 + N when the launcher got signal N.
-    Must run in the main thread (it handles SIGINT and SIGTERM).
-    """
+    """Runs the group (restarted on fresh ports) until it succeeds, fails past its restarts, or a signal
+    stops it; returns 0, the failing task's code (128 + N if killed by signal N), or 128 + N for the
+    launcher's own signal N. Main thread only (it handles SIGINT and SIGTERM)."""
     _check_options(num_workers, num_ps, max_restarts, grace_secs)
     options = Options(module=module, server_module=server_module, grace_secs=grace_secs)
     with _SignalCatcher() as signals:
@@ -104,8 +92,7 @@ def _check_options(num_workers: int, num_ps: int, max_restarts: int, grace_secs:
 
 
 class _SignalCatcher:
-    """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-way: the first
-    one (`received`) and how many came (`count`)."""
+    """Records SIGINT/SIGTERM for the supervision loop instead of raising mid-way."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -133,14 +120,8 @@ class _Task:
         self.task_type = task_type
         self.name = f"{task_type} {task_id}"
         env = {**os.environ, "TF_CONFIG": tf_config, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+        self.process = subprocess.Popen(command, env=env, start_new_session=True, **pipes)
         self._copier = threading.Thread(target=_copy_lines, args=(self.process.stdout, f"[{self.name}] "), daemon=True)
         self._copier.start()
 

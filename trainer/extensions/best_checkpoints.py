@@ -1,19 +1,11 @@
 """`train.keep_best`: the best K checkpoints by an eval metric, in `model_dir/best/`, beside the newest ones.
 
-After each eval whose value ranks among the best K so far, the run's checkpoint is written to
-`best/ckpt-<step>`. Every worker takes part in the write (saving on the chief only deadlocks the
-multi-worker strategies, docs/design.md rule 6; non-chief workers write into a temp dir and
-delete it), and every worker makes the same decision: the values are the same on all of them
-(eval reduces across workers) and the decision is agreed with one all-reduce all the same.
-
-The ranking is the extension's own state, saved in every checkpoint of the run, so a run resumed
-after a crash ranks exactly as one that never stopped. On disk, as tf.train.CheckpointManager
-does it, the checkpoint's files are written first, then `best/best.json` (the kept steps and
-values, best first) and the `best/checkpoint` file (so `tf.train.latest_checkpoint(model_dir +
-'/best')` names the best one) are replaced atomically, and only then are the checkpoints that
-dropped out deleted. Files that the restored ranking does not name (a crash in between, or a
-run that went on past the checkpoint it was resumed from) are deleted at start. The best one
-is offered to other extensions as `BEST_CHECKPOINT` (the export uses it).
+Every worker takes part in each write (the chief's alone deadlocks multi-worker strategies,
+docs/design.md rule 6) and decides alike (one all-reduce). The ranking is the extension's own
+checkpointed state, so a resumed run ranks as one that never stopped. As CheckpointManager does,
+files are written first, then `best/best.json` and `best/checkpoint` (so `tf.train.latest_checkpoint`
+names the best) replaced atomically, then dropped ones deleted; files the restored ranking does not
+name are deleted at start. The best is offered as `BEST_CHECKPOINT` (the export uses it).
 """
 
 from __future__ import annotations
@@ -22,7 +14,6 @@ import dataclasses
 import glob
 import json
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -114,11 +105,9 @@ class BestCheckpoints(Extension):
 
     def _save(self, context: Context, step: int, value: float) -> None:
         if not context.runtime.is_chief:
-            temp_dir = tempfile.mkdtemp(prefix=f"trainer-{context.runtime.cluster.task_name}-best-")
-            try:
-                context.saver.write_copy(os.path.join(temp_dir, f"ckpt-{step}"))
-            finally:
-                shutil.rmtree(temp_dir, ignore_errors=True)
+            prefix = f"trainer-{context.runtime.cluster.task_name}-best-"
+            with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as temp:
+                context.saver.write_copy(os.path.join(temp, f"ckpt-{step}"))
             self._rank(step, value)
             return
         os.makedirs(self._dir, exist_ok=True)

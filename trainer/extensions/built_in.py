@@ -1,11 +1,9 @@
-"""Every built-in hook and extension, each declared once, in the run's default order.
+"""Every built-in extension, declared once, in the run's default order.
 
-An entry names the class (whose `name` other extensions' `after` use, and whose `setting` and
-`supports` make its row of the capability table), how a run's settings make it (None: off;
-the function checks the feature's own options, before anything is built), and the gin names a
-user binds for it. The factory, the registry's known names, the capability table
-(trainer/extensions/capabilities.py) and gin's names (trainer/configurables.py) are all read
-from `BUILT_IN`: adding a built-in is one entry here plus its class.
+An entry names the class (its `name`, `setting` and `supports`), how a run's settings make it
+(None: the user adds it; the function checks the feature's own options before anything is built)
+and the gin names bound for it. The factory (`participants`), the registry's known names, the
+capability table and gin's names (trainer/configurables.py) are all read from `BUILT_IN`.
 """
 
 from __future__ import annotations
@@ -122,3 +120,13 @@ BUILT_IN: tuple[BuiltIn, ...] = (
 
 NAMES = frozenset(entry.name for entry in BUILT_IN)
 GIN_NAMES: dict[str, Callable] = {name: target for entry in BUILT_IN for name, target in entry.gin.items()}
+
+
+def participants(settings: "Settings") -> list[Extension]:
+    """Every extension a run of `settings` has, in the default order the registry starts from: the
+    built-ins in the table's order, the user's `train.extensions` before the checkpoint."""
+    made = {False: [], True: []}
+    for entry in BUILT_IN:
+        if entry.make is not None and (participant := entry.make(settings)) is not None:
+            made[entry.last].append(participant)
+    return [*made[False], *settings.extensions, *made[True]]

@@ -1,9 +1,6 @@
-"""Which feature works under which strategy, as a table made from the features' own declarations.
-
-    python -m trainer.extensions.capabilities
-
-prints the Markdown table that docs/around-the-step.md shows (a test keeps the two equal), so
-the docs cannot drift from what the registry enforces.
+"""Which feature works under which strategy, as a table made from the features' own declarations:
+`python -m trainer.extensions.capabilities` prints the Markdown table docs/around-the-step.md
+shows (a test keeps the two equal), so the docs cannot drift from what the registry enforces.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Checkpoints: one every N steps and at the end, which every worker takes part in.
-
-It runs after every extension that keeps state of its own (the registry orders it so), so the
-checkpoint of step S holds what those extensions decided at step S: a run resumed from it
-decides exactly as one that never stopped.
+"""Checkpoints: one every N steps and at the end, which every worker takes part in. The registry
+orders it after every extension with state, so the checkpoint of step S holds what they decided
+at S and a run resumed from it decides as one that never stopped.
 """
 
 from __future__ import annotations

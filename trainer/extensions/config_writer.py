@@ -14,9 +14,8 @@ OPERATIVE_CONFIG_FILE = "operative_config.gin"
 
 
 class ConfigWriter(Extension):
-    """Writes the operative config (chief): at start, so a crashed run still has it, and
-    again after the first loop call, once tracing has called the step and its parameters
-    are known. Also a text summary, so TensorBoard shows the config beside the curves."""
+    """Writes the operative config (chief) at start, so a crashed run has it, and after the first loop
+    call, once tracing has called the step, also as TensorBoard text."""
 
     name = "config"
 

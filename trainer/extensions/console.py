@@ -11,8 +11,7 @@ from typing import IO, Any, Callable, Mapping
 
 
 def is_terminal(stream: IO[str]) -> bool:
-    """True when `stream` is an interactive terminal that can redraw a line (not a pipe,
-    a file, or TERM=dumb)."""
+    """True when `stream` is a terminal that can redraw a line (not a pipe, a file, or TERM=dumb)."""
     try:
         return stream.isatty() and os.environ.get("TERM") != "dumb"
     except (AttributeError, ValueError):  # no isatty, or a closed stream
@@ -20,11 +19,8 @@ def is_terminal(stream: IO[str]) -> bool:
 
 
 class LiveBar:
-    """`step 120/600 [=====>        ] 20%  loss 0.4213  accuracy 0.8750  31.2 steps/s  ETA 0:00:15`.
-
-    Each `draw` overwrites the previous one (carriage return, padded with spaces, cut to the
-    terminal width so it never wraps); `clear` blanks it so another line can be printed.
-    """
+    """`step 120/600 [=====>        ] 20%  loss 0.4213  31.2 steps/s  ETA 0:00:15`, drawn over the
+    previous one (carriage return, padded, cut to the terminal width so it never wraps)."""
 
     def __init__(self, stream: IO[str], max_width: int = 30):
         self._stream = stream

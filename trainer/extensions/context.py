@@ -1,12 +1,9 @@
 """`Context`: the one object every stage of every extension gets, from `attach` to `close`.
 
-It holds no copies: the run's `settings`, `runtime` and `task` are reached through it as they
-are. While the run is built (`attach`, `restored`) an extension takes part through it (checkpoint
-items, the update path, named values); once the loops are built it also holds the run's
-collaborators (loop, evaluators, saver, metrics log) and what changes while it trains, each
-with one writer: the eval results (the eval extension), the stop request, the clock. Lines go
-through `print`, above the progress bar. The names an extension author needs are listed in
-docs/extensions.md.
+It copies nothing: `settings`, `runtime` and `task` are reached through it. While the run is built
+extensions contribute through it (checkpoint items, the update path, named values); from `begin` on
+it holds the loop, evaluators, saver and metrics log, and what changes while training, each with
+one writer. docs/extensions.md lists the names an extension author needs.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """`train.early_stopping = @early_stopping()`: stop when an eval metric has not improved for a while.
 
-The rule is Keras' (an improvement is a change by more than `min_delta` in the better
-direction; `patience` evals without one stop the run), applied to the eval history, which is
-the extension's own state: saved in every checkpoint and read back on resume, so a restarted
-run stops exactly where an uninterrupted one would have, and a run that stopped early does not
-train on when it is started again. Every worker decides from the same numbers and the decision
-is agreed across workers (trainer/extensions/monitoring.py). It ends the run cleanly (exit 0)
-with a final checkpoint at the stop step.
+Keras' rule, on the eval history, which is the extension's state (checkpointed): a resumed run
+stops where an uninterrupted one would, and a stopped run does not train on when restarted.
+The decision is agreed across workers; the run ends cleanly with a final checkpoint.
 """
 
 from __future__ import annotations
@@ -22,15 +18,8 @@ from trainer.validation import check_int
 
 @dataclasses.dataclass(frozen=True)
 class EarlyStoppingOptions:
-    """`train.early_stopping = @early_stopping()`: stop when `metric` has not improved by more than
-    `min_delta` for `patience` evals in a row.
-
-    Args:
-      metric: an eval output name ('accuracy': of the first eval split; '<split>/<name>').
-      mode: 'min' or 'max' (which direction is better).
-      patience: evals without improvement before stopping.
-      min_delta: the least change that counts as an improvement.
-    """
+    """Stop when `metric` (an eval output of the first split, or '<split>/<name>') has not improved
+    in direction `mode` ('min'/'max') by more than `min_delta` for `patience` evals in a row."""
 
     metric: str = "loss"
     mode: str = "min"
@@ -42,8 +31,7 @@ class EarlyStoppingOptions:
 
 
 class EarlyStop(Extension):
-    """The extension `EarlyStoppingOptions` configures. After each eval: an improvement, or one
-    more eval of patience used; at `patience`, stop."""
+    """The extension `EarlyStoppingOptions` configures."""
 
     name = "early_stopping"
     setting = "train.early_stopping"

@@ -1,22 +1,14 @@
 """`train.ema_decay`: an exponential moving average of the trained weights, for eval and export.
 
-After every optimizer update, `ema = decay * ema + (1 - decay) * weight` for each trainable
-variable of every model. Why it is correct on any number of replicas:
-
-- The averages are variables created under `strategy.scope()` with the aggregation of the
-  weight they follow, so they are mirrored exactly where the weights are (one copy per device
-  under mirrored and multi_worker_mirrored, one on the CPU under central_storage) and go into
-  the run's `tf.train.Checkpoint` (key `ema`): a resumed run continues the same averages.
-- They are updated inside the compiled train loop, right after `strategy.run` returns, in
-  cross-replica context: every replica's copy is assigned the same value, computed from the
-  updated (mirrored, identical) weights, so the copies cannot drift apart and no collective
-  is needed. The loop's automatic control dependencies order the read after the update.
-- EMA eval swaps the averages into the weights, evaluates every split, and swaps back; every
-  worker does the same at the same step (the eval's collectives need all of them).
-
-EMA results are logged as their own split: `<split>_ema` (e.g. `eval_ema`) in metrics.jsonl
-and TensorBoard, beside the raw `<split>` results. Not under parameter_server: the workers'
-asynchronous updates have no single "after the update" point to average at.
+After every update, `ema = decay * ema + (1 - decay) * weight` per trainable variable. Correct
+on any number of replicas because:
+- the averages are created under `strategy.scope()` with their weight's aggregation, so they are
+  placed where the weights are, and checkpointed (key `ema`): a resumed run continues them;
+- they are updated inside the compiled loop, after `strategy.run`, in cross-replica context, from
+  the identical updated weights: every copy gets the same value, no collective is needed, and
+  automatic control dependencies order the read after the update;
+- EMA eval swaps them in, evaluates every split (`<split>_ema`), and swaps back, on every worker.
+Not under parameter_server: asynchronous updates have no single "after the update" point.
 """
 
 from __future__ import annotations

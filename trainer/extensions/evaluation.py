@@ -1,8 +1,5 @@
-"""Eval: every eval split over all of its examples, every N steps and at the end.
-
-Its results are the run's `evaluations`: extensions that act on eval results (best
-checkpoints, early stopping, Keras callbacks, an EMA's own eval) run after it and read
-`context.evaluations.at(step)`, which holds the results only at a step where an eval ran.
+"""Eval: every eval split over all of its examples, every N steps and at the end. Extensions acting
+on eval results run after it and read `context.evaluations.at(step)` (results only where an eval ran).
 """
 
 from __future__ import annotations
@@ -12,11 +9,8 @@ from trainer.extensions.protocol import Extension
 
 
 class EvalHook(Extension):
-    """Evaluates every eval split every `every_steps` steps and at the end of the run.
-
-    At the end it does not evaluate again a step it already evaluated, nor a run that trained
-    no step (one started again after early stopping: its last eval is already recorded).
-    """
+    """Evaluates every eval split every `every_steps` steps and at the end of the run, unless that step
+    was evaluated or no step was trained (a run started again after early stopping)."""
 
     name = "eval"
 

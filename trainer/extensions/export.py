@@ -1,18 +1,13 @@
 """`train.export_saved_model`: a SavedModel of the trained model at the end of training, and of
 the best checkpoint where `train.keep_best` keeps some (`export/<its step>/`, if not the last).
 
-`model_dir/export/<step>/` holds a SavedModel whose `serving_default` signature takes a batch
-of the model's input, as the input function gives it: the features of a train example
-(`example[0]` of a tuple example, else the whole example; a dict of features gives a dict
-signature, each key an input) with a leading batch dimension of any size. It returns
-`{"outputs": <the model's output>}` (or the model's own dict), the model called with
-`training=False`. With `train.ema_decay` on, the EMA weights are exported.
+`model_dir/export/<step>/`'s `serving_default` takes a batch of the model's features (`example[0]`
+of a tuple example, else the example; a dict gives a dict signature) and returns `{"outputs": ...}`
+(or the model's own dict), with `training=False`; with `train.ema_decay`, the EMA weights.
 
-Under multi_worker_mirrored every worker saves (as every worker saves a checkpoint, docs/design.md,
-rule 6): the chief into `model_dir/export/<step>/` (written beside it, then renamed, so a
-crashed export leaves no half SavedModel there), the others into a temporary directory they
-delete. One model only: a dict of models (a GAN) is refused in one line, since the loop cannot
-know which input each of them serves on. Not under parameter_server (refused in one line).
+Every worker saves (as for a checkpoint, docs/design.md rule 6): the chief beside the final
+directory, then renamed (no half SavedModel), the others into a temp dir they delete. A dict of
+models is refused (which input each serves on is unknown), as is parameter_server.
 """
 
 from __future__ import annotations
@@ -81,11 +76,8 @@ def export(
     """Every worker calls this; the chief's SavedModel lands in `model_dir/export/<step>` (returned;
     None on the other workers)."""
     if not is_chief:
-        temp_dir = tempfile.mkdtemp(prefix=f"trainer-{task_name}-export-")
-        try:
-            save(model, spec, os.path.join(temp_dir, str(step)))
-        finally:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=f"trainer-{task_name}-export-", ignore_cleanup_errors=True) as temp:
+            save(model, spec, os.path.join(temp, str(step)))
         return None
     root = os.path.join(model_dir, EXPORT_DIR)
     os.makedirs(root, exist_ok=True)
@@ -103,11 +95,8 @@ def export(
 
 @dataclasses.dataclass(frozen=True)
 class ExportWeights:
-    """Named value `EXPORT_WEIGHTS`: weights to export instead of the trained ones (an EMA, SWA).
-
-    `swapped_in()` is a context manager inside which the model holds them; `checkpoint_items`
-    are the checkpoint entries they live in (read with the model from a best checkpoint).
-    """
+    """Named value `EXPORT_WEIGHTS`: weights to export instead of the trained ones (an EMA, SWA):
+    held by the model inside `swapped_in()`, read from a best checkpoint's `checkpoint_items`."""
 
     label: str
     swapped_in: Callable[[], ContextManager]

@@ -1,32 +1,21 @@
-"""Standard Keras 3 callbacks (EarlyStopping, ReduceLROnPlateau, CSVLogger, TerminateOnNaN, your own)
-run as one extension, with the calls they get from `fit`.
+"""Standard Keras 3 callbacks (EarlyStopping, ReduceLROnPlateau, CSVLogger, your own) run as one
+extension, with the calls they get from `fit` (the table: docs/around-the-step.md).
 
-An "epoch" is the interval between two evals (`train.eval_every_steps` steps; the last one may be
-shorter when `total_steps` is not a multiple). The calls, as `fit` makes them:
-  set_model / set_params(epochs, steps)  at the start (the model's `optimizer` is the run's, so
-                                         ReduceLROnPlateau sets the rate the next step uses)
-  on_train_begin, on_epoch_begin(epoch)  at the start and after each epoch
-  on_train_batch_end(batch, logs)        after each compiled loop call (not each step): `batch` is
-                                         the epoch's last step index, logs the train outputs'
-                                         running mean over the epoch so far
-  on_epoch_end(epoch, logs)              at each eval: the epoch's train means plus the eval
-                                         outputs prefixed 'val_' (other eval splits: 'val_<split>_')
-  on_train_end(logs)                     at the end
-`model.stop_training` set by any callback on any worker ends the run on every worker after the
-same loop call (agreed with an all-reduce), with a final checkpoint there. Callbacks run on every
-worker, so that learning-rate changes stay alike; CSVLogger writes on the chief only (elsewhere
-into a temp file, deleted at the end). Callback state (e.g. EarlyStopping's wait) is not
-checkpointed: a resumed run starts it afresh; the learning rate itself is in the checkpoint.
+An "epoch" is the interval between two evals; `on_train_batch_end` comes after each compiled loop
+call, `on_epoch_end` at each eval with the eval outputs prefixed 'val_' ('val_<split>_' for other
+splits). Callbacks run on every worker, so learning-rate changes stay alike (CSVLogger writes on
+the chief only); `model.stop_training` on any worker stops all after the same loop call (agreed
+by an all-reduce). Callback state is not checkpointed (the learning rate is).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import shutil
 import tempfile
 import traceback
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import keras
 
@@ -57,6 +46,22 @@ def check_callbacks(callbacks: Any) -> list[keras.callbacks.Callback]:
             if isinstance(callback, getattr(keras.callbacks, refused)):
                 raise UserError(f"train.keras_callbacks: keras.callbacks.{refused} is not needed here: {instead}")
     return list(callbacks)
+
+
+def _calling_callbacks(method: Callable) -> Callable:
+    """An exception a callback raises in `method` becomes one line naming it, with its own frames above."""
+
+    @functools.wraps(method)
+    def calling(self: "KerasCallbacks", *args: Any) -> None:
+        try:
+            method(self, *args)
+        except (UserError, RunFailure):
+            raise
+        except Exception as e:  # noqa: BLE001  (what a user's callback raises is theirs to fix)
+            name = self._raiser(e)
+            raise raised_by(e, name, f"{name} (train.keras_callbacks)") from e
+
+    return calling
 
 
 class KerasCallbacks(Extension):
@@ -98,17 +103,6 @@ class KerasCallbacks(Extension):
                 )
         self._model, self._optimizer = model, optimizer
 
-    @contextlib.contextmanager
-    def _calling_callbacks(self) -> Iterator[None]:
-        """An exception a callback raises becomes one line naming it, with its own frames above."""
-        try:
-            yield
-        except (UserError, RunFailure):
-            raise
-        except Exception as e:  # noqa: BLE001  (what a user's callback raises is theirs to fix)
-            name = self._raiser(e)
-            raise raised_by(e, name, f"{name} (train.keras_callbacks)") from e
-
     def _raiser(self, error: Exception) -> str:
         """`Class.method` of the callback whose method raised `error` (the innermost one)."""
         for frame, _ in reversed(list(traceback.walk_tb(error.__traceback__))):
@@ -117,11 +111,8 @@ class KerasCallbacks(Extension):
                 return f"{type(owner).__name__}.{frame.f_code.co_name}"
         return "a Keras callback"
 
+    @_calling_callbacks
     def begin(self, context: Context) -> None:
-        with self._calling_callbacks():
-            self._begin(context)
-
-    def _begin(self, context: Context) -> None:
         self._any_worker = AnyWorker(context.runtime.strategy)
         if not context.runtime.is_chief:
             for callback in self._callbacks:
@@ -145,11 +136,8 @@ class KerasCallbacks(Extension):
     def _epoch(self, step: int) -> int:
         return math.ceil(step / self._eval_every) - 1
 
+    @_calling_callbacks
     def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
-        with self._calling_callbacks():
-            self._after_loop(context, step, metrics)
-
-    def _after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         steps, self._last_step = step - self._last_step, step
         self._count += steps
         for key, value in metrics.items():
@@ -175,11 +163,8 @@ class KerasCallbacks(Extension):
     def _train_logs(self) -> dict[str, float]:
         return {k: v / self._count for k, v in self._sums.items()} if self._count else {}
 
+    @_calling_callbacks
     def end(self, context: Context, step: int) -> None:
-        with self._calling_callbacks():
-            self._end(context, step)
-
-    def _end(self, context: Context, step: int) -> None:
         # the final eval (or one after a stop)
         if context.evaluations.at(step) is not None and self._epoch_start != step:
             self._end_epoch(context, step, self._train_logs())

@@ -1,18 +1,10 @@
 """Experiment tracking in MLflow: `train.extensions = [@mlflow_hook()]` (optional extra `trainer[mlflow]`).
 
-The chief logs into one MLflow run per model_dir:
-  - params: the run's hparams (its flattened gin bindings, what HParamsWriter gives TensorBoard);
-  - metrics by step: every record the run writes to metrics.jsonl, as `<split>/<name>`
-    (`train/loss`, `train/learning_rate`, `eval/accuracy`, ...). The extension subscribes to the
-    run's MetricsLog, so MLflow holds exactly what metrics.jsonl holds, nothing recomputed;
-  - artifacts: operative_config.gin and run_record.json, at start and again at the end.
-The run id is kept in `model_dir/mlflow_run_id`, so a resumed run logs into the same MLflow
-run; params it already holds are not logged again (MLflow refuses to change a param).
-
-Tracking URI: `mlflow_hook.tracking_uri`, else MLFLOW_TRACKING_URI, else a local file store
-`<model_dir>/mlruns` (no server). MLflow 3 keeps its file store in maintenance mode and
-refuses it unless MLFLOW_ALLOW_FILE_STORE is true: for a `file:` URI the extension sets that
-variable unless the user set it (`sqlite:///...` needs full mlflow, for SQLAlchemy).
+The chief logs the run's hparams as params, every metrics.jsonl record as `<split>/<name>` by step
+(subscribed to the run's MetricsLog: nothing recomputed), and the config files as artifacts. The
+run id kept in `model_dir/mlflow_run_id` makes a resumed run log into the same MLflow run (params
+it holds are not logged again: MLflow refuses to change one). MLflow 3 refuses a file store
+unless MLFLOW_ALLOW_FILE_STORE is true, so for a `file:` URI it is set unless the user set it.
 """
 
 from __future__ import annotations
@@ -47,13 +39,8 @@ def tracking_uri_for(model_dir: str, tracking_uri: str | None) -> str:
 
 
 class MlflowHook(Extension):
-    """Logs params, metrics by step and the run's config files to MLflow (chief only).
-
-    Args:
-      tracking_uri: an MLflow tracking URI (None: MLFLOW_TRACKING_URI, else `<model_dir>/mlruns`).
-      experiment_name: created if the store does not have it.
-      run_name: the MLflow run's name (None: the model_dir's base name).
-    """
+    """Logs params, metrics by step and the run's config files to MLflow (chief only); `run_name`
+    None: the model_dir's base name; the experiment is created if the store lacks it."""
 
     name = "mlflow"
     setting = "mlflow_hook"

@@ -1,12 +1,7 @@
-"""What the extensions that act on eval results share: which eval output they watch, in which
-direction, and how a decision is agreed on by every worker.
-
-`Monitored` names one eval output ('accuracy': of the first eval split; 'validation/loss': of
-that split) and a direction, as Keras' `monitor`/`mode`/`min_delta` do; `verify` checks the name
-against what the traced eval produces, before anything is written. Under MultiWorkerMirrored
-every worker computes the same eval numbers (eval reduces across workers), so the same rule gives
-the same answer; a worker that decided otherwise would leave its peers waiting in the next
-collective, so each decision is also agreed with one tiny all-reduce (`AnyWorker`).
+"""What the extensions acting on eval results share: the eval output they watch, its direction
+(Keras' `monitor`/`mode`/`min_delta`), checked against the traced eval before anything is
+written, and `AnyWorker`: every worker computes the same eval numbers, but one deciding otherwise
+would leave its peers waiting in the next collective, so decisions are agreed by one all-reduce.
 """
 
 from __future__ import annotations

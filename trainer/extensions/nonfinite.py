@@ -1,20 +1,11 @@
 """`train.nonfinite`: what to do when a step's outputs, its gradients or the weights stop being
-finite: stop, or roll back and skip the batch.
+finite: stop, or roll back and skip the batch (the numerics: trainer/safety/nonfinite.py).
 
-Three checks, each cheap (the numerics: trainer/safety/nonfinite.py):
-- the step's outputs (the loop's per-replica running sums, trainer/loops/totals.py);
-- every update's gradients: the step gets each optimizer behind a stand-in that reduces the
-  gradients to one sum before the real optimizer applies them; a step whose update had a
-  non-finite gradient reports its float outputs as NaN, so it counts as a non-finite step;
-- the weights, at every step where something is saved or evaluated (checkpoint and eval
-  boundaries, the last step): one sum over the trainable variables.
-
-'stop' ends the run naming the first non-finite step and the last good checkpoint.
-'rollback' restores the newest checkpoint and trains on without the offending batch, at most
-`max_rollbacks` times. The skipped batches are kept in the checkpoint (`dropped_batches`), so
-a resumed run skips them too and stays identical to one that never stopped. It tells the loop
-which batches to skip (`context.skip_batches`) and throws a call's results away (`rollback_to`)
-before any other extension sees them.
+Checked: the step's outputs (the loop's running sums), every update's gradients (a stand-in
+optimizer makes the step's float outputs NaN where one was not finite), and the weights wherever
+something is saved or evaluated. 'rollback' restores the newest checkpoint and trains on without
+the offending batch, at most `max_rollbacks` times; the skipped batches are checkpointed
+(`dropped_batches`), so a resumed run skips them too and stays identical to one that never stopped.
 """
 
 from __future__ import annotations

@@ -1,35 +1,22 @@
 """Stopping on a signal: Ctrl-C (SIGINT) and, with `train.preemption_checkpointing`, SIGTERM make
-every worker save the same step and exit.
+every worker save the same step and exit, 130 (Ctrl-C) or 42 (`trainer.launch --max_restarts`
+restarts the group). The signal is a request to stop after the loop call in flight.
 
-    interrupted at step 35, saved ckpt-35; rerun the same command to continue        (exit 130)
-    preempted: saved ckpt-35; exiting 42 so the group can be restarted ...            (exit 42)
+Workers of one synchronous group must stop at the same step, or one would wait in a collective
+for a peer that left: `tf.distribute.experimental.PreemptionCheckpointHandler` claims the stop in
+the coordination service and makes every worker save after the next loop call (through our
+CheckpointSaver). The claiming worker's signal is stored there (`_STOP_SIGNAL_KEY`) so all exit
+alike; only the chief prints.
 
-One mechanism for both: the signal is a request to stop at the next loop boundary. On one
-process (one device, mirrored, a parameter-server coordinator, a single MultiWorkerMirrored
-worker) that boundary is the end of the loop call in flight. Workers of one synchronous group
-must stop at the same step, or one would wait in a collective for a peer that left; they
-agree on it through `tf.distribute.experimental.PreemptionCheckpointHandler`, which claims the
-stop in the coordination service and makes every worker save after the next loop call.
-Saving goes through our CheckpointSaver, so the chief writes into model_dir and the other
-workers into temp dirs they delete. A worker that got no signal itself learns which one it
-was from the coordination service (`_STOP_SIGNAL_KEY`), so all workers exit alike: 130 (the
-shell's code for Ctrl-C) or 42, which tells a launcher (`trainer.launch --max_restarts`) to
-restart the group. Only the chief prints the interrupted line, so in front of
-`trainer.launch` Ctrl-C is one line too.
+Signals are read by a thread on the interpreter's wakeup fd, not by a Python handler (which runs
+only once the main thread is back from the compiled loop call): the stop is claimed at once, and
+a second Ctrl-C exits at once without saving. A second SIGTERM is ignored (a launcher ending the
+group sends one; this worker is leaving already).
 
-Signals are seen by a thread reading the interpreter's wakeup fd (`signal.set_wakeup_fd`),
-not by a Python handler, which only runs once the main thread is back from the compiled
-loop call: the stop is claimed at once, and a second Ctrl-C exits at once, without saving,
-whatever the main thread is doing. A second SIGTERM is ignored: a launcher ending the group
-after a peer left sends one, and this worker is leaving already.
-
-The handler's watcher thread (`PeerTerminationWatcher-<id>`) blocks in a read from the
-chief's coordination service until some worker is preempted. After a run that was not
-preempted TensorFlow only stops it in the handler's `__del__`, which need not run before
-the chief exits; the read then fails and the thread prints a traceback (UnavailableError:
-Connection reset by peer) after a successful run. So the extension's `end` stops it the way
-`__del__` does (private API: TensorFlow has no public one), then waits at a barrier until
-every worker has, so no chief leaves while a peer's watcher still reads from it.
+The handler's watcher thread blocks in a read from the chief's coordination service; TensorFlow
+stops it only in `__del__`, which may run after the chief exited, so the read fails with a
+traceback after a good run. `end` stops it as `__del__` does (private API, no public one), then
+waits at a barrier so no chief leaves while a peer's watcher still reads from it.
 """
 
 from __future__ import annotations
@@ -57,10 +44,8 @@ _EXIT_TIMEOUT_MS = 10_000
 
 
 class StopSignals:
-    """Watches `signums` from a thread: the first one calls `on_first(signum)`, a later SIGINT
-    calls `on_again()`. Python's default handlers (KeyboardInterrupt for SIGINT) are replaced
-    while installed, an ignored signal (a job started with `nohup` or `&`) is left ignored;
-    `uninstall` puts them back."""
+    """Watches `signums` from a thread: the first calls `on_first(signum)`, a later SIGINT `on_again()`.
+    An ignored signal (`nohup`, `&`) stays ignored; `uninstall` puts the previous handlers back."""
 
     def __init__(self, signums: tuple[int, ...], on_first: Callable[[int], None], on_again: Callable[[], None]):
         self._signums = signums
@@ -163,8 +148,7 @@ class Preemption(Extension):
             self._signals.uninstall()
 
     def end(self, context: Context, step: int) -> None:
-        """Puts the signal handlers back; stops the handler's threads, then waits for every
-        worker to have stopped theirs."""
+        """Stops the handler's threads, then waits for every worker to have stopped theirs."""
         self.close(context)
         handler = self._handler
         if handler is None:
@@ -194,8 +178,8 @@ class Preemption(Extension):
             )
 
     def _stop_signal(self) -> int:
-        """The signal every worker exits by: the claiming worker's. All workers read it, then meet
-        at a barrier, so the chief (which holds the coordination service) is there for each read."""
+        """The claiming worker's signal; all read it, then meet at a barrier so the chief (the
+        coordination service) is there for each read."""
         if self._handler is None:
             return self._signals.received
         try:

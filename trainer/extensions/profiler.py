@@ -1,9 +1,7 @@
-"""An extension that traces a window of steps with TensorFlow's profiler, for TensorBoard's Profile tab.
-
-Gin: `train.extensions = [@profiler_hook()]` and `profiler_hook.steps = (10, 20)`. The loop calls
-end exactly at both steps (this extension's boundaries), so the trace holds steps 11..20 and nothing
-else. The chief writes `<model_dir>/plugins/profile/<time>/<host>.xplane.pb`, where the profile
-plugin (`pip install -e '.[profile]'`, then `tensorboard --logdir <model_dir>`) finds it.
+"""Traces a window of steps with TensorFlow's profiler, for TensorBoard's Profile tab:
+`train.extensions = [@profiler_hook()]`, `profiler_hook.steps = (10, 20)`. Loop calls end exactly
+at both steps, so the trace holds steps 11..20 only; the chief writes it under
+`<model_dir>/plugins/profile/` (needs `pip install -e '.[profile]'`).
 """
 
 from __future__ import annotations
@@ -21,12 +19,7 @@ PROFILE_SUBDIR = os.path.join("plugins", "profile")
 
 
 class ProfilerHook(Extension):
-    """Traces the steps after step `steps[0]` up to step `steps[1]` (chief only).
-
-    Args:
-      steps: (start, stop) global steps, 0 <= start < stop; the trace starts when the run
-        reaches `start` and stops at `stop` (or at the end of the run, if that comes first).
-    """
+    """Traces the steps after `steps[0]` up to `steps[1]` (or the run's end), chief only."""
 
     name = "profiler"
     setting = "profiler_hook"

@@ -1,8 +1,5 @@
-"""Progress: a live bar on a terminal, plain lines elsewhere, and a train record every N steps.
-
-Every long run shows step, loss, steps/s and ETA. The train records (the step outputs' means
-over the interval, the learning rate, steps/s and examples/s) go to metrics.jsonl and
-TensorBoard through the run's metrics log.
+"""Progress: a live bar on a terminal, plain lines elsewhere, and a train record every N steps
+(the outputs' means over the interval, learning rate, steps/s, examples/s) in the metrics log.
 """
 
 from __future__ import annotations
@@ -21,17 +18,12 @@ from trainer.task import combine
 from trainer.validation import check_bool, check_number
 
 
-def current_learning_rate(optimizer) -> float:
-    """The rate the next step uses, for a float, a schedule or a distributed variable."""
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-
-
 def learning_rates(optimizers) -> dict[str, float]:
-    """`{"learning_rate": r}` of one optimizer, `{"learning_rate/<key>": r}` of a dict of them
-    (optimizers without a `learning_rate` are left out)."""
+    """The rate the next step uses: `{"learning_rate": r}` of one optimizer, `{"learning_rate/<key>": r}`
+    of a dict of them (a float, a schedule or a distributed variable; optimizers without one left out)."""
     named = optimizers.items() if isinstance(optimizers, dict) else [(None, optimizers)]
     return {
-        ("learning_rate" if key is None else f"learning_rate/{key}"): current_learning_rate(o)
+        ("learning_rate" if key is None else f"learning_rate/{key}"): float(keras.ops.convert_to_numpy(o.learning_rate))
         for key, o in named
         if hasattr(o, "learning_rate")
     }
@@ -42,21 +34,10 @@ def format_duration(seconds: float) -> str:
 
 
 class ProgressLogger(Extension):
-    """Progress on stdout, and every N steps a train record in metrics (loss, ..., steps/s).
-
-    On a terminal (the chief's stdout is a tty) a live bar (step/total, loss, steps/s, ETA)
-    redraws in place after loop calls, at most every `refresh_secs`; on a single worker the
-    driver also ends loop calls about every `refresh_secs` so the bar moves. Lines printed by
-    other extensions (eval) appear above it. Elsewhere (CI, log files) a plain line every N steps.
-    Non-chief workers print only a finish line (train prints the start), unless `all_workers`.
-
-    Args:
-      every_steps: steps between train records and plain lines (train.log_every_steps).
-      live: True/False forces the bar on/off; None (default): on when stdout is a terminal.
-      refresh_secs: least time between two redraws of the bar (0: after every loop call).
-      all_workers: non-chief workers print plain progress lines too.
-      stream: where the bar is drawn (default: sys.stdout).
-    """
+    """Progress on stdout, and every `every_steps` steps a train record in the metrics log. On a terminal
+    (or with `live`) the chief's bar redraws at most every `refresh_secs`, and on one process loop calls end
+    about that often so it moves; elsewhere a plain line every N steps. Non-chief workers print only a
+    finish line, unless `all_workers`."""
 
     name = "progress"
 
@@ -168,10 +149,7 @@ class ProgressLogger(Extension):
         record = (
             means
             | learning_rates(context.task.optimizers)
-            | {
-                "steps_per_sec": steps_per_sec,
-                "examples_per_sec": steps_per_sec * context.settings.global_batch_size,
-            }
+            | {"steps_per_sec": steps_per_sec, "examples_per_sec": steps_per_sec * context.settings.global_batch_size}
         )
         context.metrics_log.record(step, "train", record)
         if self._bar is None and (context.runtime.is_chief or self.all_workers):

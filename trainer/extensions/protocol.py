@@ -1,13 +1,6 @@
 """The extension protocol: the one plug-in type of every feature around the loop, built in or a
-researcher's own (docs/extensions.md lists all of it).
-
-An extension declares its `name` (for messages and others' `after`), the strategies it
-`supports` (checked for all in one place, trainer/extensions/registry.py, with one wording),
-what it must run `after`, and `every_steps` (loop calls end on its multiples). It may take
-part in how the run is built (`check`, `attach`, `restored`, `verify`), keep state of its own in
-every checkpoint (`state_dict`), and act between and around loop calls (`begin`, `rollback_to`,
-`after_loop`, `rewind`, `end`, `close`). Every stage but `check` and `verify` gets the same
-`Context` (trainer/extensions/context.py).
+researcher's own. Every stage but `check` and `verify` gets the same `Context`; the names an
+author needs are listed in docs/extensions.md.
 """
 
 from __future__ import annotations
@@ -99,9 +92,8 @@ _MISSABLE = sorted(name for name in PROTOCOL_METHODS if len(name) >= 4)
 
 
 def check_method_names(participants: Sequence[Extension]) -> None:
-    """Refuses an extension with a public method whose name is a near miss of a protocol
-    method it does not define (`atach` for `attach`): the run would never call it, and the
-    feature would fail later, far from the typo (an AttributeError after model_dir was written)."""
+    """Refuses a public method whose name is a near miss of a protocol method the extension does not
+    define (`atach`): never called, the feature would fail later, far from the typo."""
     for participant in participants:
         cls = type(participant)
         own = {name for klass in cls.__mro__ if klass not in (Extension, object) for name in vars(klass)}

@@ -1,15 +1,10 @@
 """The registry: every extension of a run, checked, ordered, and taken through the stages.
 
-Made first, from the run's extensions in their default order (progress, eval and the config,
-the other built-in extensions, the user's, then the checkpoint and what runs after it), it
-refuses, before anything is built:
-- an extension under a strategy it does not support (the one capability check of the run,
-  `modes.require`, one wording for all);
-- two participants of one name, an `after` naming nothing known, a cycle;
-- an extension with state of its own ordered after the checkpoint (its state at step S would
-  miss from the checkpoint of step S).
-Then every stage (check, attach, restored, verify, those between loop calls) runs in one order: the default
-order, moved only as far as the `after` declarations require.
+Before anything is built it refuses an extension under a strategy it does not support (the run's
+one capability check, `modes.require`), two of one name, an `after` naming nothing known or
+forming a cycle, and an extension with state ordered after the checkpoint (the checkpoint of step
+S would miss its state at S). Every stage then runs in the default order, moved only as far as the
+`after` declarations require.
 """
 
 from __future__ import annotations
@@ -37,13 +32,9 @@ class Registry:
                 raise UserError(
                     f"two extensions of this run are named {name!r}; give one another name (its `name` attribute)"
                 )
-        for participant in participants:
+        for e in participants:
             modes.require(
-                setting_of(participant),
-                participant.supports,
-                settings.strategy,
-                reason=participant.unsupported_reason,
-                fix=participant.unsupported_fix,
+                setting_of(e), e.supports, settings.strategy, reason=e.unsupported_reason, fix=e.unsupported_fix
             )
         self.extensions: list[Extension] = _ordered(list(participants))
         self.contributions = Contributions()

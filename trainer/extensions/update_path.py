@@ -1,10 +1,7 @@
 """The update path as an extension: `train.grad_accum_steps` and `train.clip_global_norm` take the
-step's optimizer update over (trainer/update/accumulation.py, clipping.py) by wrapping the step.
-
-Always part of a run: it also refuses Keras' own clipping where it would clip each replica's
-gradients (several replicas). Taking the update over works under the synchronous strategies
-only: under parameter_server each worker's update is applied on its own, asynchronously, and
-neither a sum over micro-batches nor a global norm across replicas exists there.
+step's optimizer update over (trainer/update/) by wrapping the step. Always part of a run: it also
+refuses Keras' own clipping where it would clip each replica's gradients. Synchronous strategies
+only: asynchronous ps updates have neither a sum over micro-batches nor a global norm across replicas.
 """
 
 from __future__ import annotations

@@ -1,31 +1,20 @@
 """`train.warm_start`: start a fresh run from another run's weights (fine-tuning, a bigger head).
 
-The path is another run's `model_dir` (its newest checkpoint), a checkpoint prefix
-(`.../ckpt-600`), or a Keras weights file (`*.weights.h5`). Only the model(s) are taken, not
-the optimizer, the step or the EMA, and only when the run starts fresh: a run that has a
-checkpoint of its own resumes from it and ignores `train.warm_start`.
+The path is a `model_dir` (its newest checkpoint), a checkpoint prefix or a `*.weights.h5` file.
+Only the model(s) are taken, and only on a fresh run (a run with a checkpoint of its own resumes).
+A dict `{key: path}` warm-starts those models of a dict, each from its source's model `key` if
+that is a dict with the key, else from its whole model.
 
-Where `model_fn` returns a dict of models (a GAN, a teacher and a student), a dict
-`{key: path}` warm-starts only the models it names, each from its own source; the others keep
-their initial weights. A source checkpoint whose models are a dict with that key gives that
-model (a GAN run's generator); any other gives its whole model (a run that trained the
-generator alone), and a weights file is that one model's.
-
-The restore is partial and says so: variables are matched by their place in the model (the
-checkpoint's object path, e.g. `model/_functional/_operations/5/_kernel`, or the weights
-file's `layers/dense/vars/0`), which does not depend on the layers' auto-generated names. It
-prints what was restored, what the model has that the source lacks (left as initialised) and
-what the source has that the model lacks (ignored). A variable with another shape, or a source
-that matches nothing, is one UserError line, raised before anything in model_dir is written.
-
-To list the model's own keys it writes its checkpoint to TensorFlow's in-memory filesystem
-(`ram://`), or its weights file to a temporary directory that is deleted: nothing on disk.
+Variables are matched by their place in the model (checkpoint object path, or the weights file's
+`layers/dense/vars/0`), not by auto-generated layer names; what matched, what the source lacks and
+what it has in excess are printed. A shape mismatch, or nothing matching, is one UserError before
+anything is written. The model's own keys come from a checkpoint in `ram://` (or a temp weights
+file): nothing on disk.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import uuid
 from typing import Any, Callable, Mapping
@@ -80,20 +69,13 @@ def _node(graph, path: tuple[str, ...]) -> int | None:
 
 
 def _checkpoint_shapes(prefix: str, root: tuple[str, ...] = ("model",), label: str = "model") -> dict[str, list[int]]:
-    """`{path below the checkpoint's object at root, led by label: shape}` of every variable there.
-
-    Walks the checkpoint's object graph from that object (`model`, or `model/<key>` for one model
-    of a dict), breadth first (each variable under its shortest path there): the checkpoint's own
-    keys cannot be compared, since a variable is keyed by its shortest path from the root, which
-    may pass through the optimizer.
-    """
+    """`{path below the object at root, led by label: shape}` of every variable, breadth first: the
+    checkpoint's own keys are shortest paths from the root, which may pass through the optimizer."""
     reader, graph = _object_graph(prefix)
     shapes = reader.get_variable_to_shape_map()
     start = _node(graph, root)
-    roots = [] if start is None else [start]
     found: dict[str, list[int]] = {}
-    seen = set(roots)
-    queue = [(node_id, label) for node_id in roots]
+    seen, queue = {start}, [] if start is None else [(start, label)]
     while queue:
         node_id, path = queue.pop(0)
         for attribute in graph.nodes[node_id].attributes:
@@ -119,13 +101,13 @@ def _h5_shapes(path: str) -> dict[str, list[int]]:
 
 def compare(source: Mapping[str, list[int]], own: Mapping[str, list[int]], path: str, hint: str = "") -> list[str]:
     """The keys to restore; a shape mismatch or no match at all is a UserError."""
-    for key in sorted(set(source) & set(own)):
+    matched = sorted(set(source) & set(own))
+    for key in matched:
         if source[key] != own[key]:
             raise UserError(
                 f"train.warm_start {path}: {key} has shape {source[key]} there but {own[key]} in the "
                 "model; change the model or warm-start from a matching run"
             )
-    matched = sorted(set(source) & set(own))
     if not matched:
         raise UserError(
             f"train.warm_start {path}: none of its {len(source)} variables matches the model's "
@@ -154,9 +136,7 @@ def report(
 
 
 def _from_checkpoint(models: Any, prefix: str, print_fn: Callable[[str], None], key: str | None = None) -> None:
-    """All of `models` from the checkpoint's models or, with `key`, the one model `models` (the run's
-    model `key`) from the checkpoint's model `key` if it has a dict of models with that key, else
-    from its whole model."""
+    """`models` from the checkpoint's model(s); with `key`, from its model `key` if it has one."""
     own_checkpoint = tf.train.Checkpoint(model=models)
     probe = own_checkpoint.write(f"ram://trainer-warm-start-{uuid.uuid4().hex}/ckpt")
     if key is None:
@@ -190,9 +170,8 @@ def _from_weights_file(models: Any, path: str, print_fn: Callable[[str], None], 
                 else f"{'model ' + repr(key) if key else 'the model'} is a {type(models).__name__}; use a checkpoint"
             )
         )
-    temp_dir = tempfile.mkdtemp(prefix="trainer-warm-start-")
-    try:
-        merged = os.path.join(temp_dir, "merged" + WEIGHTS_SUFFIX)
+    with tempfile.TemporaryDirectory(prefix="trainer-warm-start-", ignore_cleanup_errors=True) as temp:
+        merged = os.path.join(temp, "merged" + WEIGHTS_SUFFIX)
         models.save_weights(merged)
         source, own = _h5_shapes(path), _h5_shapes(merged)
         matched = compare(source, own, path)
@@ -200,31 +179,13 @@ def _from_weights_file(models: Any, path: str, print_fn: Callable[[str], None], 
             for name in matched:
                 dst[name][...] = src[name][...]
         models.load_weights(merged)
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
     report(path, matched, source, own, print_fn, key)
 
 
 def warm_start(models: Any, source: str | Mapping[str, str], print_fn: Callable[[str], None] = print) -> None:
-    """Initialises `models` from `source`, a path or `{model key: path}` (see the module docstring);
-    prints what matched."""
-    if isinstance(source, Mapping):
-        targets = _targets(models, source)
-        for key, path in source.items():
-            _warm_start_one(targets[key], resolve(path), print_fn, key)
-    else:
-        _warm_start_one(models, resolve(source), print_fn)
-
-
-def _warm_start_one(models: Any, resolved: str, print_fn: Callable[[str], None], key: str | None = None) -> None:
-    if resolved.endswith(WEIGHTS_SUFFIX):
-        _from_weights_file(models, resolved, print_fn, key)
-    else:
-        _from_checkpoint(models, resolved, print_fn, key)
-
-
-def _targets(models: Any, source: Mapping[str, str]) -> Mapping[str, Any]:
-    """The run's models that `source` names by key; a key the run does not have is a UserError."""
+    """Initialises `models` from `source`, a path or `{model key: path}`; prints what matched."""
+    if not isinstance(source, Mapping):
+        return _warm_start_one(models, resolve(source), print_fn)
     if not isinstance(models, Mapping):
         raise UserError(
             f"train.warm_start {dict(source)!r} names models by key, but this run's model_fn returns one "
@@ -236,7 +197,15 @@ def _targets(models: Any, source: Mapping[str, str]) -> Mapping[str, Any]:
             f"train.warm_start names model(s) {', '.join(map(repr, unknown))}, but this run's model_fn "
             f"returns {', '.join(map(repr, sorted(models)))}; key each path like the model it is for"
         )
-    return models
+    for key, path in source.items():
+        _warm_start_one(models[key], resolve(path), print_fn, key)
+
+
+def _warm_start_one(models: Any, resolved: str, print_fn: Callable[[str], None], key: str | None = None) -> None:
+    if resolved.endswith(WEIGHTS_SUFFIX):
+        _from_weights_file(models, resolved, print_fn, key)
+    else:
+        _from_checkpoint(models, resolved, print_fn, key)
 
 
 class WarmStart(Extension):

@@ -2,17 +2,13 @@
 
 Saving only on the chief deadlocks multi-worker strategies (docs/design.md, rule 6), so non-chief
 workers save the same checkpoint into a temporary directory of their own and delete it.
-All workers restore from the chief's directory.
 
-With `async_checkpoint`, a save takes the checkpoint's values on the training thread (no copy:
-see `_snapshot`) and writes them on a background thread while training goes on. The guarantees
-of a synchronous save are kept: the `checkpoint` state file names a new checkpoint only once its
-files are complete (`_commit`), a non-chief's temp dir is deleted only after its write, and every
-pending write is finished (`wait`) before the next save, a restore, `latest()`, the run's end and
-the process's exit; a write that failed is reported there as the same one RunFailure line.
-TensorFlow's own `CheckpointOptions(experimental_enable_async_checkpoint=True)` is not used: its
-copy to the host fails on Keras 3 variables from the second save on (their `_copy_trackable_to_cpu`
-creates a tf.Variable inside a tf.function: ValueError, TF 2.21 / Keras 3.15).
+With `async_checkpoint`, a save takes the values on the training thread (no copy: `_snapshot`) and
+writes them on a background thread, keeping a synchronous save's guarantees: the state file names
+a checkpoint only once its files are complete (`_commit`), and every pending write is finished
+(`wait`) before the next save, a restore, `latest()` and the run's end, its failure reported there.
+TensorFlow's own async checkpoint is not used: its copy to the host fails on Keras 3 variables from
+the second save on (tf.Variable created inside a tf.function, TF 2.21 / Keras 3.15).
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ class CheckpointSaver:
         if isinstance(checkpoint, tf.train.Checkpoint):
             checkpoint = RunCheckpoint.of(checkpoint)
         self._run_checkpoint = checkpoint
-        self._checkpoint = checkpoint.root
+        self.checkpoint = checkpoint.root  # what every save writes (the preemption handler reads it too)
         self.model_dir = model_dir
         self._is_chief = is_chief
         self._task_name = task_name
@@ -59,18 +55,10 @@ class CheckpointSaver:
         )
         # One writer thread: saves are written in order, one at a time. Its thread is joined at
         # interpreter exit, so even a process that leaves without `wait` finishes the write.
-        self._writer = (
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer-checkpoint")
-            if async_checkpoint
-            else None
-        )
+        pool = concurrent.futures.ThreadPoolExecutor
+        self._writer = pool(1, thread_name_prefix="trainer-checkpoint") if async_checkpoint else None
         self._pending: tuple[int, concurrent.futures.Future] | None = None
         self.last_saved_step: int | None = None
-
-    @property
-    def checkpoint(self) -> tf.train.Checkpoint:
-        """What every save writes (for readers of the same checkpoints, e.g. the preemption handler)."""
-        return self._checkpoint
 
     def write_copy(self, path: str) -> None:
         """Writes the run's checkpoint, as it is now, at the prefix `path` (best checkpoints, a
@@ -88,12 +76,8 @@ class CheckpointSaver:
 
     def restore_latest(self, print_fn: Callable[[str], None] = print) -> str | None:
         """Restores the newest readable checkpoint; returns its path (None: nothing to restore).
-
-        A checkpoint that cannot be read (truncated, corrupted, a file missing) is skipped,
-        saying so, for the one before it. One that does not fit the model is a UserError:
-        restoring an older one would not fit either. A pending write is finished first, so a
-        roll-back sees the checkpoint it just saved.
-        """
+        An unreadable one is skipped, saying so; one that does not fit the model is a UserError
+        (an older one would not fit either)."""
         self.wait()
         for path in self.candidates():
             try:
@@ -112,15 +96,11 @@ class CheckpointSaver:
 
     def save(self, step: int) -> str:
         """Every worker must call this at the same step; returns the path written (or being written).
-
-        A save that fails (a full disk, a model_dir that vanished) is one RunFailure line: the
-        checkpoint state file still names the previous checkpoint, which stays in charge, and
-        the partial files of this one are removed, so a rerun (after freeing space) continues.
-        An asynchronous save's failure is raised by the next `wait` (at the latest, the next save).
-        """
+        A failed save is one RunFailure line (for an asynchronous one, at the next `wait`); the previous
+        checkpoint stays in charge and this one's partial files are removed."""
         self.wait()
         if self._writer is not None:
-            snapshot = _snapshot(self._checkpoint)  # this step's values, whatever the next steps do
+            snapshot = _snapshot(self.checkpoint)  # this step's values, whatever the next steps do
             self._pending = (step, self._writer.submit(self._write, snapshot, step))
             path = os.path.join(self.model_dir, f"ckpt-{step}")
         elif self._is_chief:
@@ -129,13 +109,8 @@ class CheckpointSaver:
             except (tf.errors.OpError, OSError) as e:
                 raise self._failure(step, e) from e
         else:
-            temp_dir = tempfile.mkdtemp(prefix=f"trainer-{self._task_name}-ckpt-")
-            try:
-                path = tf.train.CheckpointManager(self._checkpoint, temp_dir, max_to_keep=1).save(
-                    checkpoint_number=step
-                )
-            finally:
-                shutil.rmtree(temp_dir, ignore_errors=True)
+            with self._temp_dir() as temp:
+                path = tf.train.CheckpointManager(self.checkpoint, temp, max_to_keep=1).save(checkpoint_number=step)
         self.last_saved_step = step
         return path
 
@@ -159,18 +134,16 @@ class CheckpointSaver:
             _write_snapshot(snapshot, prefix)
             self._commit(prefix)
             return
-        temp_dir = tempfile.mkdtemp(prefix=f"trainer-{self._task_name}-ckpt-")
-        try:
-            _write_snapshot(snapshot, os.path.join(temp_dir, f"ckpt-{step}"))
-        finally:
-            shutil.rmtree(temp_dir, ignore_errors=True)  # only now that the write is done
+        with self._temp_dir() as temp:  # deleted only once the write is done
+            _write_snapshot(snapshot, os.path.join(temp, f"ckpt-{step}"))
+
+    def _temp_dir(self) -> tempfile.TemporaryDirectory:
+        """Where a non-chief worker's copy goes (every worker takes part in a save), deleted after."""
+        return tempfile.TemporaryDirectory(prefix=f"trainer-{self._task_name}-ckpt-", ignore_cleanup_errors=True)
 
     def _commit(self, prefix: str) -> None:
-        """Names the complete checkpoint `prefix` in the state file, then deletes those that fall out.
-
-        As tf.train.CheckpointManager does it for a synchronous save: the state file is replaced
-        atomically, so a crash before this line leaves the previous checkpoint in charge.
-        """
+        """Names the complete checkpoint `prefix` in the (atomically replaced) state file, then deletes
+        those that fall out, as tf.train.CheckpointManager does."""
         kept = [os.path.basename(p) for p in listed_checkpoints(self.model_dir)]
         kept = [name for name in kept if name != os.path.basename(prefix)] + [os.path.basename(prefix)]
         dropped, kept = kept[: -self._max_to_keep], kept[-self._max_to_keep :]
@@ -204,23 +177,16 @@ class CheckpointSaver:
 
 
 def listed_checkpoints(model_dir: str) -> list[str]:
-    """The complete checkpoints model_dir's state file lists, oldest first, as it gives them:
-    tf.train.get_checkpoint_state joins model_dir to each relative one (joining it again breaks a
-    relative model_dir)."""
+    """The complete checkpoints model_dir's state file lists, oldest first, as get_checkpoint_state gives
+    them (joined to model_dir already: joining again breaks a relative model_dir)."""
     state = tf.train.get_checkpoint_state(model_dir)
     return [] if state is None else list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
 
 
 def _snapshot(checkpoint: tf.train.Checkpoint) -> tuple[Any, Any, str]:
-    """What a save of `checkpoint` writes, read now: (tensors by trackable, registered savers, device).
-
-    The tensors are those tf.train.Checkpoint would write (`internals.checkpoint_tensors`), each
-    read here, so the background
-    write sees this step's values. A read costs no copy: tensors are immutable, and the next
-    update of a variable whose value is still held copies its buffer first (copy-on-write).
-    The device is where the writer's ops go (a new thread does not inherit the training
-    thread's placement, which under multi_worker_mirrored names this worker's job).
-    """
+    """What a save of `checkpoint` writes, read now (no copy: the next update of a held value copies
+    first): (tensors by trackable, registered savers, device). The device places the writer's ops: a new
+    thread does not inherit the training thread's, which under multi_worker_mirrored names this job."""
     checkpoint.save_counter.assign_add(1)  # as CheckpointManager.save does: the files are the same
     tensors, registered_savers = internals.checkpoint_tensors(checkpoint)
     for trackable in list(tensors):

@@ -1,15 +1,10 @@
 """TensorBoard event writers: one per event directory in a process, its file created at first use.
 
-One per directory: TensorBoard reads only the newest event file of a run directory as it grows
-(unless started with `--reload_multifile`), so two writers of `model_dir/train` in one process
-(the train records of the metrics log, the step's own `tf.summary` calls) would each hide the
-other's events. Every writer of a directory is the one `EventWriter` that `event_writer` returns.
-
-Created at first use: the train loop's compiled function captures its writer when it is traced,
-and that trace is one of the checks a run makes before anything may be written to model_dir
-(a refused run leaves model_dir untouched). `tf.summary.create_file_writer` creates the event
-file at once; an `EventWriter` only names the writer resource the summary ops will write to, and
-creates it, with its file, at `init()`: the metrics log's first record, or the loop's first call.
+One per directory: TensorBoard reads only the newest event file of a run directory as it grows,
+so two writers of `model_dir/train` (the metrics log's, the step's own `tf.summary` calls) would
+hide each other's events. Created at first use: the train loop captures its writer when traced,
+which happens before anything may be written to model_dir, and `tf.summary.create_file_writer`
+creates its file at once; an `EventWriter` names the resource and creates it, with its file, at `init()`.
 """
 
 from __future__ import annotations
@@ -30,11 +25,8 @@ _open: dict[str, "EventWriter"] = {}
 
 
 class EventWriter(tf.summary.SummaryWriter):
-    """A summary file writer of `logdir` whose resource and event file are created by `init()`.
-
-    Before `init()` it can be the default writer of a function being traced (summary ops refer
-    to the writer resource by its handle), not of summaries that run. `close()` flushes and ends it.
-    """
+    """A summary file writer of `logdir` whose resource and event file are created by `init()`; before
+    it, it can be the default writer of a function being traced (ops refer to the resource's handle)."""
 
     def __init__(self, logdir: str, *, flush_millis: int = FLUSH_MILLIS):
         self.logdir = logdir

@@ -1,21 +1,12 @@
-"""Where metrics land: `MetricsLog`, the one writer of metrics (training, its evals and the sidecar
-evaluator write through it), and `read_history`, the one reader of `metrics.jsonl` as one history.
+"""Where metrics land: `MetricsLog`, the one writer of metrics (training, its evals and the sidecar),
+and `read_history`, the one reader of `metrics.jsonl` as one history.
 
-One `record(step, split, values)` reaches every sink: `metrics.jsonl`, the TensorBoard event files
-and each sink subscribed (MLflow's), as CLU's MultiWriter does. A new mode needs two lines:
-`with MetricsLog(model_dir) as log:` and `log.record(step, split, values)`.
-
-`metrics.jsonl` (the contract in docs/design.md) holds one JSON object per line, appended across restarts:
-{"step": int, "split": "train"|"eval"|<eval split>, <metric>: float, ...}. A run that continues a
-history (a resume, from whichever checkpoint) first appends `{"step": S, "split": "resumed"}`, S
-its start step, and so does a roll-back to the checkpoint of step S (`train.nonfinite =
-'rollback'`): the lines before it with a step > S are of steps trained again, superseded.
-TensorBoard gets the same scalars under `model_dir/train`, `model_dir/eval` and, for another eval
-split, `model_dir/eval/<split>` (a run of its own, `eval/<split>`, beside `eval`). The train event
-file is also where the step's own `tf.summary` calls land (trainer/loops/step_summaries.py): one
-writer per directory (trainer/files/event_writers.py).
-
-Reading needs no TensorFlow (trainer.plot runs without it): TensorFlow is imported by the writer only.
+One `record(step, split, values)` reaches every sink, as CLU's MultiWriter does: `metrics.jsonl`
+(the contract in docs/design.md), TensorBoard (`model_dir/train`, `model_dir/eval`, another eval
+split under `eval/<split>`; one writer per directory, trainer/files/event_writers.py) and each
+subscribed sink (MLflow's). A run that continues a history (a resume, a roll-back) first appends
+`{"step": S, "split": "resumed"}`: earlier lines of steps above S are superseded. Reading needs
+no TensorFlow (trainer.plot runs without it).
 """
 
 from __future__ import annotations
@@ -115,14 +106,9 @@ class MetricsLog:
         self._writers["train"].flush()
 
     def hparams(self, values: Mapping[str, bool | int | float | str], trial_id: str) -> None:
-        """The run's hyperparameters as an hparams summary in `model_dir` itself, the parent of
-        `train/` and `eval/`: TensorBoard's HParams tab shows each run directory as a session,
-        its hparams beside its train and eval scalars (the eval ones at their last value).
-
-        No `hparams_config` is written: TensorBoard takes the first one it finds for the whole
-        logdir, which would hide the hparams of sibling runs bound differently; without one it
-        takes the union of every run's hparams and its scalar tags as the metrics.
-        """
+        """The run's hyperparameters as an hparams summary in `model_dir` itself (the parent of `train/`
+        and `eval/`: one HParams session per run). No `hparams_config`: TensorBoard takes the first it
+        finds for the whole logdir, hiding sibling runs' hparams; without one it takes their union."""
         if not self.enabled:
             return
         import tensorflow as tf
@@ -139,20 +125,15 @@ class MetricsLog:
 
 
 def eval_line(split: str, step: int, results: Mapping[str, float], num_examples: float, label: str = "") -> str:
-    """The printed line of one eval, training's and the sidecar evaluator's alike:
-    `eval[ on <split>][<label>] at step N: <name> <value>  ...  (K examples)`."""
+    """The printed line of one eval, training's and the sidecar's alike."""
     shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
     where = "" if split == "eval" else f" on {split}"
     return f"eval{where}{label} at step {step}: {shown}  ({int(num_examples)} examples)"
 
 
 def read_history(model_dir: str) -> list[dict]:
-    """`model_dir/metrics.jsonl` as one history: the lines of each (step, split) once, the last
-    one written, in step order; lines superseded by a later `resumed` line (of a step above its
-    own) and the `resumed` lines themselves left out. A last line still being written is skipped.
-
-    Raises UserError if there is no metrics.jsonl or a line before the last is not JSON.
-    """
+    """`model_dir/metrics.jsonl` as one history: each (step, split) once, the last written, in step
+    order, without superseded and `resumed` lines; a last line still being written is skipped."""
     path = os.path.join(model_dir, METRICS_FILE)
     if not os.path.isfile(path):
         raise UserError(f"no {METRICS_FILE} in {model_dir}; pass the --model_dir of a trainer.main run")

@@ -42,12 +42,8 @@ def build_loops(
     after_update: Callable[[], None] | None = None,
     print_fn: Callable[[str], None] = print,
 ) -> tuple[TrainLoopLike, Mapping[str, EvaluatorLike]]:
-    """The train loop and evaluators of the runtime's mode, from `start_step`, as `settings` say
-    (a `Settings`: the batch, the data's distribution, the eval metrics, the ps options...).
-
-    `step_fn`: the step as the extensions wrapped it (default: the task's own); `drop_batches`:
-    batches a roll-back skipped; `after_update`: an action after every update (synchronous only).
-    """
+    """The train loop and evaluators of the runtime's mode, from `start_step`; `step_fn` as the extensions
+    wrapped it, `drop_batches` skipped, `after_update` run after every update (synchronous only)."""
     step_fn = step_fn or task.step_fn
     if runtime.mode.coordinates_workers:
         if after_update is not None:
@@ -55,14 +51,7 @@ def build_loops(
                 "an extension added an action after each update, which the parameter_server loop "
                 "cannot run (no single point after an asynchronous update); declare it synchronous only"
             )
-        return build_ps_loops(
-            runtime,
-            task,
-            settings,
-            step_fn=step_fn,
-            start_step=start_step,
-            print_fn=print_fn,
-        )
+        return build_ps_loops(runtime, task, settings, step_fn=step_fn, start_step=start_step, print_fn=print_fn)
     return build_sync_loops(
         runtime,
         task,

@@ -1,11 +1,8 @@
 """The controller: the outer loop of every mode, compiled calls with extensions between them.
 
-The synchronous loop (`sync.TrainLoop`: strategy.run/reduce inside tf.function) and the
-asynchronous one (`ps.PSTrainLoop`: closures scheduled on a ClusterCoordinator) implement the
-same `TrainLoopLike` protocol, and their evaluators `EvaluatorLike`; trainer/loops/build.py
-chooses between them. `drive` runs either: each call ends on the nearest boundary of an
-extension; after it, any extension may throw the call's results away (`rollback_to`: the
-non-finite guard), else every extension's `after_loop` runs, in the registry's order.
+The synchronous and asynchronous loops implement `TrainLoopLike` (trainer/loops/build.py picks
+one). Each call ends on the nearest boundary of an extension; after it, any extension may throw
+its results away (`rollback_to`), else every `after_loop` runs, in the registry's order.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ class TrainLoopLike(Protocol):
         """Trains `num_steps` steps; returns each step output's mean over them."""
 
     def trace(self, step_name: str) -> tuple[str, ...]:
-        """Traces the step on the real batch spec (a broken user function is one UserError line);
-        returns the names of the step's outputs."""
+        """Traces the step on the real batch spec; returns the names of its outputs."""
 
     @property
     def trace_count(self) -> int:
@@ -55,19 +51,12 @@ class EvaluatorLike(Protocol):
         """One pass over an eval split: per-example means, metric results and `num_examples`."""
 
     def trace(self) -> tuple[str, ...]:
-        """Traces the eval pass on the real batch spec, checks what the eval step returns and
-        returns the names of its results."""
+        """Traces the eval pass on the real batch spec; returns the names of its results."""
 
 
 def drive(context: Context, extensions: Sequence[Extension], steps_per_loop: int) -> int:
-    """The outer loop: compiled calls of `context.loop` that end on the nearest boundary, the
-    extensions in between.
-
-    Returns the step the run ended at (before `total_steps` if an extension asked to stop).
-    Whatever happens, the pending checkpoint write is finished (or its failure said in one line),
-    the metrics log closed and every extension's `close` called: a run that stops (a non-finite
-    loss, preemption, Ctrl-C, a lost peer) keeps its event records too.
-    """
+    """Runs the loop to `total_steps` (or an extension's stop); returns the step it ended at. However
+    it ends, the pending checkpoint write is finished, the metrics log closed and every `close` called."""
     try:
         return _drive(context, extensions, steps_per_loop)
     finally:

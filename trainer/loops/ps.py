@@ -1,42 +1,24 @@
-"""The asynchronous loop: ParameterServerStrategy driven by a ClusterCoordinator.
+"""The asynchronous loop: ParameterServerStrategy driven by a ClusterCoordinator, with the
+synchronous loop's interface and step function (replica context on a worker, outputs SUM-reduced).
 
-Same interface as the synchronous loop (`run(num_steps) -> {name: float}`, `evaluate() ->
-{name: float, num_examples}`), so train.py's hooks run unchanged, and the same step
-function: it is called in replica context on a worker, its outputs reduced with SUM.
+Global batch: each scheduled step runs on one worker and applies one update to the ps variables
+from one batch of `train.global_batch_size` examples (split over that worker's replicas), so the
+global batch stays "the examples behind one update"; N workers do N updates concurrently, each
+from variables that may be a few updates old.
 
-What the global batch means here. Workers do not synchronise: each scheduled step runs
-on one worker and applies one update to the variables on the ps tasks. That step
-processes one batch of `train.global_batch_size` examples (split over the worker's own
-replicas if it has several GPUs: `input_context.get_per_replica_batch_size`), so the
-global batch stays "the examples behind one update", as in every other mode, and a
-step's loss is the mean over that batch. N workers do N such updates concurrently,
-each computed from variables that may be a few updates old.
+Scheduling: a `run(num_steps)` call is cut into closures of `steps_per_closure` steps (default
+about steps_per_loop / (2 x workers), so a fast worker can take a slow one's share), each a graph
+while loop on one worker; `run` then joins, so extensions see a quiet cluster, and reads the
+RemoteValues after the join (rule 8). The coordinator counts the global step after the join (a
+closure on a worker that died runs again elsewhere, so its updates may be partly applied twice:
+the ClusterCoordinator's contract); the optimizer's `iterations` counts every step
+(trainer/loops/ps_schedules.py).
 
-Scheduling. `TrainLoop.run(num_steps)` is called by the driver with at most
-`train.steps_per_loop` steps (it ends every call on a hook boundary). One closure per
-call would keep a single worker busy, so the steps are cut into closures of
-`steps_per_closure` steps (default: about steps_per_loop / (2 x workers), so every
-worker gets some and a fast one can take a slow one's share), each a graph while loop
-of steps on one worker. `run` then joins, so hooks (checkpoint, eval, logging) see a
-quiet cluster, and reads the metrics from the RemoteValues after the join (rule 8).
-
-The global step is counted by the coordinator: it adds `num_steps` after the join,
-when every closure has finished exactly once from its point of view. (A closure that
-was running on a worker that died is run again elsewhere, so its updates may be
-partly applied twice; that is the ClusterCoordinator's contract.) The optimizer's own
-`iterations` counter is made to count every step (trainer/loops/ps_schedules.py), so
-learning-rate schedules and Adam's bias correction follow the global step.
-
-Data. Each worker builds its dataset inside the per-worker dataset function (rule 8).
-With one worker it is exactly the single-device pipeline, so one worker trains
-exactly like one device. With N workers, worker k reads the whole training set
-shuffled with seed `seed + k` (k from a counter on the ps, taken when its dataset is
-built), so workers see different batches and a worker that dies takes no part of the
-data with it. On resume each worker skips `start_step / N` batches; with several
-workers that is approximate, since who ran which step is not recorded.
-
-Evaluation runs on the coordinator itself over the whole eval set, each example once,
-reading the current variables from the ps tasks.
+Data: each worker builds its dataset in the per-worker dataset function (rule 8). One worker reads
+exactly the single-device pipeline; with N, worker k reads the whole set shuffled with `seed + k`
+(k from a counter on the ps), so a dead worker takes no data with it. On resume each worker skips
+`start_step / N` batches (approximate with several workers: who ran which step is not recorded).
+Evaluation runs on the coordinator over the whole eval set, reading the ps variables.
 """
 
 from __future__ import annotations
@@ -64,23 +46,16 @@ LOST_PS = "lost a parameter server: its variables are gone"
 
 
 def rejected_by_worker(error: Exception) -> bool:
-    """Whether a worker's gRPC server refused a request it could not parse: the closure never ran.
-
-    Seen once in CI (TF 2.21, 2 workers on localhost, the run's first closures): the chief's
-    RunComponentFunction request reached worker 0 and its server answered INTERNAL "Unable to
-    parse request". The worker executed nothing (the request never got past parsing), so the
-    closure can run again without applying any of its steps twice. TF's coordinator treats it
-    as a user error and cancels the other closures; `PSTrainLoop.run` schedules those again
-    too. A cancelled closure that was already running on another worker may have applied
-    part of its steps, which are then applied again: what a worker failure does too.
-    """
+    """Whether a worker's gRPC server refused a request it could not parse (seen in CI, TF 2.21, first
+    closures): it executed nothing, so the closure can run again. TF's coordinator cancels the other
+    closures as for a user error; `run` schedules those again too (a cancelled one already running may
+    apply part of its steps twice, as a worker failure does)."""
     text = str(error)
     return isinstance(error, tf.errors.InternalError) and "Unable to parse request" in text and "/job:worker" in text
 
 
 def _tf_variables(variable) -> list:
-    """The TensorFlow variables behind one model variable: a Keras 3 Variable wraps its own in
-    `.value`; a ShardedVariable (what a partitioner makes of a large one) is its components."""
+    """The TensorFlow variables behind one model variable (a Keras 3 Variable's `.value`, a ShardedVariable's parts)."""
     import keras
 
     value = variable.value if isinstance(variable, getattr(keras, "Variable", ())) else variable
@@ -88,9 +63,8 @@ def _tf_variables(variable) -> list:
 
 
 def check_partitioner(models) -> None:
-    """Refuses a Keras layer whose own variables the partitioner sharded: Keras 3 layers compute
-    with their variables as whole tensors, and a ShardedVariable is not one. Tables of a `tf.Module`
-    beside a Keras tower (wide and deep) are fine, as long as the tower's variables stay whole."""
+    """Refuses a Keras layer whose variables the partitioner sharded: Keras 3 layers compute with whole
+    tensors. A `tf.Module`'s sharded tables beside a Keras tower (wide and deep) are fine."""
     import keras
 
     for key, model in named(models, default="").items():
@@ -110,8 +84,8 @@ def check_partitioner(models) -> None:
 
 
 def describe_placement(models) -> str:
-    """Where the models' variables live, and which are sharded in how many parts (a Keras variable by
-    its path; a tf.Module lists a sharded variable's parts itself, named `<v>/part_<i>`)."""
+    """Where the models' variables live, and which are sharded in how many parts (a tf.Module lists a
+    sharded variable's parts itself, as `<v>/part_<i>`)."""
     import keras
 
     parts: dict[str, list] = {}
@@ -162,13 +136,8 @@ class PSTrainLoop:
         def replica_step(batch):
             return call_step(step_fn, model, optimizer, batch, global_batch_size)
 
-        self._model, self._optimizer, self._step_fn, self._global_batch_size = (
-            model,
-            optimizer,
-            step_fn,
-            global_batch_size,
-        )
-        self._batch_spec = batch_spec
+        self._model, self._optimizer, self._step_fn = model, optimizer, step_fn
+        self._global_batch_size, self._batch_spec = global_batch_size, batch_spec
 
         self.rule = rule = combine.rule_of(step_fn)  # how each output combines (trainer/task/combine.py)
 
@@ -187,13 +156,9 @@ class PSTrainLoop:
         self._iterator = iter(per_worker_dataset)
 
     def run(self, num_steps: int) -> dict[str, float]:
-        """Trains `num_steps` steps on the workers; returns each output's mean over them.
-
-        A closure a worker's server rejected before running it (see `rejected_by_worker`) is
-        scheduled again, with every closure the coordinator cancelled because of it, as TF asks
-        of a cancelled function ("Please reschedule the function"): up to `MAX_RESCHEDULES`
-        times per call, one warning line each time.
-        """
+        """Trains `num_steps` steps on the workers; returns each output's mean over them. A closure
+        rejected before running (`rejected_by_worker`) is scheduled again with those cancelled with it,
+        as TF asks, up to `MAX_RESCHEDULES` times a call, with one warning line each."""
         step = self._step
         pending = split_steps(num_steps, self._steps_per_closure)
         totals: dict[str, float] | None = None
@@ -234,14 +199,10 @@ class PSTrainLoop:
         return combine.per_interval(self.rule, totals or {}, num_steps)
 
     def trace(self, step_name: str) -> tuple[str, ...]:
-        """Traces the step alone on the coordinator, on a worker's batch spec, before anything is
-        written (the closures themselves are traced where they are first scheduled), and returns
-        the names of its outputs. Tracing builds a graph and runs nothing; the step gets stand-ins
-        of its optimizers (they record the gradients), so that a cross-replica call it makes is
-        its own: refused, since no replica context spans asynchronous workers. Refused too: summaries
-        (traced under a writer that is never created: the event files are the chief's, the step runs on
-        a worker) and an update traced in another graph than the step's (a loop or branch body, where
-        the worker's merge_call fails)."""
+        """Traces the step alone on the coordinator, before anything is written, and returns its
+        output names. With stand-in optimizers, a cross-replica call is the step's own: refused (no
+        replica context spans asynchronous workers), as are summaries (the event files are the chief's)
+        and an update traced in a loop or branch body (the worker's merge_call fails there)."""
         optimizers = self._optimizer
         stand_ins = (
             {k: _GraphNotingRecorder(o) for k, o in optimizers.items()}
@@ -281,8 +242,7 @@ class PSTrainLoop:
 
 
 class _GraphNotingRecorder(GradientRecorder):
-    """A stand-in optimizer that also notes the graph each update call is traced in: one other than
-    the step's own is a loop or branch body (or a nested tf.function)."""
+    """A stand-in optimizer noting the graph each update is traced in (not the step's: a loop or branch body)."""
 
     def __init__(self, optimizer):
         super().__init__(optimizer, once=False)

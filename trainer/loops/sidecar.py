@@ -2,21 +2,11 @@
 
     python -m trainer.main --gin_file=gin/ps.gin --mode=eval_continuous --model_dir=D
 
-It reads the same gin config as the training run (model, data, eval step, batch size,
-total steps come from the `train.*` bindings), builds the model on this process's first
-device, whatever strategy trained it, and waits for checkpoints in D. Each checkpoint
-is evaluated once, in step order, over the whole eval set (each example once), even
-when several appeared since the last look; it stops after the checkpoint at
-`train.total_steps`, or after `timeout_secs` without a new checkpoint.
-
-Per checkpoint and eval split it records, through the training's own writer (MetricsLog), one
-line in D/metrics.jsonl, `{"step": N, "split": "eval", "loss": ..., "accuracy": ..., "num_examples": ...}`
-(`num_examples` marks the sidecar's lines apart from the chief's inline eval), and the same
-scalars in TensorBoard under D/eval (D/eval/<split> for another split).
-
-Checkpoints are found through the `checkpoint` state file, which the chief rewrites
-only after a checkpoint is complete. One deleted (max_to_keep) before it was read is
-reported and skipped.
+It reads the training's gin config, builds the model on this process's first device whatever
+strategy trained it, and evaluates each complete checkpoint (named in the `checkpoint` state file)
+once, in step order, over the whole eval set, until the one at `train.total_steps` or
+`timeout_secs` without a new one; one deleted before it was read is skipped. Results go through the
+training's own MetricsLog (their `num_examples` marks them apart from the chief's inline evals).
 """
 
 from __future__ import annotations
@@ -49,16 +39,10 @@ def checkpoints_in(model_dir: str) -> list[tuple[int, str]]:
 
 
 def evaluate_continuously(
-    settings: Settings,
-    *,
-    timeout_secs: float = 600.0,
-    poll_secs: float = 1.0,
-    print_fn: Callable[[str], None] = print,
+    settings: Settings, *, timeout_secs: float = 600.0, poll_secs: float = 1.0, print_fn: Callable[[str], None] = print
 ) -> dict[str, float]:
-    """Evaluates each new checkpoint in `settings.model_dir` until the one at `settings.total_steps`.
-
-    Returns the eval metrics of the last checkpoint evaluated on the first eval split (empty if none).
-    """
+    """Evaluates each new checkpoint in `settings.model_dir` until the one at `settings.total_steps`;
+    returns the first eval split's results of the last one evaluated ({} if none)."""
     if timeout_secs <= 0 or poll_secs <= 0:
         raise UserError(f"eval_continuous timeout_secs and poll_secs must be positive, got {timeout_secs}, {poll_secs}")
     model_dir, total_steps, global_batch_size = settings.model_dir, settings.total_steps, settings.global_batch_size

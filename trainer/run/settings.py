@@ -1,11 +1,8 @@
 """`Settings`: everything a run is configured with, as one frozen object checked where it is made.
 
-`train`'s keyword parameters are exactly these fields (gin binds them as `train.<field>`), and
-every other entry point that builds what a run builds (the sidecar evaluator, `experiments.bench`,
-`trainer.parity`) takes a `Settings` too, so none of them names `train`'s parameters itself.
-Each value the core reads is checked here, in one UserError line naming the gin key; the
-options of an optional feature are checked by its extension (trainer/extensions/), also before
-anything is built or written.
+`train`'s keyword parameters are exactly these fields (gin: `train.<field>`); every entry point
+that builds what a run builds takes a `Settings` too. The core's values are checked here, an
+optional feature's options by its extension, each in one UserError line before anything is written.
 """
 
 from __future__ import annotations
@@ -26,35 +23,26 @@ from trainer.task import contract, models, optimizers, precision, steps
 from trainer.validation import check_bool, check_callable, check_choice, check_int, check_number
 
 ASYNC_REASON = "asynchronous closures on remote workers"
+# Options of the core (not extensions) that work under some strategies only.
 CAPABILITIES = (("train.jit_compile", modes.SYNCHRONOUS), ("train.async_checkpoint", modes.SYNCHRONOUS))
-"""Options of the core (not extensions) that work under some strategies only."""
+# Parameters `train` had, each with what replaces it.
 RETIRED = {"hooks": "hooks and extensions are one type now; bind train.extensions = [@my_extension()]"}
-"""Parameters `train` had, each with what replaces it."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """A run's configuration (gin: `train.<field>`).
 
-    Length and sizes: total_steps, global_batch_size (the examples behind one update),
-    steps_per_loop (steps per compiled call), seed. Intervals: log_every_steps,
-    checkpoint_every_steps, eval_every_steps; keep_checkpoints newest ones are kept.
-    What is trained: model_fn, optimizer_fn (trainer/task/task.py), step_fn and eval_step_fn
-    (trainer/task/steps.py), eval_metrics_fn (Keras metrics for the eval step), input_fn
-    (`data_source` is its older name; default: the embedded digits) and eval_splits (default:
-    the input function's `splits` other than 'train', else ('eval',)).
-    Where: strategy (trainer/distribution/modes.py), device_config, cluster_resolver
-    ('tf_config' or 'slurm') and cluster_resolver_options, collective_timeout_secs,
-    distribute_method ('dataset' or 'function'), shard_policy, parameter_server.
-    Speed: jit_compile, mixed_precision, async_checkpoint (checkpoints written on a background
-    thread; synchronous strategies).
-    Safety: check_loss_scaling, nonfinite ('stop' or 'rollback') and max_rollbacks,
-    allow_resume_changes.
-    Optional features, each an extension: preemption_checkpointing, grad_accum_steps,
-    clip_global_norm, ema_decay, export_saved_model, warm_start, keep_best/best_metric/best_mode,
-    early_stopping, keras_callbacks; extensions of your own.
-    Set by the entry point: model_dir, describe_config (the operative config's text), hparams
-    (the flat bindings, for TensorBoard and MLflow), print_fn.
+    Length: total_steps, global_batch_size (the examples behind one update), steps_per_loop (steps
+    per compiled call), seed; intervals: log_/checkpoint_/eval_every_steps, keep_checkpoints.
+    Trained: model_fn, optimizer_fn (trainer/task/task.py), step_fn, eval_step_fn, eval_metrics_fn
+    (trainer/task/steps.py), input_fn (older name `data_source`; default the embedded digits) and
+    eval_splits (default: the input's `splits` but 'train', else ('eval',)). Where: strategy,
+    device_config, cluster_resolver(_options), collective_timeout_secs, distribute_method,
+    shard_policy, parameter_server. Speed: jit_compile, mixed_precision, async_checkpoint. Safety:
+    check_loss_scaling, nonfinite, max_rollbacks, allow_resume_changes. The optional features are
+    extensions (trainer/extensions/built_in.py), beside your own `extensions`. Set by the entry
+    point: model_dir, describe_config, hparams (the flat bindings), print_fn.
     """
 
     model_dir: str | None = None
@@ -115,12 +103,11 @@ class Settings:
             )
         for name, rule in (("step_fn", contract.STEP), ("eval_step_fn", contract.EVAL_STEP)):
             object.__setattr__(self, name, contract.adapt(getattr(self, name), rule))  # by name, else position
-        _check_items(
-            "train.extensions",
-            self.extensions,
-            Extension,
-            "extensions (instances of trainer.extensions.Extension, bound as @my_extension())",
-        )
+        if not isinstance(self.extensions, (list, tuple)) or not all(isinstance(e, Extension) for e in self.extensions):
+            raise UserError(
+                "train.extensions must be a list of extensions (instances of trainer.extensions.Extension, bound as "
+                f"@my_extension()), got {self.extensions!r}"
+            )
         for name in ("extensions", "keras_callbacks"):
             value = getattr(self, name)
             if isinstance(value, list):
@@ -226,20 +213,13 @@ def retired_binding(gin_error: Exception) -> str | None:
 
 
 def absolute_model_dir(model_dir: str) -> str:
-    """`model_dir` as an absolute path (a URL such as gs://... as it is), resolved once where a run
-    is configured: every reader and writer of the run then sees the same directory, whatever
-    working directory it was given relative to."""
+    """`model_dir` as an absolute path (a URL as it is), resolved once where a run is configured, so
+    every reader and writer sees the same directory."""
     return model_dir if "://" in model_dir else os.path.abspath(model_dir)
 
 
-def _check_items(name: str, value: Any, kind: type, what: str) -> None:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(item, kind) for item in value):
-        raise UserError(f"{name} must be a list of {what}, got {value!r}")
-
-
 def signature() -> inspect.Signature:
-    """`train`'s signature: every field of Settings as a keyword-only parameter with its default
-    (gin reads it to refuse a binding of a name that is not a parameter)."""
+    """`train`'s signature: Settings' fields as keyword-only parameters (gin refuses other names)."""
     return inspect.Signature(
         [
             inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)

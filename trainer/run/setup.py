@@ -52,9 +52,8 @@ def setup(settings: Settings) -> tuple[Runtime, Task]:
 
 @contextlib.contextmanager
 def _diagnosing_import_time_models() -> Iterator[None]:
-    """A failure of the device setup or of the task's build, where a module of the user's holds a
-    model built at import, is that model's doing (TensorFlow started before the devices were set
-    up; its variables made outside the strategy's scope): said in one line naming it."""
+    """A failure of the device setup or the task's build, where a user module built a model at import,
+    is that model's doing (TensorFlow started early, variables outside the scope): one line naming it."""
     try:
         yield
     except Exception as e:  # noqa: BLE001  (only re-raised as the cause where one is found)

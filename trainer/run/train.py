@@ -1,13 +1,9 @@
 """`train`: the facade, a short composition readable top to bottom.
 
-settings (checked) -> extensions (checked, ordered) -> runtime -> task -> extensions attached
-to the run's one `Context` -> restore -> loops (traced, outputs verified) -> model_dir (chief)
--> controller.
-Nothing in `model_dir` is written before the settings, the data, the user's functions, every
-extension and the checkpoint have been checked; what shows only when the first step runs (an
-op that cannot take the data's values, a user's callback that raises) removes again what the
-run wrote, as long as no step has finished (trainer/run/unfinished.py). A new feature is an
-extension (trainer/extensions/), not a line here.
+settings -> extensions (checked, ordered) -> runtime -> task -> extensions attached to the run's
+one `Context` -> restore -> loops (traced, outputs verified) -> model_dir (chief) -> controller.
+Nothing is written before every check; what shows only at the first step is undone while no step
+has finished (trainer/run/unfinished.py). A new feature is an extension, not a line here.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from trainer.errors import UserError, error_line
-from trainer.extensions import factory
+from trainer.extensions import built_in
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Outputs, check_method_names
 from trainer.extensions.registry import Registry
@@ -44,12 +40,8 @@ DATA_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)
 
 @precision.keeps_global_policy
 def train(**arguments: Any) -> dict[str, float]:
-    """Trains until `total_steps`, resuming from the newest checkpoint in `model_dir`.
-
-    The arguments are the fields of `trainer.run.settings.Settings` (gin: `train.<field>`).
-    Returns the final eval results of the first eval split (empty if the run had nothing left
-    to train). Raises UserError for mistakes the user can fix, before anything is written.
-    """
+    """Trains until `total_steps`, resuming from the newest checkpoint in `model_dir`; the arguments
+    are `Settings`' fields. Returns the first eval split's final results ({} if nothing was left)."""
     settings = Settings.of(arguments)
     registry = checked_registry(settings)
     runtime, task = setup(settings)
@@ -109,11 +101,9 @@ train.__signature__ = signature()  # gin reads the parameters (Settings' fields)
 
 
 def checked_registry(settings: Settings) -> Registry:
-    """The run's extensions, each having checked the settings (what it supports under
-    the strategy, its own options), and model_dir checked: what a run refuses from its settings
-    alone, before TensorFlow runs anything. Raises UserError. An entry point that starts an
-    embedded cluster calls it first too, so that such a mistake starts no server."""
-    participants = factory.participants(settings)
+    """The run's extensions, each having checked the settings, and model_dir checked: what a run
+    refuses from its settings alone, before TensorFlow runs (and before an embedded cluster starts)."""
+    participants = built_in.participants(settings)
     check_method_names(participants)
     registry = Registry(participants, settings)
     registry.check()
@@ -136,8 +126,7 @@ def _checked_record(settings: Settings, runtime, task) -> dict:
 
 
 def data_error(error: tf.errors.OpError, settings: Settings, step: int) -> UserError:
-    """The one line for an op that could not take the values of a batch: which op, what it said,
-    at which step, and which input and step to look at."""
+    """The one line for an op that could not take a batch's values: which op, at which step, what to check."""
     nodes = re.findall(r"\{\{node ([^}]+)\}\}", str(error))
     op = nodes[-1].split("/")[-1] if nodes else (error.op.type if error.op is not None else "a TensorFlow op")
     summary = error_line(error)

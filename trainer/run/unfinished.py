@@ -1,14 +1,9 @@
 """A run that dies of a user mistake before its first step leaves model_dir as it found it.
 
-Most mistakes are refused before the first write. Some show only when the first compiled call
-runs on real data (labels out of range, strings where numbers go) or when a user's callback
-first runs, and by then the chief has written the run record, the operative config and the
-first event files. A `model_dir` holding those looks like a run to resume, though it never
-trained a step. So the chief notes what `model_dir` held before its first write, and if the
-run then ends with a UserError before any step finished, removes what this run added: the
-directory itself when the run created it, else the new files and folders, and puts back what it
-rewrote (a resumed run rewrites the operative config at its start), so that a user's own files
-and an earlier run's stay byte for byte.
+Some mistakes show only when the first compiled call runs on real data, after the chief wrote the
+run record, operative config and event files: a model_dir that looks like a run to resume, though
+it never trained. So the chief notes what model_dir held, and on a UserError before any step
+finished removes what this run added and puts back what it rewrote, byte for byte.
 """
 
 from __future__ import annotations

@@ -1,44 +1,29 @@
 """The loss-scaling guard: a step that trains differently on N replicas is stopped before step 1.
 
-The step contract (docs/design.md, rule 2) makes SUM over replicas of a step's outputs equal the
-step's outputs on one replica over the same global batch. The classic mistakes break that
-by a factor: a per-replica mean (N times too large), a default-reduction Keras 3 loss scaled
-again by hand (N times too small), `model.losses` added without `scale_regularization_loss`
-(the regularisation counted N times). `check_loss_scaling` runs the step once both ways and
-compares; a mismatch raises UserError (exit 2) with the likely mistake and its fix.
+The step contract (docs/design.md, rule 2) makes SUM over replicas of a step's outputs equal its
+outputs on one replica over the same global batch. The classic mistakes break that by a factor: a
+per-replica mean (N times too large), a default-reduction Keras 3 loss scaled again by hand (N
+times too small), `model.losses` without `scale_regularization_loss` (counted N times), a
+hard-coded global batch size (reported as a per-replica mean). `check_loss_scaling` runs the step
+both ways and compares; a mismatch is a UserError naming the likely mistake and its fix.
 
-The probe is a rescaled copy of that comparison, exact, cheap and free of side effects:
-- Every replica gets the same per-replica batch S (the first GB/N examples of the first
-  global batch). On N replicas at global batch N*|S| a correct step then sums to the same
-  numbers as on one replica over S at global batch |S|: the same per-example mean, the
-  same regularisation. The one-replica run sees the same input shape, so batch statistics
-  (BatchNormalization) and dropout masks drawn from the same seed state are the same too.
-- The step gets a stand-in optimizer whose `apply_gradients`/`apply` only record the
-  gradients (everything else is read from the real optimizer), so no update happens; the
-  recorded gradients, summed over replicas, are what the real optimizer would apply.
-- The one-replica reference runs eagerly outside `strategy.scope()`: TensorFlow and Keras
-  see one replica there (`num_replicas_in_sync == 1`), reading each variable's local copy.
-- It runs twice without rollback in between, so that a step whose randomness the seed
-  state does not fix (a stateful RNG) shows its own noise; differences within a few times
-  that noise are not called mistakes (unless a known mistake explains them better).
-- Every local copy of every model and optimizer variable (seed-generator states, moving
-  statistics, `optimizer.iterations`) is saved first and written back after each probe.
+The probe, exact and free of side effects:
+- Every replica gets the same per-replica batch S; a correct step on N replicas at global batch
+  N*|S| then sums to its value on one replica over S at global batch |S| (same input shape, so
+  the same batch statistics and dropout masks from the same seed state).
+- A stand-in optimizer only records the gradients (summed over replicas: what would be applied).
+- The one-replica reference runs eagerly outside `strategy.scope()` (`num_replicas_in_sync == 1`).
+- It runs twice, so a step whose randomness the seed does not fix shows its own noise, which
+  is tolerated; every variable's local copy is saved first and written back after each probe.
 
-Only the outputs the step declares shares (the default; trainer/task/combine.py) are compared:
-a diagnostic declared "mean", "max" or "min" is no share of a global-batch mean, and its sum over
-replicas means nothing. The gradients are compared whatever the step declares.
+Only outputs declared shares (the default; trainer/task/combine.py) are compared: a "mean", "max"
+or "min" diagnostic's sum over replicas means nothing. Gradients are always compared.
 
-A step that hard-codes the global batch size instead of using its `global_batch_size`
-argument is reported too (as a per-replica mean): it breaks when the batch size changes.
-
-A step may depend on other replicas' examples (contrastive negatives gathered across replicas
-with `get_replica_context().all_gather`, docs/design.md rule 15): with the same slice on every
-replica it sums to something else than one replica's value, legitimately. So when the equal-slice
-probe does not match, the step runs once more with each replica on its own slice of the first
-global batch; if the outputs of the replicas whose slice did not change moved, the step depends
-on the others, and it is compared with one replica over the whole global batch instead. A known
-mistake in either comparison is refused as before; a step that matches neither comparison and no
-known mistake gets one `warning:` line saying that it could not be checked, and trains.
+A step may depend on other replicas' examples (all_gather'ed negatives, rule 15). So when the
+equal-slice probe does not match, the step runs with each replica on its own slice; if the
+outputs of replicas whose slice did not change moved, it is compared with one replica over the
+whole global batch instead. A known mistake in either is refused; matching neither comparison
+nor a known mistake gives one `warning:` line, and the run trains.
 """
 
 from __future__ import annotations
@@ -70,15 +55,8 @@ def check_loss_scaling(
     seed: int,
     print_fn: Callable[[str], None] = print,
 ) -> None:
-    """Raises UserError if `step_fn` on N > 1 replicas disagrees with itself on one replica.
-
-    Call it after the model and optimizer are built and before the first train step,
-    outside `strategy.scope()`. Leaves every model and optimizer variable as it found it.
-    `model` and `optimizer` may be dicts of them (the step gets them as given); `source` is
-    the run's input (a `data.Input` or an input function).
-    Does nothing for one replica or for ParameterServerStrategy (whose workers each run
-    whole batches).
-    """
+    """Raises UserError if `step_fn` on N > 1 replicas disagrees with one replica (none for parameter_server,
+    whose workers run whole batches). Call it outside `strategy.scope()`; it leaves every variable as it was."""
     replicas = strategy.num_replicas_in_sync
     if replicas <= 1 or not modes.of(strategy).synchronous:
         return
@@ -110,14 +88,8 @@ def check_loss_scaling(
         saved.restore()
         single = _numpy(probe(slices[0], per_replica))
         regularization = _regularization(model)
-        findings = compare(
-            equal,
-            single,
-            _numpy(probe(slices[0], per_replica)),  # again: fresh randomness, if any
-            replicas,
-            regularization,
-            rtol=rtol,
-        )
+        again = _numpy(probe(slices[0], per_replica))  # fresh randomness, if any
+        findings = compare(equal, single, again, replicas, regularization, rtol=rtol)
         if not findings:
             print_fn(f"loss-scaling check passed: step outputs summed over {replicas} replicas match one replica")
             return
@@ -148,9 +120,8 @@ def check_loss_scaling(
 
 
 def _run_distributed(strategy, probe, slice_of: Callable[[int], object]):
-    """The step on every replica, replica i on `slice_of(i)`; outputs and gradients reduced with SUM,
-    and the sum of the outputs of every replica but the last (which tells, between two runs that
-    differ only in the last replica's slice, whether a replica's outputs depend on other replicas')."""
+    """The step on every replica, replica i on `slice_of(i)`: outputs and gradients SUM-reduced, and the
+    sum of every replica's outputs but the last's (do they move when only the last one's slice does?)."""
     SUM = tf.distribute.ReduceOp.SUM
     last = strategy.num_replicas_in_sync - 1
 

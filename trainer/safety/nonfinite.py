@@ -1,10 +1,7 @@
-"""The numerics of `train.nonfinite` (the extension: trainer/extensions/nonfinite.py): finding
-the first non-finite step of a loop call, a step whose float outputs turn NaN where an update had
-a non-finite gradient, one finiteness sum over many tensors, and the skipped batches' variable.
+"""The numerics of `train.nonfinite` (the extension: trainer/extensions/nonfinite.py).
 
-The loss can stay finite while the gradient is not: NaN pixels vanish in the CNN's fused
-conv+ReLU, yet their kernels' gradients are NaN. Optimizers that handle non-finite gradients
-themselves (a LossScaleOptimizer skips such updates by design under mixed_float16) are left alone.
+The loss can stay finite while the gradient is not (NaN pixels vanish in a fused conv+ReLU, their
+kernels' gradients are NaN), so the step's outputs turn NaN where an update had a non-finite gradient.
 """
 
 from __future__ import annotations

@@ -11,13 +11,9 @@ import numpy as np
 
 from trainer.errors import UserError
 
-EXACT_RTOL = 1e-4
-"""Relative difference within which outputs agree for a deterministic step (float rounding)."""
-LOW_PRECISION_RTOL = 1e-2
-"""The same for a model computing in bfloat16 or float16 (mixed precision): 8 to 11 bits of
-mantissa; the mistakes looked for are off by a factor of the replica count, far beyond it."""
-NOISE_FACTOR = 5.0
-"""A stochastic step may differ by this many times the difference between two reference runs."""
+EXACT_RTOL = 1e-4  # relative difference of a deterministic step's outputs (float rounding)
+LOW_PRECISION_RTOL = 1e-2  # in bfloat16/float16; the mistakes are off by the replica count, far beyond it
+NOISE_FACTOR = 5.0  # a stochastic step may differ by this many times two reference runs' difference
 SKIP_HINT = "(checked before step 1; train.check_loss_scaling = False skips the check)"
 
 FIXES = {
@@ -57,11 +53,8 @@ def compare(
     *,
     rtol: float = EXACT_RTOL,
 ) -> list[Finding]:
-    """What does not match, outputs first (in the step's order), then the gradients.
-
-    Each argument is (outputs, gradients) as numbers; `again` is a second one-replica run
-    whose difference from `single` measures the step's own noise.
-    """
+    """What does not match, outputs first, then the gradients; each argument is (outputs, gradients),
+    `again` a second one-replica run whose difference from `single` measures the step's noise."""
     d_out, d_grads = distributed
     s_out, s_grads = single
     a_out, a_grads = again

@@ -1,10 +1,8 @@
 """The user's functions, tried on the real batch spec before anything is written to model_dir.
 
-A step that returns a list, a model that cannot take the batch, an eval step without
-`num_examples`: each would otherwise end in a traceback at the first loop call, after the
-run record, operative config and first checkpoint exist. The loops trace their compiled
-functions early instead (the same trace their first call reuses, so nothing is traced twice)
-and a failure of the user's code becomes one UserError line naming the function.
+A step that returns a list or a model that cannot take the batch would otherwise fail at the first
+loop call, after the first files exist. The loops trace early instead (the trace their first call
+reuses) and a failure of the user's code becomes one UserError line naming the function.
 """
 
 from __future__ import annotations
@@ -15,15 +13,11 @@ from typing import Any, Callable, Iterator
 from trainer.errors import UserError, error_line
 
 MERGE_CALL_IN_GRAPH = "`merge_call` called while defining a new graph"
-"""The start of TensorFlow's RuntimeError for a cross-replica synchronisation point (the gradient sum
-and the update of `optimizer.apply_gradients`) inside graph control flow or a nested tf.function."""
 
 
 def merge_call_in_graph(error: BaseException) -> bool:
-    """Whether `error` is TensorFlow refusing a cross-replica synchronisation point (the gradient
-    sum and update of `optimizer.apply_gradients`) inside graph control flow or a nested
-    tf.function, which it cannot run under a multi-replica or parameter-server strategy (a
-    `for _ in tf.range(n)` around `apply_gradients` in a step is a `tf.while_loop`)."""
+    """Whether `error` is TensorFlow refusing a cross-replica synchronisation point (the update of
+    `apply_gradients`) inside graph control flow (`for _ in tf.range(n)`) or a nested tf.function."""
     return MERGE_CALL_IN_GRAPH in str(error)
 
 
@@ -58,13 +52,9 @@ CROSS_REPLICA_CALLS = ("all_gather", "all_reduce")
 
 @contextlib.contextmanager
 def cross_replica_calls() -> Iterator[list[str]]:
-    """Records the cross-replica calls (`get_replica_context().all_gather` / `.all_reduce`) made
-    while the body traces a step, for a mode that has no replica context spanning its workers.
-
-    TensorFlow offers no way to ask a traced function whether it communicates across replicas
-    (under some strategies the calls leave no op of their own), so the two methods of
-    `tf.distribute.ReplicaContext` are wrapped for the length of the body and put back after it.
-    """
+    """Records the `ReplicaContext.all_gather` / `.all_reduce` calls made while the body traces a step.
+    TensorFlow cannot tell whether a traced function communicates (some strategies leave no op of
+    their own), so the two methods are wrapped for the body's length."""
     import tensorflow as tf
 
     calls: list[str] = []

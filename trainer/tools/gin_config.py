@@ -1,10 +1,6 @@
-"""What a parsed gin config says, for the entry points: every configurable with its values and
-where each came from (`--print_config`), and the bindings flattened to TensorBoard hparams.
-
-Used after `main.parse_gin` has parsed and checked the config; nothing here starts TensorFlow.
-Gin has no public way to list its registered configurables or to tell where a binding came
-from, so `internals.gin_registry` reads its registry and `binding_sources` re-reads the files with
-gin's own parser.
+"""What a parsed gin config says: every configurable with its values and where each came from
+(`--print_config`), and the bindings flattened to TensorBoard hparams; no TensorFlow here. Gin
+cannot tell where a binding came from, so `binding_sources` re-reads the files with its parser.
 """
 
 from __future__ import annotations
@@ -84,9 +80,6 @@ def describe(configurable: Configurable) -> str:
     return f"{configurable.name}({params})\n    {doc[0] if doc else '(no docstring)'}"
 
 
-# --- where each binding came from -------------------------------------------------------------
-
-
 class _Placeholders(config_parser.ParserDelegate):
     """Parses without resolving references or macros: only the binding keys are wanted."""
 
@@ -119,9 +112,8 @@ def _shown_path(path: str) -> str:
 def binding_sources(
     gin_files: Iterable[str], bindings: Iterable[str], search_paths: Iterable[str] = ()
 ) -> dict[tuple[str, str, str], str]:
-    """(scope, complete selector, param) -> 'file:line' or '--gin_bindings', the last binding
-    of each key winning, as in gin (files in order, includes where they stand, then bindings).
-    Macros are keyed (scope, name, '')."""
+    """(scope, complete selector, param; '' for a macro) -> 'file:line' or '--gin_bindings', the last
+    binding of each key winning, as in gin (files in order, includes where they stand, then bindings)."""
     search_paths = list(search_paths)
     sources: dict[tuple[str, str, str], str] = {}
 
@@ -132,28 +124,24 @@ def binding_sources(
             selector = match.selector if match is not None else selector
         sources[(statement.scope or "", selector, statement.arg_name)] = where
 
-    def walk(path: str) -> None:
+    def walk(statements, where) -> None:
+        for statement in statements:
+            if isinstance(statement, config_parser.BindingStatement):
+                record(statement, where(statement))
+            elif isinstance(statement, config_parser.IncludeStatement):
+                include(statement.filename)
+
+    def include(path: str) -> None:
         resolved = _resolve(path, search_paths)
         with open(resolved) as f:
-            for statement in _statements(f):
-                if isinstance(statement, config_parser.BindingStatement):
-                    record(statement, f"{_shown_path(resolved)}:{statement.location.line_num}")
-                elif isinstance(statement, config_parser.IncludeStatement):
-                    walk(statement.filename)
+            walk(_statements(f), lambda statement: f"{_shown_path(resolved)}:{statement.location.line_num}")
 
     for path in gin_files:
-        walk(path)
+        include(path)
     text = "\n".join(bindings)
     if text.strip():
-        for statement in _statements(text):
-            if isinstance(statement, config_parser.BindingStatement):
-                record(statement, FROM_FLAGS)
-            elif isinstance(statement, config_parser.IncludeStatement):
-                walk(statement.filename)
+        walk(_statements(text), lambda _: FROM_FLAGS)
     return sources
-
-
-# --- values -----------------------------------------------------------------------------------
 
 
 def format_value(value: Any) -> str:
@@ -203,9 +191,8 @@ def _macro_value(value: Any) -> Any:
 
 
 def describe_config(gin_files: list[str], bindings: list[str], search_paths: Iterable[str] = ()) -> str:
-    """Every configurable and each of its parameters: `name.param = value  # source`, source
-    being file:line, --gin_bindings, or default. Configurables the config binds or refers to
-    come first; scoped bindings follow their configurable."""
+    """Every configurable's parameters as `name.param = value  # source` (file:line, --gin_bindings or
+    default); configurables the config binds or refers to first, scoped bindings after their own."""
     sources = binding_sources(gin_files, bindings, search_paths)
     configurables = registered_configurables()
     by_selector = {c.selector: c for c in configurables}
@@ -223,19 +210,11 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
 
     def emit(configurable: Configurable) -> None:
         doc = (inspect.getdoc(configurable.target) or "").splitlines()
-        lines.append(("", ""))
-        lines.append((f"# {configurable.name}: {doc[0] if doc else ''}".rstrip(": "), ""))
+        lines.extend([("", ""), (f"# {configurable.name}: {doc[0] if doc else ''}".rstrip(": "), "")])
         set_by_main = SET_BY_MAIN.get(configurable.name, {})
-        names = [p.name for p in parameters(configurable)]
-        names += sorted(
-            {
-                param
-                for scope, sel, param in bound_values
-                if sel == configurable.selector and not scope and param not in names
-            }
-        )
         defaults = {p.name: p.default for p in parameters(configurable)}
-        for param in names:
+        bound = {param for scope, sel, param in bound_values if sel == configurable.selector and not scope}
+        for param in [*defaults, *sorted(bound - set(defaults))]:
             key = ("", configurable.selector, param)
             text = _key("", configurable.name, param)
             if key in bound_values:
@@ -246,19 +225,13 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
                 lines.append((f"{text} = <from the caller>", "no default"))
             else:
                 lines.append((f"{text} = {format_value(defaults[param])}", DEFAULT))
-        for (scope, selector, param), value in bound_values.items():
-            if scope and selector == configurable.selector:
-                lines.append(
-                    (
-                        f"{_key(scope, configurable.name, param)} = {format_value(value)}",
-                        sources[(scope, selector, param)],
-                    )
-                )
+        for key, value in bound_values.items():
+            if key[0] and key[1] == configurable.selector:
+                lines.append((f"{_key(key[0], configurable.name, key[2])} = {format_value(value)}", sources[key]))
 
     macros = [(key, src) for key, src in sources.items() if not key[2]]
     if macros:
-        lines.append(("", ""))
-        lines.append(("# macros", ""))
+        lines.extend([("", ""), ("# macros", "")])
         for (scope, name, _), where in macros:
             value = gin.query_parameter(f"{scope + '/' if scope else ''}{name}/gin.macro.value")
             lines.append((f"{name} = {format_value(value)}", where))
@@ -267,8 +240,7 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
     for configurable in first:
         emit(configurable)
     if rest:
-        lines.append(("", ""))
-        lines.append(("# ----- not bound or referenced by this config: at their defaults -----", ""))
+        lines.extend([("", ""), ("# ----- not bound or referenced by this config: at their defaults -----", "")])
         for configurable in rest:
             emit(configurable)
 
@@ -277,13 +249,9 @@ def describe_config(gin_files: list[str], bindings: list[str], search_paths: Ite
     return "\n".join(out) + "\n"
 
 
-# --- hparams ----------------------------------------------------------------------------------
-
-
 def hparams(gin_files: list[str], bindings: list[str], search_paths: Iterable[str] = ()) -> dict[str, Any]:
-    """Every bound parameter as a scalar hparam (str/int/float/bool) named like its binding,
-    e.g. {'train.total_steps': 600, 'train.model_fn': '@cnn', 'make_optimizer.name': 'adam'}:
-    references, lists and None become their gin text; macros are resolved."""
+    """Every bound parameter as a scalar hparam named like its binding ({'train.model_fn': '@cnn', ...}):
+    references, lists and None as their gin text, macros resolved."""
     flat: dict[str, Any] = {"gin_files": ",".join(gin_files)}
     for scope, selector, param in binding_sources(gin_files, bindings, search_paths):
         if not param:

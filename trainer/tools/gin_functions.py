@@ -1,9 +1,7 @@
 """Gin at the edge, for the functions a run calls: a function bound by reference (`train.step_fn
-= @my_step`) is handed to the loop as the plain function with its bindings applied once.
-
-Gin's wrapper looks the bindings up at every call; called inside a traced step, AutoGraph then
-converts the wrapper and gin's lookup code into the step, about 1.2 s at every start. What gin's
-wrapper would record in the operative config is recorded through `internals.record_operative`.
+= @my_step`) is handed to the loop as the plain function with its bindings applied once. Gin's
+wrapper looks them up at every call, and inside a traced step AutoGraph would convert the wrapper
+and gin's lookup code into the step (about 1.2 s at every start).
 """
 
 from __future__ import annotations
@@ -17,19 +15,11 @@ from trainer.errors import UserError
 
 
 def plain_function(reference: Any, *, supplied: Collection[str] = (), what: str = "") -> Callable | None:
-    """The function a gin reference `@name` (or `@scope/name`, not called) stands for, with the
-    bindings gin would give it applied once, instead of gin's wrapper looking them up at every
-    call (and AutoGraph converting that wrapper and gin's lookup code into every traced step).
-
-    Gin's semantics are kept: the bindings of the reference's scope and its parents, references
-    in them evaluated; the values used are logged in the operative config, as gin's wrapper logs
-    them when called. Every binding reaches the function, whatever the parameter's position: the
-    function returned hides the bound parameters from its signature (so the loop, which passes
-    what a function declares, leaves them alone: trainer/task/contract.py) and its bindings win
-    over anything a caller passes under their names. A binding of one of `supplied`, the values
-    the loop itself passes (a step's `global_batch_size`), is ambiguous and refused in one line
-    naming `what`. None when `reference` is not such a reference to a plain function.
-    """
+    """The function a gin reference `@name` (or `@scope/name`, not called) stands for, with the bindings
+    gin would give it (its scope's and parents', logged in the operative config) applied once; None
+    for any other reference. The bound parameters leave its signature, so the loop, which passes what
+    a function declares (trainer/task/contract.py), leaves them alone. A binding of one of `supplied`
+    (what the loop passes itself) is ambiguous: refused in one line naming `what`."""
     if not isinstance(reference, gin.config.ConfigurableReference) or reference.evaluate:
         return None
     configurable = reference.configurable
@@ -72,10 +62,8 @@ def _attributes(fn: Callable) -> dict[str, Any]:
 
 
 def with_bindings(fn: Callable, bindings: dict[str, Any], signature: inspect.Signature | None = None) -> Callable:
-    """`fn` with `bindings` applied to every call, winning over what the caller passes under their
-    names; its signature is `fn`'s without them, and parameters after the first bound positional
-    one become keyword-only (as `functools.partial` shows them), so a positional call fills what
-    it fills in `fn` itself."""
+    """`fn` with `bindings` applied to every call, winning over the caller's; its signature is `fn`'s
+    without them, later positional parameters keyword-only (as `functools.partial` shows them)."""
     signature = signature or inspect.signature(fn)
     params, keyword_only = [], False
     for p in signature.parameters.values():
