@@ -158,3 +158,21 @@ def test_a_multi_worker_strategys_worker_count_and_a_keras_variables_backing():
     assert isinstance(backing, tf.Variable) and backing is not variable
     backing.assign_add(2)
     assert int(variable.numpy()) == 5
+
+
+def test_the_preemption_handlers_private_methods_and_the_coordination_service_exist():
+    # Driven for real by tests/test_multiworker.py's SIGTERM and Ctrl-C runs; here each name is tried
+    # against the installed TensorFlow so that an upgrade that drops one fails by name.
+    handler = tf.distribute.experimental.PreemptionCheckpointHandler
+    for name in (
+        "_stop_cluster_wise_termination_watcher_thread",
+        "_stop_poll_termination_signal_thread",
+        "_maybe_set_received_own_sigterm",
+    ):
+        assert callable(getattr(handler, name, None)), name
+    service = internals.coordination_service()
+    assert all(
+        callable(getattr(service, n, None)) for n in ("set_config_key_value", "get_config_key_value", "wait_at_barrier")
+    )
+    with internals.silenced_deprecation():
+        pass

@@ -125,3 +125,38 @@ def keras_variable_backing(variable: Any) -> Any:
     the backing variable's `assign_add` is one op. Without it trainer/loops/ps_schedules.py's
     atomic step counter fails."""
     return variable._value  # noqa: SLF001
+
+
+def coordination_service() -> Any:
+    """The multi-worker coordination service's client of this process (`tensorflow.python.eager.context`:
+    `set_config_key_value`, `get_config_key_value`, `wait_at_barrier`), which TensorFlow exports no
+    public way to. Without it a stop signal cannot reach every worker (trainer/extensions/preemption.py)."""
+    from tensorflow.python.eager import context
+
+    return context.context()
+
+
+def silenced_deprecation() -> Any:
+    """A context that hides TensorFlow's deprecation notices (`tensorflow.python.util.deprecation`):
+    `PreemptionCheckpointHandler.save_checkpoint_if_preempted` is deprecated in favour of `run`, which
+    takes one step a call and so cannot drive a compiled loop of many steps."""
+    from tensorflow.python.util import deprecation
+
+    return deprecation.silence()
+
+
+def stop_preemption_watchers(handler: Any) -> bool:
+    """Stops a `PreemptionCheckpointHandler`'s watcher threads (`_stop_*_thread`), which it stops only
+    when it is collected, so a run that ends leaves none behind; returns whether it watched its peers
+    (then every worker meets at a barrier before leaving)."""
+    watched_peers = getattr(handler, "_cluster_wise_termination_watcher_thread", None) is not None
+    handler._stop_cluster_wise_termination_watcher_thread()  # noqa: SLF001
+    handler._stop_poll_termination_signal_thread()  # noqa: SLF001
+    return watched_peers
+
+
+def tell_preemption_handler(handler: Any) -> None:
+    """What the handler's own SIGTERM handler does (`_maybe_set_received_own_sigterm`): our signal
+    thread decides which signal stops the run, and hands the handler the stop it then agrees on with
+    every worker."""
+    handler._maybe_set_received_own_sigterm()  # noqa: SLF001

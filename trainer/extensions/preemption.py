@@ -28,9 +28,8 @@ import threading
 from typing import Callable
 
 import tensorflow as tf
-from tensorflow.python.eager import context as eager_context
-from tensorflow.python.util import deprecation
 
+from trainer import internals
 from trainer.cli import INTERRUPTED_EXIT_CODE, flush_and_exit
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
@@ -137,7 +136,7 @@ class Preemption(Extension):
     def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         self._step = step
         if self._handler is not None:
-            with deprecation.silence():  # its API is deprecated in favour of `run`, which takes one step a call
+            with internals.silenced_deprecation():
                 self._handler.save_checkpoint_if_preempted()  # saves and exits once every worker is there
         elif self._signals.received is not None:
             self._save()
@@ -153,12 +152,9 @@ class Preemption(Extension):
         handler = self._handler
         if handler is None:
             return
-        watched_peers = getattr(handler, "_cluster_wise_termination_watcher_thread", None) is not None
-        handler._stop_cluster_wise_termination_watcher_thread()
-        handler._stop_poll_termination_signal_thread()
-        if watched_peers:
+        if internals.stop_preemption_watchers(handler):
             try:
-                eager_context.context().wait_at_barrier(_END_BARRIER, _END_BARRIER_TIMEOUT_MS)
+                internals.coordination_service().wait_at_barrier(_END_BARRIER, _END_BARRIER_TIMEOUT_MS)
             except tf.errors.OpError:
                 pass  # a peer already gone: this run is done and saved either way
 
@@ -168,10 +164,10 @@ class Preemption(Extension):
             return  # after_loop sees `received`
         try:
             try:
-                eager_context.context().set_config_key_value(_STOP_SIGNAL_KEY, str(signum))
+                internals.coordination_service().set_config_key_value(_STOP_SIGNAL_KEY, str(signum))
             except tf.errors.AlreadyExistsError:
                 pass  # a peer claimed first, with its signal
-            self._handler._maybe_set_received_own_sigterm()  # what the handler's own SIGTERM handler does
+            internals.tell_preemption_handler(self._handler)
         except tf.errors.OpError as e:  # the coordination service gone: training will fail on its own
             self._console.print(
                 f"could not ask the other workers to stop ({type(e).__name__}); Ctrl-C again exits at once"
@@ -183,11 +179,11 @@ class Preemption(Extension):
         if self._handler is None:
             return self._signals.received
         try:
-            signum = int(eager_context.context().get_config_key_value(_STOP_SIGNAL_KEY, _EXIT_TIMEOUT_MS))
+            signum = int(internals.coordination_service().get_config_key_value(_STOP_SIGNAL_KEY, _EXIT_TIMEOUT_MS))
         except tf.errors.OpError:  # the chief gone already: this worker's own signal, else preemption
             return self._signals.received or signal.SIGTERM
         try:
-            eager_context.context().wait_at_barrier(_EXIT_BARRIER, _EXIT_TIMEOUT_MS)
+            internals.coordination_service().wait_at_barrier(_EXIT_BARRIER, _EXIT_TIMEOUT_MS)
         except tf.errors.OpError:
             pass  # a peer gone: it read the signal already, or never will
         return signum
