@@ -1,9 +1,9 @@
 """Gin-configurable functions whose bound parameters sit where a positional call would fill them,
 for tests/test_gin_functions.py."""
 
+import gin
 import tensorflow as tf
 
-import gin
 from trainer.task.steps import call_model
 
 

@@ -4,9 +4,9 @@ tf.function: the loops trace without AutoGraph and must still convert the user's
 Each counts the batch's labels >= 5 twice, with a Python loop and `if` on tensors and with one
 vectorised op, and returns both counts, so the test can check the loop ran on real values."""
 
+import gin
 import tensorflow as tf
 
-import gin
 from trainer.task import steps
 
 

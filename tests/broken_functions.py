@@ -1,10 +1,10 @@
 """User functions with the mistakes researchers make, for tests/test_mistakes.py."""
 
+import gin
 import keras
 import numpy as np
 import tensorflow as tf
 
-import gin
 from trainer.extensions import Extension
 from trainer.task import optimizers
 

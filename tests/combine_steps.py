@@ -1,9 +1,9 @@
 """Steps with diagnostics that are no share of a global-batch mean, declared with trainer.combine,
 for tests/test_combine.py."""
 
+import gin
 import tensorflow as tf
 
-import gin
 import trainer
 from trainer.task.steps import call_model
 

@@ -5,9 +5,9 @@ loop, traced n_critic times: every strategy).
 
 Gin: `import tests.critic_steps`, then experiments/gan/gan.gin and `train.step_fn = @critic_loop_step`."""
 
+import gin
 import tensorflow as tf
 
-import gin
 from experiments.gan.gan import _apply, _cross_entropy, _fakes, _logits, _real_images
 
 

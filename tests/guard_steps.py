@@ -6,10 +6,10 @@ Each is `classification_step` with one thing changed.
 
 from __future__ import annotations
 
+import gin
 import keras
 import tensorflow as tf
 
-import gin
 from trainer.task.steps import call_model, regularization_loss
 
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import math
 
-import tensorflow as tf
-
 import gin
+import tensorflow as tf
 
 
 class ModuleMLP(tf.Module):

@@ -1,9 +1,9 @@
 """A step with a data-dependent loss term, as reconstruction losses have: a NaN input makes
 the loss NaN (the CNN alone would not show it: fused conv+relu kernels turn NaN into 0)."""
 
+import gin
 import tensorflow as tf
 
-import gin
 from trainer.task import steps
 
 

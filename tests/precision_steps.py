@@ -6,9 +6,8 @@ Gin: `import tests.precision_steps`, then `train.step_fn = @unscaled_step`.
 
 from __future__ import annotations
 
-import tensorflow as tf
-
 import gin
+import tensorflow as tf
 
 
 @gin.configurable

@@ -9,10 +9,10 @@ Gin: `import tests.replica_loss_models`, then `train.model_fn = @bn_activity_mod
 
 from __future__ import annotations
 
+import gin
 import keras
 import tensorflow as tf
 
-import gin
 from trainer.task.steps import call_model
 
 

@@ -1,8 +1,8 @@
 """A gin-configurable step with a parameter of its own, for tests/test_gin_functions.py."""
 
+import gin
 import tensorflow as tf
 
-import gin
 from trainer.task.steps import call_model
 
 

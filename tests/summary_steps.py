@@ -4,9 +4,9 @@ batch's first example (`with_summaries=False`: the same step without them, to co
 
 Gin: `import tests.summary_steps`, then `train.step_fn = @summary_step`."""
 
+import gin
 import tensorflow as tf
 
-import gin
 from trainer.task import steps
 
 

@@ -155,6 +155,7 @@ def test_an_undeclared_max_is_refused_by_the_guard_and_a_misnamed_declaration_is
 def test_the_declaration_survives_gin_bindings_and_the_loop_s_adaptation():
     """Decorated over gin's wrapper or under it, with bindings or without, the rule reaches the loop."""
     import gin
+
     from trainer.task import combine, contract
     from trainer.tools import gin_functions
 

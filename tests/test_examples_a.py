@@ -13,9 +13,9 @@ import random
 import subprocess
 import sys
 
+import gin
 import pytest
 
-import gin
 from tests.support import REPO, read_jsonl, subprocess_env
 from tests.test_ps import assert_all_gone, server_pids
 from tests.test_resume import kill_group, per_step_losses, wait_for_step

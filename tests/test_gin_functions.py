@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import inspect
 
+import gin
 import pytest
 
-import gin
 from tests.support import read_jsonl, run_main, run_python
 from trainer.errors import UserError
 from trainer.task import contract

@@ -7,11 +7,11 @@ import subprocess
 import sys
 import textwrap
 
+import gin
 import keras
 import pytest
 import tensorflow as tf
 
-import gin
 from tests.support import REPO, subprocess_env
 from trainer import internals
 

@@ -109,6 +109,7 @@ def test_print_config_from_the_command_line(tmp_path):
 
 def test_configurables_lists_every_registered_name_with_parameters_and_doc(capsys):
     import gin
+
     from trainer import configurables
     from trainer.tools import gin_config
 
@@ -138,6 +139,7 @@ def test_the_resolved_config_and_the_hparams_come_from_gin_in_process(tmp_path, 
     """describe_config and hparams (trainer/tools/gin_config.py) on a file that includes a repository
     config, binds a macro and is overridden by a binding: each value with where it came from."""
     import gin
+
     from trainer import configurables  # noqa: F401  (registers every name)
     from trainer.tools import gin_config
 

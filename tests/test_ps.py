@@ -559,6 +559,7 @@ def test_the_sidecar_evaluates_each_checkpoint_of_a_run_once_in_step_order(tmp_p
     """The sidecar evaluator (loops/sidecar.py) in process, after a short run of gin/single.gin in
     process: one metrics line per checkpoint, the step restored from it, done at total_steps."""
     import gin
+
     from trainer import configurables
 
     gin.clear_config()

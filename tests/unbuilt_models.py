@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import keras
-
 import gin
+import keras
 
 
 class ResidualMLP(keras.Model):

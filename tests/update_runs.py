@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import sys
 
+import gin
 import keras
 import numpy as np
-
-import gin
 
 GLOBAL_BATCH, STEPS, CLIP = 64, 20, 0.05
 

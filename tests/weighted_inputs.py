@@ -3,9 +3,9 @@ tests/test_weighted_examples.py: the embedded digits, each example weighing 3 if
 divisible by 3, else 0.25 (weights that do not average 1, so a step that ignores them, or divides
 by their sum, trains something else)."""
 
+import gin
 import tensorflow as tf
 
-import gin
 from trainer import data
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import math
 
+import gin
 import keras
 import tensorflow as tf
-
-import gin
 
 LEVELS = 17
 

@@ -15,9 +15,9 @@ if __name__ == "__main__":  # the listing: without TensorFlow's load-time notice
 
     quiet_start.import_tensorflow()
 
+import gin  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import gin  # noqa: E402
 from trainer import data  # noqa: E402
 from trainer.distribution import devices  # noqa: E402
 from trainer.distribution import local_cluster as local_cluster_lib  # noqa: E402

@@ -27,6 +27,7 @@ _GIN_LOCATION = re.compile(r'In file "([^"]+)", line (\d+)')
 def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
     """Parses gin files and bindings; any gin mistake becomes one UserError line with file:line."""
     import gin
+
     from trainer import configurables  # noqa: F401  (registers the gin names)
 
     if not gin_files:

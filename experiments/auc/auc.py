@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import gin
 import keras
 import numpy as np
 import tensorflow as tf
 
-import gin
 from trainer import data
 from trainer.task.steps import call_model, regularization_loss, scale_loss
 

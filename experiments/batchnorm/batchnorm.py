@@ -27,9 +27,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import keras
-
 import gin
+import keras
 
 
 @gin.configurable

@@ -62,6 +62,7 @@ def run_ours(settings, channel: Channel, total_steps: int, *, async_checkpoint: 
     ending early where the parent says it has measured enough;
     `async_checkpoint`: with `train.async_checkpoint = True`."""
     import gin
+
     from trainer import configurables
 
     refuse_asynchronous(settings, "experiments.bench")

@@ -11,10 +11,9 @@ and no replica context spans them, the run refuses the step in one line.
 
 from __future__ import annotations
 
+import gin
 import keras
 import tensorflow as tf
-
-import gin
 
 
 @gin.configurable

@@ -14,11 +14,11 @@ import dataclasses
 from functools import cached_property
 from typing import Mapping
 
+import gin
 import keras
 import numpy as np
 import tensorflow as tf
 
-import gin
 from trainer.task.steps import call_model, regularization_loss, scale_loss
 
 

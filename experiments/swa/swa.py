@@ -24,9 +24,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+import gin
 import tensorflow as tf
 
-import gin
 from trainer.errors import UserError
 from trainer.extensions import SYNCHRONOUS, Context, Extension, Outputs
 from trainer.extensions.export import EXPORT_WEIGHTS, ExportWeights

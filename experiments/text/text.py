@@ -12,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 from functools import cached_property
 
+import gin
 import keras
 import numpy as np
 import tensorflow as tf
-
-import gin
 
 PAD = 0
 KEYWORDS = (1, 2)  # token ids whose presence decides the class; filler ids start after them

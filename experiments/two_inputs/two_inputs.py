@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import gin
 import keras
 import tensorflow as tf
 
-import gin
 from trainer import data
 
 

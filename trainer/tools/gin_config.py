@@ -12,6 +12,7 @@ from typing import Any, Iterable, Iterator
 
 import gin
 from gin import config_parser
+
 from trainer import internals
 
 DEFAULT = "default"

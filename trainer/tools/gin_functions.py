@@ -10,6 +10,7 @@ import inspect
 from typing import Any, Callable, Collection
 
 import gin
+
 from trainer import internals
 from trainer.errors import UserError
 
