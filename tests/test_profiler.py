@@ -49,10 +49,10 @@ def test_the_profile_plugin_itself_lists_the_trace(profiled_run):
 
 def test_bad_steps_are_a_user_error_and_boundaries_are_exact():
     from trainer.errors import UserError
-    from trainer.extensions.profiler import ProfilerHook
+    from trainer.extensions.profiler import Profiler
 
     for bad in [(5, 5), (-1, 3), (9, 2), (3,), "10-20"]:
         with pytest.raises(UserError):
-            ProfilerHook(bad)
-    hook = ProfilerHook((7, 13))
+            Profiler(bad)
+    hook = Profiler((7, 13))
     assert [hook.steps_to_boundary(s) for s in (0, 6, 7, 10, 13, 20)] == [7, 1, 6, 3, None, None]

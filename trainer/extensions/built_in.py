@@ -15,19 +15,19 @@ import keras
 
 from trainer.errors import UserError
 from trainer.extensions.best_checkpoints import BestCheckpoints
-from trainer.extensions.checkpointing import CheckpointHook
+from trainer.extensions.checkpointing import PeriodicCheckpoints
 from trainer.extensions.config_writer import ConfigWriter, HParamsWriter
 from trainer.extensions.early_stopping import EarlyStop, EarlyStoppingOptions
 from trainer.extensions.ema import Ema
-from trainer.extensions.evaluation import EvalHook
+from trainer.extensions.evaluation import PeriodicEval
 from trainer.extensions.export import Export
 from trainer.extensions.keras_callbacks import KerasCallbacks, check_callbacks
 from trainer.extensions.loss_scaling import LossScalingCheck
-from trainer.extensions.mlflow_tracking import MlflowHook
+from trainer.extensions.mlflow_tracking import MlflowTracking
 from trainer.extensions.monitoring import monitored
 from trainer.extensions.nonfinite import MODES, NonFiniteHandling
 from trainer.extensions.preemption import Preemption
-from trainer.extensions.profiler import ProfilerHook
+from trainer.extensions.profiler import Profiler
 from trainer.extensions.progress import ProgressLogger
 from trainer.extensions.protocol import Extension
 from trainer.extensions.update_path import UpdatePath
@@ -84,7 +84,7 @@ def _turned_on(setting: str, cls: type[Extension], **kwargs: Any) -> Callable[["
 
 BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn(ProgressLogger, lambda s: ProgressLogger(s.log_every_steps)),
-    BuiltIn(EvalHook, lambda s: EvalHook(s.eval_every_steps)),
+    BuiltIn(PeriodicEval, lambda s: PeriodicEval(s.eval_every_steps)),
     BuiltIn(ConfigWriter, lambda s: ConfigWriter(s.describe_config) if s.describe_config is not None else None),
     BuiltIn(HParamsWriter, lambda s: HParamsWriter(dict(s.hparams)) if s.hparams else None),
     BuiltIn(
@@ -113,9 +113,9 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn(LossScalingCheck, _turned_on("check_loss_scaling", LossScalingCheck)),
     BuiltIn(Preemption, _preemption),
     BuiltIn(Export, _turned_on("export_saved_model", Export)),
-    BuiltIn(MlflowHook, gin={"mlflow_hook": MlflowHook}),
-    BuiltIn(ProfilerHook, gin={"profiler_hook": ProfilerHook}),
-    BuiltIn(CheckpointHook, lambda s: CheckpointHook(s.checkpoint_every_steps), last=True),
+    BuiltIn(MlflowTracking, gin={"mlflow_hook": MlflowTracking}),
+    BuiltIn(Profiler, gin={"profiler_hook": Profiler}),
+    BuiltIn(PeriodicCheckpoints, lambda s: PeriodicCheckpoints(s.checkpoint_every_steps), last=True),
 )
 
 NAMES = frozenset(entry.name for entry in BUILT_IN)

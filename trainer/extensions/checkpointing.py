@@ -9,7 +9,7 @@ from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
 
 
-class CheckpointHook(Extension):
+class PeriodicCheckpoints(Extension):
     """Saves every `every_steps` steps and at the end; every worker takes part (trainer/files/checkpoints.py)."""
 
     name = "checkpoint"

@@ -8,7 +8,7 @@ from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
 
 
-class EvalHook(Extension):
+class PeriodicEval(Extension):
     """Evaluates every eval split every `every_steps` steps and at the end of the run, unless that step
     was evaluated or no step was trained (a run started again after early stopping)."""
 

@@ -38,7 +38,7 @@ def tracking_uri_for(model_dir: str, tracking_uri: str | None) -> str:
     return uri
 
 
-class MlflowHook(Extension):
+class MlflowTracking(Extension):
     """Logs params, metrics by step and the run's config files to MLflow (chief only); `run_name`
     None: the model_dir's base name; the experiment is created if the store lacks it."""
 

@@ -18,7 +18,7 @@ from trainer.extensions.protocol import Extension
 PROFILE_SUBDIR = os.path.join("plugins", "profile")
 
 
-class ProfilerHook(Extension):
+class Profiler(Extension):
     """Traces the steps after `steps[0]` up to `steps[1]` (or the run's end), chief only."""
 
     name = "profiler"
