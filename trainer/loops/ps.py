@@ -18,7 +18,7 @@ Data: each worker builds its dataset in the per-worker dataset function (rule 8)
 exactly the single-device pipeline; with N, worker k reads the whole set shuffled with `seed + k`
 (k from a counter on the ps), so a dead worker takes no data with it. On resume each worker skips
 `start_step / N` batches (approximate with several workers: who ran which step is not recorded).
-PeriodicEval runs on the coordinator over the whole eval set, reading the ps variables.
+Evaluation runs on the coordinator over the whole eval set, reading the ps variables.
 """
 
 from __future__ import annotations
