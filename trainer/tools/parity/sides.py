@@ -123,38 +123,16 @@ def fit_input(dist: tf.distribute.Strategy, inp: data.Input, settings: Settings,
     return dist.experimental_distribute_dataset(stored(data.train_dataset(inp, gb, seed, shard_policy=policy), steps))
 
 
-class _StepLosses(keras.callbacks.Callback):
-    """fit's loss of each batch: the loss metric is reset before every batch (it is a running mean)."""
-
-    losses: list[float]
-
-    def on_train_begin(self, logs=None):
-        self.losses = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.model.reset_metrics()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.losses.append(float(logs["loss"]))
-
-
-def run_fit(runtime: Runtime, task: Task, settings: Settings, config: ParityConfig, steps: int) -> list[float]:
-    """`steps` steps of `model.fit` on `fit_input`; the loss of each."""
-    model, callback = compile_for_fit(runtime, task, config, jit_compile=settings.jit_compile), _StepLosses()
-    dataset = fit_input(runtime.strategy, task.input, settings, steps)
-    model.fit(dataset, epochs=1, steps_per_epoch=steps, callbacks=[callback], verbose=0, shuffle=False)
-    if len(callback.losses) != steps:
-        raise RuntimeError(f"fit ran {len(callback.losses)} steps instead of {steps}")
-    return callback.losses
-
-
-def run_fit_ps(runtime: Runtime, task: Task, settings: Settings, config: ParityConfig, steps: int, chunk: int):
-    """tf_keras fit under ParameterServerStrategy, `steps` steps as epochs of `chunk` steps. One worker: one
-    step per epoch on the stored first batches. More: worker k (numbered as it builds its dataset) reads the
-    training set shuffled with seed + k, as ps_loop feeds ours."""
-    model, dist, inp = compile_for_fit(runtime, task, config), runtime.strategy, task.input
+def run_fit(runtime: Runtime, task: Task, settings: Settings, config: ParityConfig, steps: int, chunk: int = 1):
+    """`steps` steps of fit as epochs of `chunk` steps; each epoch's loss (with one step, that step's). On our
+    batches, stored, except under parameter_server with several workers: there worker k (numbered as it builds
+    its dataset) reads the training set shuffled with seed + k, as ps_loop feeds ours."""
+    dist, inp, ps = runtime.strategy, task.input, runtime.mode.coordinates_workers
+    model = compile_for_fit(runtime, task, config, jit_compile=settings.jit_compile and not ps)
     gb, seed, policy, workers = settings.global_batch_size, settings.seed, settings.shard_policy, data.num_workers(dist)
-    if workers == 1:
+    if not ps:
+        pipeline = fit_input(dist, inp, settings, steps)
+    elif workers == 1:
         pipeline = stored(data.train_dataset(inp, gb, seed, shard_policy=policy), steps)
     else:
         with dist.scope():
@@ -169,7 +147,7 @@ def run_fit_ps(runtime: Runtime, task: Task, settings: Settings, config: ParityC
         pipeline = keras.utils.experimental.DatasetCreator(dataset_fn)
     if steps % chunk:
         raise UserError(f"--metric_steps {steps} must be a multiple of train.steps_per_loop {chunk}")
-    history = model.fit(pipeline, epochs=steps // chunk, steps_per_epoch=chunk, verbose=0)
+    history = model.fit(pipeline, epochs=steps // chunk, steps_per_epoch=chunk, verbose=0, shuffle=False)
     return [float(v) for v in history.history["loss"]]
 
 
@@ -213,10 +191,8 @@ def run_side(role: str, settings: Settings, config: ParityConfig, steps: int, re
             save(initial, weights(model))
         if role != "tf_keras_fit":
             losses = run_ours(runtime, task, settings, steps, chunk=chunk)
-        elif runtime.mode.coordinates_workers:
-            losses = run_fit_ps(runtime, task, settings, config, steps, chunk=chunk)
         else:
-            losses = run_fit(runtime, task, settings, config, steps)
+            losses = run_fit(runtime, task, settings, config, steps, chunk)
         if runtime.is_chief:
             iterations = int(task.optimizers.iterations.numpy())
             save(
