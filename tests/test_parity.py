@@ -217,3 +217,19 @@ def test_the_verdict_passes_within_atol_of_weights_and_losses_and_shows_every_st
     assert "|---:|---:|---:|---:|" in passed.markdown(
         ""
     ) and "over 7 parameters; 0 s on this machine" in passed.markdown("")
+
+
+def test_the_metric_verdict_of_asynchronous_training_compares_one_eval_output():
+    """parameter_server with several workers (trainer/parity.py): a table of both sides' numbers, one compared."""
+    from trainer.parity import by_metric
+
+    ours = {"optimizer iterations": 300, "train loss (last loop)": 0.5123, "eval accuracy": 0.9123}
+    outcome = by_metric("ps: by final eval metrics", 300, 0.03, ours, ours | {"eval accuracy": 0.8723}, "eval accuracy")
+    text = outcome.text().splitlines()
+    assert not outcome.passed and text[-1] == outcome.verdict
+    assert (
+        outcome.verdict
+        == "FAIL: |eval accuracy difference| 0.0400 exceeds 0.03 after 300 steps (ps: by final eval metrics)"
+    )
+    assert text[3].split() == ["optimizer", "iterations", "300", "300", "+0"] and text[5].split()[-1] == "-0.0400"
+    assert "compared: final eval accuracy" in text[1] and "|---|---:|---:|---:|" in outcome.markdown("")

@@ -1,9 +1,6 @@
-"""`python -m trainer.parity --gin_file=gin/<mode>.gin [--steps=K] [--atol=X]`: does our loop train exactly like
-Keras `fit` on this config? K steps of each from the same weights on the same batches, built as a run builds them
-(trainer/tools/parity/sides.py); exit 0 within `--atol`, 1 outside it, 2 on a user mistake (docs/parity.md).
-Where Keras 3 `fit` cannot run (multi_worker_mirrored, parameter_server), each side runs in processes of its
-own, ours first, then tf_keras fit from ours' initial weights; `--replicas=1,2,4` compares replica counts instead.
-"""
+"""`python -m trainer.parity --gin_file=gin/<mode>.gin`: does our loop train exactly like Keras `fit` on this config
+(docs/parity.md)? Where Keras 3 `fit` cannot run (multi_worker_mirrored, parameter_server), each side runs in
+processes of its own, ours first, then tf_keras fit from ours' initial weights (trainer/tools/parity/sides.py)."""
 
 from __future__ import annotations
 
@@ -163,10 +160,8 @@ def in_processes(commands: dict[str, list[str]], steps: int) -> list[dict]:
     gin_args = [*(f"--gin_file={f}" for f in FLAGS.gin_file), *(f"--gin_bindings={b}" for b in FLAGS.gin_bindings)]
     with tempfile.TemporaryDirectory(prefix="parity-") as work_dir:
         for name, command in commands.items():
-            run_worker(
-                [*command, *gin_args, f"--steps={steps}", f"--result={os.path.join(work_dir, name)}"], f"{name} run"
-            )
-        return [sides.load(os.path.join(work_dir, name)) for name in commands]
+            run_worker([*command, *gin_args, f"--steps={steps}", f"--result={work_dir}/{name}"], f"{name} run")
+        return [sides.load(f"{work_dir}/{name}") for name in commands]
 
 
 def compare(settings, config, steps: int, atol: float) -> Outcome:
@@ -184,15 +179,14 @@ def compare(settings, config, steps: int, atol: float) -> Outcome:
                 raise UserError(
                     f"--replicas: {count} does not divide train.global_batch_size {settings.global_batch_size}"
                 )
-        runs = in_processes(
-            {f"{c}-replica": ["trainer.parity", "--role=replicas", f"--replicas={c}"] for c in counts}, steps
-        )
+        commands = {f"{c}-replica": ["trainer.parity", "--role=replicas", f"--replicas={c}"] for c in counts}
+        runs = in_processes(commands, steps)
         title = (
             f"{settings.strategy} config on {', '.join(map(str, counts))} logical-CPU replicas "
             f"(MirroredStrategy), global batch {settings.global_batch_size}: same losses and weights"
         )
         return by_losses(title, [f"{c} replica(s)" for c in counts], runs, atol)
-    mode = settings.mode
+    mode, fit = settings.mode, "tf_keras fit"
     if not mode.multi_worker:
         runs, replicas = sides.compare_in_process(settings, config, steps)
         return by_losses(
@@ -212,11 +206,13 @@ def compare(settings, config, steps: int, atol: float) -> Outcome:
     command = launch if mode.synchronous else ["trainer.parity"]
     runs = in_processes({role: [*command, f"--role={role}"] for role in ("ours", "tf_keras_fit")}, steps)
     if mode.synchronous:
-        title = f"{describe(settings, runs[0]['replicas'])} in {FLAGS.num_workers} worker processes"
+        title = f"{describe(settings, runs[0]['replicas'])} in {FLAGS.num_workers} worker processes: TrainLoop vs {fit}"
     else:
-        title = f"parameter_server, {ps_workers} worker(s), global batch {settings.global_batch_size}"
+        title = (
+            f"parameter_server, {ps_workers} worker(s), global batch {settings.global_batch_size}: TrainLoop vs {fit}"
+        )
     if ps_workers <= 1:
-        return by_losses(f"{title}: TrainLoop vs tf_keras fit", ["ours", "tf_keras fit"], runs, atol)
+        return by_losses(title, ["ours", fit], runs, atol)
     results = []
     for run in runs:
         metrics = sides.evaluate(settings, run["final"])
@@ -229,8 +225,7 @@ def compare(settings, config, steps: int, atol: float) -> Outcome:
             {"optimizer iterations": run["iterations"], "train loss (last loop)": run["losses"][-1]}
             | {f"eval {k}": v for k, v in metrics.items() if k != "num_examples"}
         )
-    title = f"{title}: TrainLoop vs tf_keras fit, by final eval metrics"
-    return by_metric(title, steps, FLAGS.metric_atol, *results, f"eval {config.metric}")
+    return by_metric(f"{title}, by final eval metrics", steps, FLAGS.metric_atol, *results, f"eval {config.metric}")
 
 
 def run(argv: list[str]) -> None:

@@ -1,8 +1,6 @@
-"""The two sides of a parity run, built by `train`'s own setup (trainer/run/setup.py), so that parity checks
-what a run trains: our loop as `train` chooses it (trainer/loops/build.py), and `fit` on a twin of our model
-from our initial state, on exactly our batches in our order, one step per execution. Written against `keras`:
-in a tf_keras process (multi-worker, parameter server) the same code runs tf_keras fit.
-"""
+"""The two sides of a parity run, built by `train`'s own setup, so that parity checks what a run trains: our loop
+as `train` chooses it, and `fit` on a twin of our model from our initial state, on exactly our batches in our
+order. Written against `keras`: in a tf_keras process (multi-worker, parameter server) it runs tf_keras fit."""
 
 from __future__ import annotations
 
@@ -98,31 +96,6 @@ def compile_for_fit(runtime: Runtime, task: Task, config: ParityConfig, *, jit_c
     return model
 
 
-def stored(dataset: tf.data.Dataset, count: int) -> tf.data.Dataset:
-    """The first `count` batches of `dataset`, read once and held (of any nested structure): fit iterates
-    its dataset more than once, and a streamed source's shuffle buffer reshuffles on every iteration."""
-    batches = list(dataset.take(count).as_numpy_iterator())
-    stacked = tf.nest.map_structure(lambda *parts: np.stack(parts), *batches)
-    return tf.data.Dataset.from_tensor_slices(stacked).with_options(dataset.options())
-
-
-def fit_input(dist: tf.distribute.Strategy, inp: data.Input, settings: Settings, steps: int):
-    """The batches our loop sees in its first `steps` steps, split across replicas the same way: replica r
-    gets slice r of each global batch, except with per-worker file shards, where each pipeline reads its own."""
-    gb, seed, policy = settings.global_batch_size, settings.seed, settings.shard_policy
-
-    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        if not data.shards_by_file(inp, policy, context):  # the same test as data.distribute_train
-            return data.replica_slices(stored(data.train_dataset(inp, gb, seed, shard_policy="OFF"), steps), context)
-        size = context.get_per_replica_batch_size(gb)
-        dataset = data.train_dataset(inp, size, seed, shard_policy=policy, input_context=context)
-        return stored(dataset, steps * context.num_replicas_in_sync // context.num_input_pipelines)
-
-    if settings.distribute_method == "function":
-        return dist.distribute_datasets_from_function(dataset_fn)
-    return dist.experimental_distribute_dataset(stored(data.train_dataset(inp, gb, seed, shard_policy=policy), steps))
-
-
 def run_fit(runtime: Runtime, task: Task, settings: Settings, config: ParityConfig, steps: int, chunk: int = 1):
     """`steps` steps of fit as epochs of `chunk` steps; each epoch's loss (with one step, that step's). On our
     batches, stored, except under parameter_server with several workers: there worker k (numbered as it builds
@@ -130,10 +103,12 @@ def run_fit(runtime: Runtime, task: Task, settings: Settings, config: ParityConf
     dist, inp, ps = runtime.strategy, task.input, runtime.mode.coordinates_workers
     model = compile_for_fit(runtime, task, config, jit_compile=settings.jit_compile and not ps)
     gb, seed, policy, workers = settings.global_batch_size, settings.seed, settings.shard_policy, data.num_workers(dist)
-    if not ps:
-        pipeline = fit_input(dist, inp, settings, steps)
+    if not ps:  # our batches, split across replicas as ours are
+        pipeline = data.distribute_train(
+            dist, inp, gb, seed, method=settings.distribute_method, shard_policy=policy, held_steps=steps
+        )
     elif workers == 1:
-        pipeline = stored(data.train_dataset(inp, gb, seed, shard_policy=policy), steps)
+        pipeline = data.held(data.train_dataset(inp, gb, seed, shard_policy=policy), steps)
     else:
         with dist.scope():
             counter = tf.Variable(0, dtype=tf.int64, trainable=False)
@@ -162,10 +137,8 @@ def compare_in_process(settings: Settings, config: ParityConfig, steps: int) -> 
     for a, b in zip(model.variables, fit_model.variables, strict=True):  # weights and seed-generator states
         b.assign(np.asarray(a.numpy()))
     ours, fit = run_ours(runtime, task, settings, steps), run_fit(runtime, fit_task, settings, config, steps)
-    return [
-        {"losses": ours, "final": weights(model)},
-        {"losses": fit, "final": weights(fit_model)},
-    ], runtime.num_replicas
+    runs = [{"losses": ours, "final": weights(model)}, {"losses": fit, "final": weights(fit_model)}]
+    return runs, runtime.num_replicas
 
 
 def run_side(role: str, settings: Settings, config: ParityConfig, steps: int, result: str, replicas: list) -> None:
@@ -194,10 +167,8 @@ def run_side(role: str, settings: Settings, config: ParityConfig, steps: int, re
         else:
             losses = run_fit(runtime, task, settings, config, steps, chunk)
         if runtime.is_chief:
-            iterations = int(task.optimizers.iterations.numpy())
-            save(
-                result, dict(losses=losses, final=weights(model), iterations=iterations, replicas=runtime.num_replicas)
-            )
+            final, iterations = weights(model), int(task.optimizers.iterations.numpy())
+            save(result, dict(losses=losses, final=final, iterations=iterations, replicas=runtime.num_replicas))
     if role != "replicas":
         what = role.replace("_fit", " fit")
         print(f"{what}: {steps} steps on {runtime.num_replicas} replicas, last loss {losses[-1]:.6f}", flush=True)
