@@ -156,6 +156,16 @@ def test_user_mistake_exits_2_with_one_line():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_metric_steps_of_part_of_a_loop_are_refused_before_either_side_runs():
+    proc = run_parity("--gin_file=gin/ps.gin", "--metric_steps=40", timeout=55)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --metric_steps 40 must be a multiple of train.steps_per_loop 50"]
+    assert "ours:" not in proc.stdout and "local cluster" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_parameter_server_with_one_worker_matches_tf_keras_fit_step_by_step():
     proc = run_parity(

@@ -202,6 +202,8 @@ def compare(settings, config, steps: int, atol: float) -> Outcome:
     if mode.coordinates_workers and os.environ.get("TF_CONFIG", "").strip():
         raise UserError("parity for parameter_server starts its own local clusters; unset TF_CONFIG")
     steps = FLAGS.metric_steps if ps_workers > 1 else steps
+    if ps_workers > 1 and steps % settings.steps_per_loop:  # each side runs whole loops
+        raise UserError(f"--metric_steps {steps} must be a multiple of train.steps_per_loop {settings.steps_per_loop}")
     launch = ["trainer.launch", f"--num_workers={FLAGS.num_workers}", "--module=trainer.parity", "--"]
     command = launch if mode.synchronous else ["trainer.parity"]
     runs = in_processes({role: [*command, f"--role={role}"] for role in ("ours", "tf_keras_fit")}, steps)
