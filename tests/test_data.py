@@ -84,6 +84,18 @@ def test_skip_and_drop_give_the_batches_of_the_full_stream():
         )
 
 
+def test_held_batches_are_the_same_on_every_iteration_where_the_stream_reshuffles():
+    """`held` (Keras fit's data in trainer.parity, which may iterate it more than once)."""
+    stream = tf.data.Dataset.range(40).shuffle(40, seed=1, reshuffle_each_iteration=True).batch(8)
+    assert [b.tolist() for b in stream.take(3).as_numpy_iterator()] != [
+        b.tolist() for b in stream.take(3).as_numpy_iterator()
+    ]
+    held = data.held(stream, 3)
+    first = [b.tolist() for b in held.as_numpy_iterator()]
+    assert len(first) == 3 and first == [b.tolist() for b in held.as_numpy_iterator()]
+    assert data.held(stream, None) is stream
+
+
 def test_batches_gathered_several_per_call_are_those_of_one_per_call(monkeypatch):
     source = data.Synthetic(num_train=40, num_eval=8)
     arrays = source.arrays("train")

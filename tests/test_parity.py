@@ -156,6 +156,16 @@ def test_user_mistake_exits_2_with_one_line():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_metric_steps_of_part_of_a_loop_are_refused_before_either_side_runs():
+    proc = run_parity("--gin_file=gin/ps.gin", "--metric_steps=40", timeout=55)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --metric_steps 40 must be a multiple of train.steps_per_loop 50"]
+    assert "ours:" not in proc.stdout and "local cluster" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_parameter_server_with_one_worker_matches_tf_keras_fit_step_by_step():
     proc = run_parity(
@@ -194,23 +204,42 @@ def test_weighted_examples_train_like_keras_fit_with_sample_weights(mode):
 
 
 def test_the_verdict_passes_within_atol_of_weights_and_losses_and_shows_every_step():
-    """The parity table and verdict (tools/parity/outcome.py) on made-up losses: no run needed."""
+    """The parity table and verdict (trainer/parity.py) on made-up results: no run needed."""
     import numpy as np
 
     from trainer.errors import UserError
-    from trainer.tools.parity.outcome import Outcome, max_abs_difference
+    from trainer.parity import by_losses, max_abs_difference
 
-    ours = [np.zeros((2, 2), np.float32), np.ones(3, np.float32)]
-    assert max_abs_difference(ours, [w + np.float32(0.25) for w in ours]) == 0.25
+    ours = [np.zeros((2, 2)), np.ones(3)]
+    assert max_abs_difference(ours, [w + 0.25 for w in ours]) == 0.25
     with pytest.raises(UserError, match="different weights"):
         max_abs_difference(ours, ours[:1])
-    outcome = Outcome("mirrored, 2 replica(s)", ["trainer", "fit"], [[1.0, 0.5], [1.0, 0.5 + 2e-6]], 1e-7, 1e-6, 7)
-    assert not outcome.passed and outcome.max_dloss == pytest.approx(2e-6)
-    assert outcome.verdict().startswith(
-        "FAIL: max |dw| 1.00e-07, max |dloss| 2.00e-06 exceeds atol 1e-06 after 2 steps"
-    )
+    runs = [{"losses": [1.0, 0.5], "final": ours}, {"losses": [1.0, 0.5 + 2e-6], "final": [w + 1e-7 for w in ours]}]
+    outcome = by_losses("mirrored, 2 replica(s)", ["trainer", "fit"], runs, 1e-6)
+    assert not outcome.passed
+    assert outcome.verdict.startswith("FAIL: max |dw| 1.00e-07, max |dloss| 2.00e-06 exceeds atol 1e-06 after 2 steps")
     text = outcome.text().splitlines()
-    assert text[0] == "mirrored, 2 replica(s)" and text[-1] == outcome.verdict()
+    assert text[0] == "mirrored, 2 replica(s)" and text[-1] == outcome.verdict
     assert text[1].split() == ["step", "trainer", "loss", "fit", "loss", "diff"] and text[3].split()[-1] == "+2.00e-06"
-    outcome.atol = 1e-5
-    assert outcome.passed and "**PASS: " in outcome.markdown("python -m trainer.parity ...")
+    assert text[-2] == "max |weight difference| 1.00e-07 over 7 parameters; max |loss difference| 2.00e-06; 0 s"
+    passed = by_losses("mirrored, 2 replica(s)", ["trainer", "fit"], runs, 1e-5)
+    assert passed.passed and "**PASS: " in passed.markdown("python -m trainer.parity ...")
+    assert "|---:|---:|---:|---:|" in passed.markdown(
+        ""
+    ) and "over 7 parameters; 0 s on this machine" in passed.markdown("")
+
+
+def test_the_metric_verdict_of_asynchronous_training_compares_one_eval_output():
+    """parameter_server with several workers (trainer/parity.py): a table of both sides' numbers, one compared."""
+    from trainer.parity import by_metric
+
+    ours = {"optimizer iterations": 300, "train loss (last loop)": 0.5123, "eval accuracy": 0.9123}
+    outcome = by_metric("ps: by final eval metrics", 300, 0.03, ours, ours | {"eval accuracy": 0.8723}, "eval accuracy")
+    text = outcome.text().splitlines()
+    assert not outcome.passed and text[-1] == outcome.verdict
+    assert (
+        outcome.verdict
+        == "FAIL: |eval accuracy difference| 0.0400 exceeds 0.03 after 300 steps (ps: by final eval metrics)"
+    )
+    assert text[3].split() == ["optimizer", "iterations", "300", "300", "+0"] and text[5].split()[-1] == "-0.0400"
+    assert "compared: final eval accuracy" in text[1] and "|---|---:|---:|---:|" in outcome.markdown("")

@@ -5,6 +5,7 @@
 import functools
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from trainer import internals
@@ -83,21 +84,23 @@ def distribute_train(
     shard_policy: str = "AUTO",
     skip_steps: int = 0,
     drop_batches: Sequence[int] = (),
+    held_steps: int | None = None,
 ) -> tf.distribute.DistributedDataset:
-    """The training data for `strategy`, resumed after `skip_steps` global steps (see `train_dataset`)."""
+    """The training data for `strategy`, resumed after `skip_steps` global steps (see `train_dataset`); with
+    `held_steps`, only the batches of that many steps, `held` (for Keras fit, trainer.parity)."""
     inp = as_input(inp)
     _check(strategy, inp, "train", method, shard_policy)
     global_batches = functools.partial(
         train_dataset, inp, global_batch_size, seed, skip_batches=skip_steps, drop_batches=drop_batches
     )
     if method == "dataset":
-        return strategy.experimental_distribute_dataset(global_batches(shard_policy=shard_policy))
+        return strategy.experimental_distribute_dataset(held(global_batches(shard_policy=shard_policy), held_steps))
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         if not shards_by_file(inp, shard_policy, context):
-            return replica_slices(global_batches(shard_policy="OFF"), context)
+            return replica_slices(held(global_batches(shard_policy="OFF"), held_steps), context)
         per_step = context.num_replicas_in_sync // context.num_input_pipelines  # this pipeline's batches per step
-        return train_dataset(
+        dataset = train_dataset(
             inp,
             context.get_per_replica_batch_size(global_batch_size),
             seed,
@@ -106,8 +109,19 @@ def distribute_train(
             drop_batches=[s * per_step + k for s in drop_batches for k in range(per_step)],
             input_context=context,
         )
+        return held(dataset, held_steps and held_steps * per_step)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def held(dataset: tf.data.Dataset, count: int | None) -> tf.data.Dataset:
+    """The first `count` batches (all with None), read once and held: Keras fit iterates its data more than
+    once, and a streamed source's shuffle buffer reshuffles on every iteration."""
+    if count is None:
+        return dataset
+    batches = list(dataset.take(count).as_numpy_iterator())
+    stacked = tf.nest.map_structure(lambda *parts: np.stack(parts), *batches)
+    return tf.data.Dataset.from_tensor_slices(stacked).with_options(dataset.options())
 
 
 def distribute_eval(

@@ -11,10 +11,9 @@ from trainer.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class ParityConfig:
-    """`loss`: fit's loss (our step computes its own), a Keras loss name like 'mean_squared_error' or a gin
-    @reference to a loss function or object; None: SparseCategoricalCrossentropy(from_logits=True), the default
-    step's (fit adds `model.losses` as the step does). `metric`: the eval output compared under parameter_server
-    with several workers."""
+    """`loss`: fit's (our step computes its own), a Keras loss name or a gin @reference to a loss function or
+    object; None: the default step's SparseCategoricalCrossentropy(from_logits=True). `metric`: the eval output
+    compared under parameter_server with several workers."""
 
     loss: str | Callable | None = None
     metric: str = "accuracy"
@@ -38,10 +37,3 @@ class ParityConfig:
             return keras.losses.get(self.loss)
         except ValueError as e:
             raise UserError(f"parity.loss {self.loss!r} is not a Keras loss: {str(e).splitlines()[0]}") from e
-
-
-def from_gin() -> ParityConfig:
-    """The parsed gin config's `parity.*` bindings."""
-    import gin
-
-    return ParityConfig(**gin.get_bindings("parity"))

@@ -1,9 +1,6 @@
-"""The two sides of a parity run, built by `train`'s own setup (trainer/run/setup.py), so that parity checks
-what a run trains: our loop as `train` chooses it (trainer/loops/build.py), and `fit` on a twin of our model
-(the same `build_task`, a fresh optimizer from the same `optimizer_fn`) from our initial state, on exactly our
-batches in our order, one step per execution. Written against `keras`: in a tf_keras process (multi-worker,
-parameter server) the same code runs tf_keras fit. Worker processes leave their results as pickles.
-"""
+"""The two sides of a parity run, built by `train`'s own setup, so that parity checks what a run trains: our loop
+as `train` chooses it, and `fit` on a twin of our model from our initial state, on exactly our batches in our
+order. Written against `keras`: in a tf_keras process (multi-worker, parameter server) it runs tf_keras fit."""
 
 from __future__ import annotations
 
@@ -16,8 +13,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from trainer import data
-from trainer.distribution import devices
+from trainer import configurables, data
+from trainer.distribution import devices, local_cluster
 from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError
 from trainer.loops.build import build_loops
@@ -26,7 +23,6 @@ from trainer.run.settings import Settings
 from trainer.run.setup import setup
 from trainer.task.task import Task, build_eval_models, build_task
 from trainer.tools.parity.config import ParityConfig
-from trainer.tools.parity.outcome import Outcome, describe, max_abs_difference
 
 
 def single_model(task: Task):
@@ -40,17 +36,15 @@ def single_model(task: Task):
 
 
 def weights(model) -> list[np.ndarray]:
-    """The model's weights in its own order (the same for Keras 3 and tf_keras)."""
-    return [np.asarray(w) for w in model.get_weights()]
+    return [np.asarray(w) for w in model.get_weights()]  # in the model's order, the same in Keras 3 and tf_keras
 
 
-def save(path: str, **result) -> None:
-    """One process's result (losses, weights...) for the comparing process, in its private work directory."""
+def save(path: str, result) -> None:
     with open(path, "wb") as f:
         pickle.dump(result, f)
 
 
-def load(path: str) -> dict:
+def load(path: str):
     with open(path, "rb") as f:
         return pickle.load(f)
 
@@ -78,9 +72,9 @@ def evaluate(settings: Settings, weights_list: list[np.ndarray]) -> dict[str, fl
     model.set_weights(weights_list)
     split, gb = inp.eval_splits[0], settings.global_batch_size
     dataset, batches = data.eval_dataset(inp, gb, split=split), -(-inp.num_examples(split) // gb)
-    strategy = tf.distribute.get_strategy()
+    metrics = make_metrics(settings.eval_metrics_fn)
     return Evaluator(
-        strategy, model, settings.eval_step_fn, dataset, batches, metrics=make_metrics(settings.eval_metrics_fn)
+        tf.distribute.get_strategy(), model, settings.eval_step_fn, dataset, batches, metrics=metrics
     ).evaluate()
 
 
@@ -94,9 +88,7 @@ def compile_for_fit(runtime: Runtime, task: Task, config: ParityConfig, *, jit_c
         )
     model = single_model(task)
     with runtime.strategy.scope():
-        model.compile(
-            optimizer=task.optimizers, loss=config.keras_loss(), steps_per_execution=1, jit_compile=jit_compile
-        )
+        model.compile(task.optimizers, config.keras_loss(), steps_per_execution=1, jit_compile=jit_compile)
     if hasattr(model, "distribute_reduction_method"):
         # tf_keras only: its default ('auto' = 'sum') adds up every replica's copy of a metric
         # that is already global under MultiWorkerMirrored, so fit logs N times the loss.
@@ -104,65 +96,19 @@ def compile_for_fit(runtime: Runtime, task: Task, config: ParityConfig, *, jit_c
     return model
 
 
-def stored(dataset: tf.data.Dataset, count: int) -> tf.data.Dataset:
-    """The first `count` batches of `dataset`, read once and held (of any nested structure): fit iterates
-    its dataset more than once, and a streamed source's shuffle buffer reshuffles on every iteration."""
-    batches = list(dataset.take(count).as_numpy_iterator())
-    stacked = tf.nest.map_structure(lambda *parts: np.stack(parts), *batches)
-    return tf.data.Dataset.from_tensor_slices(stacked).with_options(dataset.options())
-
-
-def fit_input(dist: tf.distribute.Strategy, inp: data.Input, settings: Settings, steps: int):
-    """The batches our loop sees in its first `steps` steps, split across replicas the same way: replica r
-    gets slice r of each global batch, except with per-worker file shards, where each pipeline reads its own."""
-    gb, seed, policy = settings.global_batch_size, settings.seed, settings.shard_policy
-
-    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        if not data.shards_by_file(inp, policy, context):  # the same test as data.distribute_train
-            return data.replica_slices(stored(data.train_dataset(inp, gb, seed, shard_policy="OFF"), steps), context)
-        size = context.get_per_replica_batch_size(gb)
-        dataset = data.train_dataset(inp, size, seed, shard_policy=policy, input_context=context)
-        return stored(dataset, steps * context.num_replicas_in_sync // context.num_input_pipelines)
-
-    if settings.distribute_method == "function":
-        return dist.distribute_datasets_from_function(dataset_fn)
-    return dist.experimental_distribute_dataset(stored(data.train_dataset(inp, gb, seed, shard_policy=policy), steps))
-
-
-class _StepLosses(keras.callbacks.Callback):
-    """fit's loss of each batch: the loss metric is reset before every batch (it is a running mean)."""
-
-    def __init__(self):
-        super().__init__()
-        self.losses: list[float] = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.model.reset_metrics()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.losses.append(float(logs["loss"]))
-
-
-def run_fit(runtime: Runtime, task: Task, settings: Settings, config: ParityConfig, steps: int) -> list[float]:
-    """`steps` steps of `model.fit` on `fit_input`; the loss of each."""
-    model, callback = compile_for_fit(runtime, task, config, jit_compile=settings.jit_compile), _StepLosses()
-    dataset = fit_input(runtime.strategy, task.input, settings, steps)
-    model.fit(dataset, epochs=1, steps_per_epoch=steps, callbacks=[callback], verbose=0, shuffle=False)
-    if len(callback.losses) != steps:
-        raise RuntimeError(f"fit ran {len(callback.losses)} steps instead of {steps}")
-    return callback.losses
-
-
-def run_fit_ps(
-    runtime: Runtime, task: Task, settings: Settings, config: ParityConfig, steps: int, chunk: int
-) -> list[float]:
-    """tf_keras fit under ParameterServerStrategy, `steps` steps as epochs of `chunk` steps. One worker: one
-    step per epoch on the stored first batches. More: worker k (numbered as it builds its dataset) reads the
-    training set shuffled with seed + k, as ps_loop feeds ours."""
-    model, dist, inp = compile_for_fit(runtime, task, config), runtime.strategy, task.input
+def run_fit(runtime: Runtime, task: Task, settings: Settings, config: ParityConfig, steps: int, chunk: int = 1):
+    """`steps` steps of fit as epochs of `chunk` steps; each epoch's loss (with one step, that step's). On our
+    batches, stored, except under parameter_server with several workers: there worker k (numbered as it builds
+    its dataset) reads the training set shuffled with seed + k, as ps_loop feeds ours."""
+    dist, inp, ps = runtime.strategy, task.input, runtime.mode.coordinates_workers
+    model = compile_for_fit(runtime, task, config, jit_compile=settings.jit_compile and not ps)
     gb, seed, policy, workers = settings.global_batch_size, settings.seed, settings.shard_policy, data.num_workers(dist)
-    if workers == 1:
-        pipeline = stored(data.train_dataset(inp, gb, seed, shard_policy=policy), steps)
+    if not ps:  # our batches, split across replicas as ours are
+        pipeline = data.distribute_train(
+            dist, inp, gb, seed, method=settings.distribute_method, shard_policy=policy, held_steps=steps
+        )
+    elif workers == 1:
+        pipeline = data.held(data.train_dataset(inp, gb, seed, shard_policy=policy), steps)
     else:
         with dist.scope():
             counter = tf.Variable(0, dtype=tf.int64, trainable=False)
@@ -174,92 +120,53 @@ def run_fit_ps(
             return tf.data.Dataset.choose_from_datasets(streams, tf.data.Dataset.from_tensors(which).repeat())
 
         pipeline = keras.utils.experimental.DatasetCreator(dataset_fn)
-    if steps % chunk:
-        raise UserError(f"--metric_steps {steps} must be a multiple of train.steps_per_loop {chunk}")
-    history = model.fit(pipeline, epochs=steps // chunk, steps_per_epoch=chunk, verbose=0)
+    history = model.fit(pipeline, epochs=steps // chunk, steps_per_epoch=chunk, verbose=0, shuffle=False)
     return [float(v) for v in history.history["loss"]]
 
 
-def compare_in_process(settings: Settings, config: ParityConfig, steps: int, atol: float) -> Outcome:
-    """Ours and Keras 3 fit in this process, on the configured strategy, from the same state. fit's optimizer
-    is built unwrapped (fit's `compile` adds its own loss scaling under mixed_float16)."""
+def compare_in_process(settings: Settings, config: ParityConfig, steps: int) -> tuple[list[dict], int]:
+    """Ours and Keras 3 fit in this process, on the configured strategy, from the same state; the results and
+    the replica count. fit's optimizer is built unwrapped (fit's `compile` adds its own loss scaling)."""
     runtime, task = setup(settings)
-    fit_task = build_task(
-        dataclasses.replace(runtime, policy="float32"),  # read only by the optimizer wrapping
-        task.input,
-        model_fn=settings.model_fn,
-        optimizer_fn=settings.optimizer_fn,
-        step_fn=settings.step_fn,
-        eval_step_fn=settings.eval_step_fn,
-        global_batch_size=settings.global_batch_size,
-        total_steps=settings.total_steps,
-    )
+    names = ["model_fn", "optimizer_fn", "step_fn", "eval_step_fn", "global_batch_size", "total_steps"]
+    unwrapped = dataclasses.replace(runtime, policy="float32")  # read only by the optimizer wrapping
+    fit_task = build_task(unwrapped, task.input, **{name: getattr(settings, name) for name in names})
     model, fit_model = single_model(task), single_model(fit_task)
     for a, b in zip(model.variables, fit_model.variables, strict=True):  # weights and seed-generator states
         b.assign(np.asarray(a.numpy()))
-    num_params = sum(w.size for w in weights(model))
-    ours, fit_losses = run_ours(runtime, task, settings, steps), run_fit(runtime, fit_task, settings, config, steps)
-    return Outcome(
-        title=f"{describe(settings, runtime.num_replicas)}: TrainLoop vs Keras 3 fit",
-        columns=["ours", "Keras 3 fit"],
-        losses=[ours, fit_losses],
-        max_dw=max_abs_difference(weights(model), weights(fit_model)),
-        atol=atol,
-        num_params=num_params,
-    )
+    ours, fit = run_ours(runtime, task, settings, steps), run_fit(runtime, fit_task, settings, config, steps)
+    runs = [{"losses": ours, "final": weights(model)}, {"losses": fit, "final": weights(fit_model)}]
+    return runs, runtime.num_replicas
 
 
-def run_side(role: str, settings: Settings, config: ParityConfig, steps: int, work_dir: str) -> None:
-    """One side in this process, one of the launched workers or (parameter_server) the coordinator of its own
-    embedded cluster: `ours`, or `tf_keras_fit` from ours' initial weights. The chief saves the results."""
-    from trainer import configurables
-    from trainer.distribution import local_cluster
-
-    initial = load(os.path.join(work_dir, "ours"))["initial"] if role == "tf_keras_fit" else None
+def run_side(role: str, settings: Settings, config: ParityConfig, steps: int, result: str, replicas: list) -> None:
+    """One worker process's part (one of trainer.launch's, or a parameter_server coordinator of its own local
+    cluster): `ours`, `replicas` (ours on logical CPUs under MirroredStrategy) or `tf_keras_fit`. The first
+    run leaves its initial weights beside its result, and every later one starts from them."""
+    if role == "replicas":
+        cpus = dict(logical_cpus=int(replicas[0]), logical_cpus_without_gpu=0)
+        device_config = dataclasses.replace(settings.device_config or devices.DeviceConfig(), **cpus)
+        settings = dataclasses.replace(
+            settings, strategy="mirrored", device_config=device_config, parameter_server=None
+        )
+    initial = os.path.join(os.path.dirname(result), "initial")
     with local_cluster.cluster_for(settings.strategy, configurables.local_cluster, print_fn=print):
         runtime, task = setup(settings)
         model = single_model(task)
         several_ps_workers = runtime.mode.coordinates_workers and data.num_workers(runtime.strategy) > 1
         chunk = settings.steps_per_loop if several_ps_workers else 1  # else step by step
-        if initial is None:
-            initial = weights(model)
+        if role != "ours" and os.path.exists(initial):
+            with runtime.strategy.scope():
+                model.set_weights(load(initial))
+        elif runtime.is_chief:
+            save(initial, weights(model))
+        if role != "tf_keras_fit":
             losses = run_ours(runtime, task, settings, steps, chunk=chunk)
         else:
-            with runtime.strategy.scope():
-                model.set_weights(initial)
-            if runtime.mode.coordinates_workers:
-                losses = run_fit_ps(runtime, task, settings, config, steps, chunk=chunk)
-            else:
-                losses = run_fit(runtime, task, settings, config, steps)
+            losses = run_fit(runtime, task, settings, config, steps, chunk)
         if runtime.is_chief:
             final, iterations = weights(model), int(task.optimizers.iterations.numpy())
-            save(
-                os.path.join(work_dir, role),
-                losses=losses,
-                initial=initial,
-                final=final,
-                iterations=iterations,
-                replicas=runtime.num_replicas,
-            )
-    print(
-        f"{role.replace('_fit', ' fit')}: {steps} steps on {runtime.num_replicas} replicas, last loss {losses[-1]:.6f}",
-        flush=True,
-    )
-
-
-def run_replicas(settings: Settings, steps: int, work_dir: str, count: int) -> None:
-    """Our loop on `count` logical CPUs under MirroredStrategy, from the first count's initial weights."""
-    device_config = dataclasses.replace(
-        settings.device_config or devices.DeviceConfig(), logical_cpus=count, logical_cpus_without_gpu=0
-    )
-    runtime, task = setup(
-        dataclasses.replace(settings, strategy="mirrored", device_config=device_config, parameter_server=None)
-    )
-    model, first = single_model(task), os.path.join(work_dir, "initial")
-    if os.path.exists(first):
-        with runtime.strategy.scope():
-            model.set_weights(load(first)["initial"])
-    else:
-        save(first, initial=weights(model))
-    losses = run_ours(runtime, task, settings, steps)
-    save(os.path.join(work_dir, f"replicas{count}"), losses=losses, final=weights(model))
+            save(result, dict(losses=losses, final=final, iterations=iterations, replicas=runtime.num_replicas))
+    if role != "replicas":
+        what = role.replace("_fit", " fit")
+        print(f"{what}: {steps} steps on {runtime.num_replicas} replicas, last loss {losses[-1]:.6f}", flush=True)
