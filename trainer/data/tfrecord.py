@@ -60,7 +60,7 @@ class Feature:
 
 
 def float_feature(shape: tuple[int, ...] = ()) -> Feature:
-    """A float list of `shape`, float32."""
+    """A float list of `shape` (gin: `@float_feature()`), float32."""
     return Feature("float", shape)
 
 
