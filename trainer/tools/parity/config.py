@@ -11,7 +11,7 @@ from trainer.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class ParityConfig:
-    """`loss`: fit's (our step computes its own), a Keras loss name or a gin @reference to a loss function or
+    """`loss`: fit's (our step computes its own), a Keras loss name or a gin reference to a loss function or
     object; None: the default step's SparseCategoricalCrossentropy(from_logits=True). `metric`: the eval output
     compared under parameter_server with several workers."""
 
