@@ -104,7 +104,10 @@ class _Server:
                 self.last_lines = (self.last_lines + [line])[-5:]
                 if READY_MESSAGE in line:
                     self.ready.set()
-                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+                # One write per line: print writes the newline apart, and the servers' copying
+                # threads then run two lines together.
+                sys.stderr.write(f"[{self.name}] {line}\n")
+                sys.stderr.flush()
 
     def poll(self) -> int | None:
         return self.process.poll()
