@@ -21,7 +21,7 @@ from trainer.extensions.early_stopping import EarlyStop, EarlyStoppingOptions
 from trainer.extensions.ema import Ema
 from trainer.extensions.evaluation import PeriodicEval
 from trainer.extensions.export import Export
-from trainer.extensions.keras_callbacks import KerasCallbacks, check_callbacks
+from trainer.extensions.keras_callbacks import KerasCallbacks
 from trainer.extensions.loss_scaling import LossScalingCheck
 from trainer.extensions.mlflow_tracking import MlflowTracking
 from trainer.extensions.monitoring import monitored
@@ -99,7 +99,8 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn(EarlyStop, _early_stop, gin={"early_stopping": EarlyStoppingOptions}),
     BuiltIn(
         KerasCallbacks,
-        lambda s: KerasCallbacks(s.keras_callbacks, s.eval_every_steps) if check_callbacks(s.keras_callbacks) else None,
+        # Anything but none (a list is a tuple by now) is made, and the extension checks it, once.
+        lambda s: KerasCallbacks(s.keras_callbacks, s.eval_every_steps) if s.keras_callbacks != () else None,
         gin={  # under their Keras names
             f"keras.callbacks.{c.__name__}": c
             for c in (
