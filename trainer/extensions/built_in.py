@@ -30,6 +30,7 @@ from trainer.extensions.preemption import Preemption
 from trainer.extensions.profiler import Profiler
 from trainer.extensions.progress import ProgressLogger
 from trainer.extensions.protocol import Extension
+from trainer.extensions.time_budget import TimeBudget
 from trainer.extensions.update_path import UpdatePath
 from trainer.extensions.warm_start import WarmStart
 from trainer.validation import check_bool, check_int
@@ -113,6 +114,7 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     ),
     BuiltIn(LossScalingCheck, _turned_on("check_loss_scaling", LossScalingCheck)),
     BuiltIn(Preemption, _preemption),
+    BuiltIn(TimeBudget, lambda s: TimeBudget.of(s.max_time_secs)),
     BuiltIn(Export, _turned_on("export_saved_model", Export)),
     BuiltIn(MlflowTracking, gin={"mlflow_hook": MlflowTracking}),
     BuiltIn(Profiler, gin={"profiler_hook": Profiler}),

@@ -1,0 +1,104 @@
+"""train.max_time_secs: a run whose budget is spent stops after that loop call, saves that step,
+says so in one line and exits 0; the same command continues it to the weights of a run that never
+stopped. Under 2 MultiWorkerMirrored workers the stop is agreed: only the chief's budget runs out,
+and both stop at its step."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.support import read_jsonl, run_main, run_module, run_python
+from tests.test_multiworker import model_weights, trainer_pids_for
+from trainer.errors import UserError
+from trainer.extensions import built_in
+from trainer.run.settings import Settings
+
+# A budget long spent when the first loop call ends (building and tracing the run take longer).
+SPENT = 0.001
+SINGLE = """
+import json, os
+import keras
+from trainer.run.train import train
+from trainer.task import models
+
+out = {out!r}
+common = dict(model_fn=models.mlp, total_steps=8, steps_per_loop=2, checkpoint_every_steps=4, eval_every_steps=4,
+              log_every_steps=2, global_batch_size=32)
+lines = {{}}
+for name, model_dir, budget in (("spent", "run", {spent}), ("rerun", "run", 600.0), ("reference", "reference", None)):
+    keras.backend.clear_session()  # layer names as in a fresh process: the run record lets it resume
+    lines[name] = []
+    train(model_dir=os.path.join(out, model_dir), max_time_secs=budget, print_fn=lines[name].append, **common)
+print(json.dumps(lines))
+"""
+
+
+def test_the_budget_is_a_positive_number_or_none():
+    for value in (0, -1.0, "600", True):
+        with pytest.raises(UserError, match=rf"^train.max_time_secs must be a number > 0 or None, got {value!r}$"):
+            built_in.participants(Settings(max_time_secs=value))
+    assert "time_budget" not in [e.name for e in built_in.participants(Settings())]
+    assert "time_budget" in [e.name for e in built_in.participants(Settings(max_time_secs=1))]
+
+
+@pytest.mark.timeout(200)
+def test_a_spent_budget_saves_that_step_and_the_rerun_ends_as_an_uninterrupted_run(tmp_path):
+    lines = run_python(SINGLE.format(out=str(tmp_path), spent=SPENT), timeout=180)
+    run, reference = str(tmp_path / "run"), str(tmp_path / "reference")
+    assert lines["spent"][-1] == (
+        f"time budget: {lines['spent'][-1].split()[2]} s spent of train.max_time_secs {SPENT:g} at step 2; "
+        "saved ckpt-2; rerun the same command to continue (with a fresh budget)"
+    ), lines["spent"]
+    assert f"restored {run}/ckpt-2; continuing from step 2" in lines["rerun"]
+    assert not any(line.startswith("time budget") for line in lines["rerun"] + lines["reference"])
+    records = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    stopped = records[: next(i for i, r in enumerate(records) if r["split"] == "resumed")]
+    assert [(r["step"], r["split"]) for r in stopped] == [(2, "train"), (2, "eval")]  # the final eval at the stop
+    expected, got = model_weights(reference), model_weights(run)
+    assert expected.keys() == got.keys() and expected
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    trained = [(r["step"], r["loss"]) for r in records if r["split"] == "train" and r["step"] > 2]
+    assert (
+        trained
+        == [
+            (r["step"], r["loss"])
+            for r in read_jsonl(os.path.join(reference, "metrics.jsonl"))
+            if r["split"] == "train"
+        ][1:]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_workers_stop_together_when_one_budget_runs_out_and_the_rerun_continues(tmp_path):
+    model_dir, reference = str(tmp_path / "run"), str(tmp_path / "reference")
+    common = [
+        "--gin_bindings=train.model_fn=@mlp",
+        "--gin_bindings=train.total_steps=6",
+        "--gin_bindings=train.steps_per_loop=2",
+        "--gin_bindings=train.checkpoint_every_steps=4",
+        "--gin_bindings=train.eval_every_steps=4",
+        "--gin_bindings=train.log_every_steps=2",
+    ]
+    budget = ["--gin_bindings=import tests.chief_budget", "--gin_bindings=train.max_time_secs=@chief_budget()"]
+    launch = ("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}")
+    stopped = run_module(*launch, *common, *budget, timeout=280)
+    assert stopped.returncode == 0, stopped.stdout[-4000:] + stopped.stderr[-3000:]
+    said = [line for line in stopped.stdout.splitlines() if "time budget:" in line]
+    assert len(said) == 1 and said[0].startswith("[worker 0] time budget:"), stopped.stdout[-4000:]
+    assert "at step 2; saved ckpt-2; rerun the same command" in said[0]
+    assert sorted(n for n in os.listdir(model_dir) if n.endswith(".index")) == ["ckpt-2.index"]
+    rerun = run_module(*launch, *common, timeout=280)
+    assert rerun.returncode == 0, rerun.stdout[-4000:] + rerun.stderr[-3000:]
+    assert f"restored {model_dir}/ckpt-2; continuing from step 2" in rerun.stdout
+    assert not trainer_pids_for(model_dir)
+    single = run_main("--gin_file=gin/single.gin", f"--model_dir={reference}", *common)
+    assert single.returncode == 0, single.stderr[-3000:]
+    expected, got = model_weights(reference), model_weights(model_dir)
+    assert expected.keys() == got.keys() and expected
+    for name in expected:  # as two workers match one process (tests/test_multiworker.py): reduction order only
+        np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6, err_msg=name)
