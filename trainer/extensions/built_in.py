@@ -90,8 +90,8 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn(HParamsWriter, lambda s: HParamsWriter(dict(s.hparams)) if s.hparams else None),
     BuiltIn(
         NonFiniteHandling,
-        lambda s: NonFiniteHandling(s.nonfinite, s.max_rollbacks),
-        shown_as=lambda: [NonFiniteHandling(mode) for mode in MODES],
+        lambda s: NonFiniteHandling(s.nonfinite, s.max_rollbacks, s.loss_upper_bound),
+        shown_as=lambda: [*(NonFiniteHandling(mode) for mode in MODES), NonFiniteHandling(loss_upper_bound=1.0)],
     ),
     BuiltIn(UpdatePath, lambda s: UpdatePath(s.grad_accum_steps, s.clip_global_norm)),
     BuiltIn(WarmStart, lambda s: WarmStart(s.warm_start) if s.warm_start is not None else None),

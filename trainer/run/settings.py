@@ -40,7 +40,7 @@ class Settings:
     eval_splits (default: the input's `splits` but 'train', else ('eval',)). Where: strategy,
     device_config, cluster_resolver(_options), collective_timeout_secs, distribute_method,
     shard_policy, parameter_server. Speed: jit_compile, mixed_precision, async_checkpoint. Safety:
-    check_loss_scaling, nonfinite, max_rollbacks, allow_resume_changes, max_time_secs.
+    check_loss_scaling, nonfinite, max_rollbacks, loss_upper_bound, allow_resume_changes, max_time_secs.
     The optional features are extensions (trainer/extensions/built_in.py), beside your own
     `extensions`. Set by the entry point: model_dir, describe_config, hparams (the flat bindings), print_fn.
     """
@@ -76,6 +76,7 @@ class Settings:
     async_checkpoint: bool = False
     nonfinite: str = "stop"
     max_rollbacks: int = 3
+    loss_upper_bound: float | None = None
     max_time_secs: float | None = None
     allow_resume_changes: bool = False
     preemption_checkpointing: bool = False
