@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.support import read_jsonl, run_main, run_module, run_python
+from tests.support import read_jsonl, run_module, run_python
 from tests.test_multiworker import model_weights, trainer_pids_for
 from trainer.errors import UserError
 from trainer.extensions import built_in
@@ -18,22 +18,39 @@ from trainer.run.settings import Settings
 
 # A budget long spent when the first loop call ends (building and tracing the run take longer).
 SPENT = 0.001
+COMMON = [
+    "train.model_fn = @mlp",
+    "train.total_steps = 6",
+    "train.steps_per_loop = 2",
+    "train.checkpoint_every_steps = 4",
+    "train.eval_every_steps = 4",
+    "train.log_every_steps = 2",
+    "train.global_batch_size = 32",
+]
 SINGLE = """
 import json, os
-import keras
-from trainer.run.train import train
-from trainer.task import models
+import gin, keras
+from trainer import configurables, main
 
-out = {out!r}
-common = dict(model_fn=models.mlp, total_steps=8, steps_per_loop=2, checkpoint_every_steps=4, eval_every_steps=4,
-              log_every_steps=2, global_batch_size=32)
 lines = {{}}
 for name, model_dir, budget in (("spent", "run", {spent}), ("rerun", "run", 600.0), ("reference", "reference", None)):
+    gin.clear_config()
     keras.backend.clear_session()  # layer names as in a fresh process: the run record lets it resume
+    main.parse_gin(["gin/single.gin"], {common!r})
     lines[name] = []
-    train(model_dir=os.path.join(out, model_dir), max_time_secs=budget, print_fn=lines[name].append, **common)
+    configurables.train(model_dir=os.path.join({out!r}, model_dir), max_time_secs=budget, print_fn=lines[name].append)
 print(json.dumps(lines))
 """
+
+pytestmark = pytest.mark.xdist_group("time_budget")  # the single runs are the two workers' reference
+
+
+@pytest.fixture(scope="module")
+def single_runs(tmp_path_factory) -> tuple[str, dict[str, list[str]]]:
+    """In one process: a run stopped by a spent budget, its rerun with a budget it does not reach, and
+    a run without a budget in another model_dir; returns their directory and each one's lines."""
+    out = str(tmp_path_factory.mktemp("budget"))
+    return out, run_python(SINGLE.format(out=out, spent=SPENT, common=COMMON), timeout=180)
 
 
 def test_the_budget_is_a_positive_number_or_none():
@@ -45,9 +62,9 @@ def test_the_budget_is_a_positive_number_or_none():
 
 
 @pytest.mark.timeout(200)
-def test_a_spent_budget_saves_that_step_and_the_rerun_ends_as_an_uninterrupted_run(tmp_path):
-    lines = run_python(SINGLE.format(out=str(tmp_path), spent=SPENT), timeout=180)
-    run, reference = str(tmp_path / "run"), str(tmp_path / "reference")
+def test_a_spent_budget_saves_that_step_and_the_rerun_ends_as_an_uninterrupted_run(single_runs):
+    out, lines = single_runs
+    run, reference = os.path.join(out, "run"), os.path.join(out, "reference")
     assert lines["spent"][-1] == (
         f"time budget: {lines['spent'][-1].split()[2]} s spent of train.max_time_secs {SPENT:g} at step 2; "
         "saved ckpt-2; rerun the same command to continue (with a fresh budget)"
@@ -74,16 +91,9 @@ def test_a_spent_budget_saves_that_step_and_the_rerun_ends_as_an_uninterrupted_r
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_two_workers_stop_together_when_one_budget_runs_out_and_the_rerun_continues(tmp_path):
-    model_dir, reference = str(tmp_path / "run"), str(tmp_path / "reference")
-    common = [
-        "--gin_bindings=train.model_fn=@mlp",
-        "--gin_bindings=train.total_steps=6",
-        "--gin_bindings=train.steps_per_loop=2",
-        "--gin_bindings=train.checkpoint_every_steps=4",
-        "--gin_bindings=train.eval_every_steps=4",
-        "--gin_bindings=train.log_every_steps=2",
-    ]
+def test_two_workers_stop_together_when_one_budget_runs_out_and_the_rerun_continues(tmp_path, single_runs):
+    model_dir, reference = str(tmp_path / "run"), os.path.join(single_runs[0], "reference")
+    common = [f"--gin_bindings={binding}" for binding in COMMON]
     budget = ["--gin_bindings=import tests.chief_budget", "--gin_bindings=train.max_time_secs=@chief_budget()"]
     launch = ("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}")
     stopped = run_module(*launch, *common, *budget, timeout=280)
@@ -96,9 +106,7 @@ def test_two_workers_stop_together_when_one_budget_runs_out_and_the_rerun_contin
     assert rerun.returncode == 0, rerun.stdout[-4000:] + rerun.stderr[-3000:]
     assert f"restored {model_dir}/ckpt-2; continuing from step 2" in rerun.stdout
     assert not trainer_pids_for(model_dir)
-    single = run_main("--gin_file=gin/single.gin", f"--model_dir={reference}", *common)
-    assert single.returncode == 0, single.stderr[-3000:]
     expected, got = model_weights(reference), model_weights(model_dir)
     assert expected.keys() == got.keys() and expected
-    for name in expected:  # as two workers match one process (tests/test_multiworker.py): reduction order only
+    for name in expected:  # the uninterrupted single run's, as two workers match one process: reduction order only
         np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6, err_msg=name)
