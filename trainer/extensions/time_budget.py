@@ -28,7 +28,6 @@ class TimeBudget(Extension):
     after = ("checkpoint",)  # its line names the checkpoint the end of the run saves
 
     def __init__(self, max_time_secs: float):
-        check_number("train.max_time_secs", max_time_secs)
         self.max_time_secs = max_time_secs
         self._started = time.monotonic()
         self._spent: float | None = None  # the seconds spent when the stop was agreed
@@ -36,7 +35,7 @@ class TimeBudget(Extension):
 
     @classmethod
     def of(cls, max_time_secs: float | None) -> "TimeBudget | None":
-        """The extension for `train.max_time_secs` (None: no budget)."""
+        """The extension for `train.max_time_secs`, checked (None: no budget)."""
         check_number("train.max_time_secs", max_time_secs, optional=True)
         return None if max_time_secs is None else cls(max_time_secs)
 
