@@ -103,7 +103,7 @@ def _counts(layout: dict) -> str:
     return f"{workers} worker(s)" + ("" if replicas == workers else f" with {replicas} replica(s)")
 
 
-def same_updates(recorded: dict, current: dict) -> bool:
+def _same_updates(recorded: dict, current: dict) -> bool:
     """Whether a synchronous run continued on other counts makes the updates it would have made: the same
     global batch of the same examples at every step (the sum over replicas differs in rounding only)."""
     return (
@@ -121,13 +121,14 @@ def differences(recorded: dict, current: dict) -> list[str]:
         found.append(f"global_batch_size {recorded.get('global_batch_size')} -> {current['global_batch_size']}")
     before, now = _layout(recorded), _layout(current)
     if (
-        found == []
+        not found
         and before != now
         and modes.get(current["strategy"]).synchronous
-        and not same_updates(recorded, current)
+        and not _same_updates(recorded, current)
     ):
         found.append(
-            f"{_counts(before)} -> {_counts(now)}, whose global batches hold other examples (each worker reads its own files)"
+            f"{_counts(before)} -> {_counts(now)}, whose global batches hold other examples "
+            "(each worker reads its own files)"
         )
     old, new = recorded.get("model_variables", {}), current["model_variables"]
     names = [name for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
@@ -145,7 +146,7 @@ def layout_change(recorded: dict, current: dict) -> str | None:
         else _counts(before)
     )
     line = f"resuming on {_counts(now)} (was {was})"
-    if same_updates(recorded, current):
+    if _same_updates(recorded, current):
         return f"{line}; same global batch {current['global_batch_size']}, so the same updates"
     if not modes.get(current["strategy"]).synchronous:
         return f"{line}; {current['strategy']} updates are asynchronous, so the steps differ from here on anyway"
