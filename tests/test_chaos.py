@@ -97,7 +97,7 @@ def run_with_chaos(
         lines = 0
         for signum, task in events:
             target = lines + rng.randint(1, 3)
-            while (lines := train_lines(model_dir)) < target or not (running := tasks_of(launcher.pid)):
+            while (lines := train_lines(model_dir)) < target or not tasks_of(launcher.pid):
                 assert launcher.poll() is None, f"the group ended after {len(sent)} signals: {tail(log_path)}"
                 assert time.monotonic() < deadline, f"no progress after {len(sent)} signals: {tail(log_path)}"
                 time.sleep(0.05)
@@ -114,11 +114,27 @@ def run_with_chaos(
             time.sleep(0.2)
         code = launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait(timeout=30)
+        stop(launcher, seen)
     assert not pids_alive(seen) and not trainer_pids_for(model_dir), pids_alive(seen)
     return code, sent
+
+
+def stop(launcher: subprocess.Popen, tasks: set[int]) -> None:
+    """Ends a launcher still running (a failed test): SIGTERM, which it passes on, then SIGKILL to it and to
+    the process group of each task (every task runs in its own)."""
+    if launcher.poll() is None:
+        tasks |= set(tasks_of(launcher.pid))
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait(timeout=30)
+    for pid in pids_alive(tasks):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def tail(path: str) -> str:
