@@ -3,8 +3,8 @@
 It prints its TF_CONFIG, records its pid (so a test can check nothing outlives
 the launcher), then sleeps and/or fails. In ps mode the launcher gives server
 tasks no flags, so the pid dir also comes from $FAKE_WORKER_PID_DIR, and
-server tasks (ps, and workers of a cluster with ps) sleep until killed, like
-real TensorFlow servers.
+server tasks (ps, and workers of a cluster with ps) sleep until stopped (exit 0 on
+SIGTERM) or killed, like trainer.server.
 """
 
 import argparse
@@ -67,6 +67,7 @@ def main(argv: list[str]) -> int:
         with open(os.path.join(args.pid_dir, f"pid-{os.getpid()}"), "w") as pid_file:
             pid_file.write(task)
     if "ps" in config["cluster"] and task_type in ("ps", "worker"):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a stopped server exits 0, as trainer.server does
         time.sleep(3600)
     if args.wait_for_cluster:
         wait_for_cluster(args.pid_dir, config["cluster"])

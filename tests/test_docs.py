@@ -239,7 +239,7 @@ def test_ci_checks_the_style_first_and_runs_the_readme_s_test_command():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         options = tomllib.load(f)["tool"]["pytest"]["ini_options"]
     assert "--strict-markers" in options["addopts"].split()
-    assert [marker.split(":")[0] for marker in options["markers"]] == ["slow"]
+    assert [marker.split(":")[0] for marker in options["markers"]] == ["slow", "chaos"]
 
 
 def test_the_layer_diagrams_name_every_folder_of_the_package():

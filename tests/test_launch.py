@@ -175,6 +175,31 @@ def test_parameter_server_mode_ends_the_servers_when_the_chief_is_done(tmp_path)
     assert_none_alive(tmp_path)
 
 
+def test_a_server_stopped_while_the_chief_runs_restarts_the_group(tmp_path):
+    """A ps-mode worker stopped by SIGTERM exits 0; the chief would wait on it, so the group restarts."""
+    process = subprocess.Popen(
+        launcher_command(["--num_workers=2", "--num_ps=1", "--max_restarts=1"], ["--sleep=3"], tmp_path),
+        cwd=ROOT,
+        env=launcher_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(started_pids(tmp_path)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(next(pid for pid, task in started_pids(tmp_path).items() if task == "worker:1"), signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0, stderr
+    assert "worker 1 stopped while the chief runs; stopping the other tasks" in stderr
+    assert "restarting group (1/1)" in stderr and len(started_pids(tmp_path)) == 8
+    assert_none_alive(tmp_path)
+
+
 @pytest.mark.parametrize(
     "flags, expected",
     [

@@ -484,10 +484,10 @@ def test_a_resume_that_would_change_the_run_is_refused_naming_what_differs(tmp_p
         return run_record.make_record(global_batch_size=batch, **arguments)
 
     started = record(64, 4)
-    model_dir.prepare(str(tmp_path / "worker"), started, is_chief=False, fresh=True)
-    model_dir.prepare(str(tmp_path), started, is_chief=True, fresh=True)
+    model_dir.prepare(str(tmp_path / "worker"), started, is_chief=False, start_step=0)
+    model_dir.prepare(str(tmp_path), started, is_chief=True, start_step=0)
     assert not (tmp_path / "worker").exists() and run_record.read_record(str(tmp_path)) == started
-    model_dir.prepare(str(tmp_path), record(32, 4), is_chief=True, fresh=True)  # the first record stays
+    model_dir.prepare(str(tmp_path), record(32, 4), is_chief=True, start_step=0)  # the first record stays
     assert run_record.read_record(str(tmp_path)) == started
 
     run_record.check_resume(str(tmp_path), record(64, 4), allow_changes=False)

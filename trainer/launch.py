@@ -169,6 +169,13 @@ def _supervise(tasks: list[_Task], watched: list[_Task], signals: _SignalCatcher
             _stop(tasks, signals.received, grace_secs, signals)
             return 128 + signals.received
         failed = next((task for task in tasks if task.poll() not in (None, 0)), None)
+        # A server (ps mode) ends only when stopped (trainer.server exits 0 on SIGTERM): the chief would
+        # wait on it for ever, or on fewer workers, so the group ends and restarts whole.
+        stopped = next((task for task in tasks if task not in watched and task.poll() == 0), None)
+        if stopped and not failed:
+            _log(f"{stopped.name} stopped while the chief runs; stopping the other tasks")
+            _stop(tasks, signal.SIGTERM, grace_secs)
+            return 1
         if failed:
             code = failed.poll()
             _log(f"{failed.name} exited with code {code}; stopping the other tasks")

@@ -36,10 +36,9 @@ def _can_write_in(directory: str) -> bool:
     return True
 
 
-def prepare(model_dir: str, record: dict, *, is_chief: bool, fresh: bool) -> None:
-    """The run's first write (chief): the directory, and the run record of a fresh run."""
+def prepare(model_dir: str, record: dict, *, is_chief: bool, start_step: int) -> None:
+    """The run's first write (chief): the directory, and the run record (trainer/files/run_record.save)."""
     if not is_chief:
         return
     os.makedirs(model_dir, exist_ok=True)
-    if fresh and run_record.read_record(model_dir) is None:
-        run_record.write_record(model_dir, record)
+    run_record.save(model_dir, record, start_step)

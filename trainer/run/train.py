@@ -13,6 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from trainer.data.distribute import shards_by_file
 from trainer.errors import UserError, error_line
 from trainer.extensions import built_in
 from trainer.extensions.context import Context
@@ -47,7 +48,7 @@ def train(**arguments: Any) -> dict[str, float]:
     runtime, task = setup(settings)
     context = Context(settings, runtime, task, registry.contributions)
     registry.attach(context)
-    record = _checked_record(settings, runtime, task)
+    record = _checked_record(settings, runtime, task, context.print)
     context.saver = saver = CheckpointSaver(
         RunCheckpoint(task.checkpoint_items, registry.states()),
         settings.model_dir,
@@ -87,7 +88,7 @@ def train(**arguments: Any) -> dict[str, float]:
     with undone_unless_a_step_finishes(
         settings.model_dir, is_chief=runtime.is_chief, finished=lambda: int(task.global_step.numpy()) > start_step
     ):
-        model_dir_lib.prepare(settings.model_dir, record, is_chief=runtime.is_chief, fresh=start_step == 0)
+        model_dir_lib.prepare(settings.model_dir, record, is_chief=runtime.is_chief, start_step=start_step)
         context.metrics_log = MetricsLog(settings.model_dir, enabled=runtime.is_chief)
         context.print(_start_line(settings, runtime, task, start_step))
         try:
@@ -111,8 +112,9 @@ def checked_registry(settings: Settings) -> Registry:
     return registry
 
 
-def _checked_record(settings: Settings, runtime, task) -> dict:
+def _checked_record(settings: Settings, runtime, task, print_fn) -> dict:
     """The run record of this run, refused if model_dir holds a run started with other settings."""
+    pipelines = tf.distribute.InputContext(num_input_pipelines=runtime.num_workers)
     record = run_record.make_record(
         strategy=settings.strategy,
         num_replicas=runtime.num_replicas,
@@ -120,8 +122,10 @@ def _checked_record(settings: Settings, runtime, task) -> dict:
         global_batch_size=settings.global_batch_size,
         model=task.models,
         config_text=settings.describe_config() if settings.describe_config else "",
+        batches_independent_of_workers=settings.mode.synchronous
+        and not shards_by_file(task.input, settings.shard_policy, pipelines),
     )
-    run_record.check_resume(settings.model_dir, record, allow_changes=settings.allow_resume_changes)
+    run_record.check_resume(settings.model_dir, record, allow_changes=settings.allow_resume_changes, print_fn=print_fn)
     return record
 
 
