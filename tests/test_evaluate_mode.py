@@ -1,0 +1,182 @@
+"""--mode=evaluate: a checkpoint evaluated again gives, bit for bit, the results the run logged when it
+wrote it (raw and EMA weights; single device, mirrored, central storage, MultiWorkerMirrored as one and
+as 2 launched workers, parameter servers on their embedded cluster), printed, appended to metrics.jsonl
+marked `"reevaluated"` and written to TensorBoard under reeval/; a mistake is one line, nothing written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.support import read_jsonl, refused_run, run_main, run_module, tree_digest
+from tests.test_tensorboard import _accumulator, _series
+from trainer.errors import UserError
+from trainer.files.metrics_log import read_history
+from trainer.run.evaluate import plan
+from trainer.run.settings import Settings
+from trainer.task import models
+
+SHORT = [
+    f"--gin_bindings={b}"
+    for b in (
+        "train.model_fn=@mlp",
+        "train.total_steps=40",
+        "train.eval_every_steps=20",
+        "train.checkpoint_every_steps=20",
+        "train.steps_per_loop=10",
+        "train.log_every_steps=20",
+    )
+]
+EMA = "--gin_bindings=train.ema_decay=0.9"
+
+
+def logged(model_dir: str) -> dict[tuple[int, str], dict]:
+    """The run's own inline evals by (step, split): not the sidecar's (with a count), not re-evaluations."""
+    return {
+        (r["step"], r["split"]): r
+        for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
+        if r["split"] not in ("train", "resumed") and "num_examples" not in r and "reevaluated" not in r
+    }
+
+
+def reevaluated(model_dir: str, name: str) -> dict[tuple[int, str], dict]:
+    """The re-evaluation lines of checkpoint `name`, without their marker, by (step, split)."""
+    lines = [r for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r.get("reevaluated") == name]
+    return {(r["step"], r["split"]): {k: v for k, v in r.items() if k != "reevaluated"} for r in lines}
+
+
+def assert_reevaluated_exactly(model_dir: str, name: str, keys: set[tuple[int, str]]) -> None:
+    again, before = reevaluated(model_dir, name), logged(model_dir)
+    assert set(again) == keys, (sorted(again), sorted(keys))
+    for key in keys:
+        assert again[key] == before[key], (key, again[key], before[key])  # bit-equal, every metric
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory) -> str:
+    """One short single-device run with EMA, evaluated and checkpointed at steps 20 and 40."""
+    model_dir = str(tmp_path_factory.mktemp("evaluate") / "run")
+    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT, EMA, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return model_dir
+
+
+@pytest.mark.timeout(300)
+def test_the_newest_and_a_chosen_checkpoint_evaluate_as_the_run_logged_them(ema_run):
+    newest = run_main("--gin_file=gin/single.gin", f"--model_dir={ema_run}", "--mode=evaluate", *SHORT, EMA)
+    assert newest.returncode == 0, newest.stderr[-3000:]
+    assert "evaluating ckpt-40 (step 40) on eval with the model and ema weights" in newest.stdout
+    assert "eval at step 40: " in newest.stdout and "eval (EMA) at step 40: " in newest.stdout
+    assert f'("reevaluated": "ckpt-40") and TensorBoard {ema_run}/reeval' in newest.stdout
+    assert_reevaluated_exactly(ema_run, "ckpt-40", {(40, "eval"), (40, "eval_ema")})
+    for split in ("eval", "eval_ema"):  # TensorBoard: one run per split under reeval/, the same values
+        series = _series(_accumulator(os.path.join(ema_run, "reeval", split)), "accuracy")
+        assert series == pytest.approx({40: logged(ema_run)[(40, split)]["accuracy"]}, rel=1e-6)
+
+    chosen = run_main(
+        "--gin_file=gin/single.gin",
+        f"--model_dir={ema_run}",
+        "--mode=evaluate",
+        "--checkpoint=ckpt-20",
+        "--weights=ema",
+        "--eval_splits=eval",
+        *SHORT,
+        EMA,
+    )
+    assert chosen.returncode == 0, chosen.stderr[-3000:]
+    assert "eval at step 20" not in chosen.stdout and "eval (EMA) at step 20: " in chosen.stdout
+    assert_reevaluated_exactly(ema_run, "ckpt-20", {(20, "eval_ema")})
+    # The history readers (trainer.plot's) still see one line per (step, split), the same values.
+    history = {(r["step"], r["split"]): r["accuracy"] for r in read_history(ema_run) if r["split"] != "train"}
+    assert history == {key: r["accuracy"] for key, r in logged(ema_run).items()}
+
+
+@pytest.mark.timeout(200)
+def test_mistakes_are_one_line_and_write_nothing(ema_run, tmp_path):
+    before = tree_digest(ema_run)
+    unknown = run_main(
+        "--gin_file=gin/single.gin", f"--model_dir={ema_run}", "--mode=evaluate", "--checkpoint=7", *SHORT
+    )
+    assert unknown.returncode == 2, unknown.stderr[-3000:]
+    assert unknown.stderr.strip().splitlines() == [
+        f"error: --checkpoint=7: {ema_run} has no ckpt-7 (it has ckpt-20, ckpt-40); name one of those, or a "
+        "checkpoint's path"
+    ]
+    assert tree_digest(ema_run) == before
+    line = refused_run(tmp_path, "--gin_file=gin/single.gin", "--checkpoint=ckpt-20")
+    assert (
+        line
+        == "error: --checkpoint is an option of --mode=evaluate, not of --mode=train; drop it or add --mode=evaluate"
+    )
+
+    # What the CLI passes on, refused (or resolved) before TensorFlow builds anything.
+    run = Settings(model_dir=ema_run, model_fn=models.mlp, ema_decay=0.9)
+    assert plan(run).name == "ckpt-40" and plan(run).weights == ("model", "ema")
+    for given in ("ckpt-20", "20", os.path.join(ema_run, "ckpt-20")):
+        assert plan(run, checkpoint=given).path == os.path.join(ema_run, "ckpt-20"), given
+    assert plan(run, checkpoint=ema_run).name == "ckpt-40"  # a directory: its newest
+    copy = shutil.copytree(ema_run, tmp_path / "elsewhere")
+    assert plan(run, checkpoint=str(copy)).name == os.path.join(copy, "ckpt-40")  # outside: its path
+    refusals = {
+        "no checkpoint in": dict(settings=Settings(model_dir=str(tmp_path / "run"), model_fn=models.mlp)),
+        "no checkpoint there": dict(settings=run, checkpoint=str(tmp_path / "none")),
+        "the input function has no split 'test' (it has train, eval)": dict(settings=run, splits=["test"]),
+        "--weights=swa: this run has no such weights (it evaluates model, ema)": dict(settings=run, weights=["swa"]),
+        "--weights=ema: this run has no such weights (it evaluates model)": dict(
+            settings=Settings(model_dir=ema_run, model_fn=models.mlp), weights=["ema"]
+        ),
+    }
+    for message, arguments in refusals.items():
+        with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            plan(arguments.pop("settings"), **arguments)
+    assert tree_digest(ema_run) == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["mirrored", "central_storage", "mwms"])
+def test_each_synchronous_strategy_evaluates_a_checkpoint_as_it_logged_it(tmp_path, mode):
+    model_dir = str(tmp_path / "run")
+    args = [f"--gin_file=gin/{mode}.gin", f"--model_dir={model_dir}", *SHORT, EMA]
+    trained = run_main(*args, timeout=150)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    again = run_main(*args, "--mode=evaluate", "--checkpoint=ckpt-20", timeout=150)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert_reevaluated_exactly(model_dir, "ckpt-20", {(20, "eval"), (20, "eval_ema")})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.xdist_group("launched_mwms_run")
+def test_two_launched_workers_evaluate_a_checkpoint_as_they_logged_it(launched_mwms_run, tmp_path):
+    """The 2-worker run of tests/conftest.py (eval and checkpoints at 200 and 400), copied: its own tests
+    read the original."""
+    model_dir = str(shutil.copytree(launched_mwms_run.model_dir, tmp_path / "run"))
+    proc = run_module(
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        "--gin_file=gin/mwms.gin",
+        f"--model_dir={model_dir}",
+        "--mode=evaluate",
+        "--checkpoint=ckpt-200",
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on eval with the model weights, strategy 'multi_worker_mirrored'" in proc.stdout
+    assert "[worker 1] eval at step" not in proc.stdout  # the chief prints and writes alone
+    assert_reevaluated_exactly(model_dir, "ckpt-200", {(200, "eval")})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.xdist_group("embedded_ps_run")
+def test_parameter_servers_evaluate_a_checkpoint_on_their_embedded_cluster(embedded_ps_run, tmp_path):
+    """The embedded-cluster run of tests/conftest.py (600 steps, eval and checkpoints every 200), copied."""
+    model_dir = str(shutil.copytree(embedded_ps_run.model_dir, tmp_path / "run"))
+    proc = run_main("--gin_file=gin/ps.gin", f"--model_dir={model_dir}", "--mode=evaluate", "--checkpoint=200")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "local cluster: ps 0 pid" in proc.stdout and "strategy 'parameter_server'" in proc.stdout
+    assert_reevaluated_exactly(model_dir, "ckpt-200", {(200, "eval")})
