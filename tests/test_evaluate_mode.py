@@ -12,6 +12,7 @@ import pytest
 
 from tests.support import read_jsonl, refused_run, run_main, run_module, tree_digest
 from tests.test_tensorboard import _accumulator, _series
+from trainer.distribution import early_isolation
 from trainer.errors import UserError
 from trainer.files.metrics_log import read_history
 from trainer.run.evaluate import plan
@@ -30,6 +31,7 @@ SHORT = [
     )
 ]
 EMA = "--gin_bindings=train.ema_decay=0.9"
+SWA = ["--gin_file=experiments/swa/swa.gin", "--gin_bindings=swa.start_step=10", "--gin_bindings=swa.every_steps=10"]
 
 
 def logged(model_dir: str) -> dict[tuple[int, str], dict]:
@@ -132,19 +134,25 @@ def test_mistakes_are_one_line_and_write_nothing(ema_run, tmp_path):
         with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
             plan(arguments.pop("settings"), **arguments)
     assert tree_digest(ema_run) == before
+    # Under gin/ps.gin it isolates itself as training does, before TensorFlow starts threads: its
+    # embedded cluster is closed to the network (tests/test_network.py).
+    assert early_isolation.expects_embedded_cluster(["--gin_file=gin/ps.gin", "--mode=evaluate"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["mirrored", "central_storage", "mwms"])
 def test_each_synchronous_strategy_evaluates_a_checkpoint_as_it_logged_it(tmp_path, mode):
+    """With EMA, or (mirrored) the SWA extension of experiments/swa: a user's AveragedWeights."""
     model_dir = str(tmp_path / "run")
-    args = [f"--gin_file=gin/{mode}.gin", f"--model_dir={model_dir}", *SHORT, EMA]
+    averaged = SWA if mode == "mirrored" else [EMA]
+    args = [f"--gin_file=gin/{mode}.gin", f"--model_dir={model_dir}", *SHORT, *averaged]
     trained = run_main(*args, timeout=150)
     assert trained.returncode == 0, trained.stderr[-3000:]
     again = run_main(*args, "--mode=evaluate", "--checkpoint=ckpt-20", timeout=150)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert_reevaluated_exactly(model_dir, "ckpt-20", {(20, "eval"), (20, "eval_ema")})
+    suffix = "_swa" if mode == "mirrored" else "_ema"
+    assert_reevaluated_exactly(model_dir, "ckpt-20", {(20, "eval"), (20, f"eval{suffix}")})
 
 
 @pytest.mark.slow

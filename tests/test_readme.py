@@ -246,9 +246,8 @@ def test_from_the_repository_root(root, tmp_path, group):
         if "--mode=evaluate" in command:  # the newest checkpoint of the run it names (continued to 60)
             result = run(command, root, install=root)
             assert re.search(r"^evaluating ckpt-60 \(step 60\) on eval", result.stdout, re.M), result.stdout[-2000:]
-            assert [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if "reevaluated" in r] == [
-                60
-            ]
+            records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
+            assert [r["step"] for r in records if "reevaluated" in r] == [60]
             continue
         extra = SHORT
         if "fashion_mnist" in command:  # small files in the Fashion-MNIST layout
