@@ -65,7 +65,7 @@ def define_flags() -> None:
     )
 
 
-# The flags of one mode only, refused with another (a helper's mode adds its own here).
+# The flags that belong to one mode (or a few), refused with any other.
 MODE_FLAGS = {"checkpoint": ("evaluate",), "eval_splits": ("evaluate",), "weights": ("evaluate",)}
 
 

@@ -18,7 +18,6 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from trainer.distribution import modes
 from trainer.errors import UserError, error_line
 from trainer.extensions.averaged_weights import AveragedWeights
 from trainer.extensions.context import Context
@@ -52,9 +51,8 @@ class Plan:
 def plan(
     settings: Settings, *, checkpoint: str | None = None, splits: Sequence[str] = (), weights: Sequence[str] = ()
 ) -> Plan:
-    """Refuses (UserError) a strategy the mode does not support, a model_dir without checkpoints, a
-    checkpoint, split or weights the run does not have; writes nothing."""
-    modes.require_run_mode("evaluate", settings.strategy)
+    """Refuses (UserError) a model_dir without checkpoints, a checkpoint, split or weights the run does
+    not have, and what the run itself would refuse; writes nothing."""
     registry = checked_registry(settings)  # the run's own checks, with its own eval splits
     path = _checkpoint_path(settings.model_dir, checkpoint)
     inside = os.path.relpath(path, settings.model_dir)
