@@ -65,6 +65,7 @@ def ema_run(tmp_path_factory) -> str:
     return model_dir
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_newest_and_a_chosen_checkpoint_evaluate_as_the_run_logged_them(ema_run):
     newest = run_main("--gin_file=gin/single.gin", f"--model_dir={ema_run}", "--mode=evaluate", *SHORT, EMA)
@@ -95,6 +96,7 @@ def test_the_newest_and_a_chosen_checkpoint_evaluate_as_the_run_logged_them(ema_
     assert history == {key: r["accuracy"] for key, r in logged(ema_run).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_mistakes_are_one_line_and_write_nothing(ema_run, tmp_path):
     before = tree_digest(ema_run)
@@ -108,32 +110,44 @@ def test_mistakes_are_one_line_and_write_nothing(ema_run, tmp_path):
     ]
     assert tree_digest(ema_run) == before
     line = refused_run(tmp_path, "--gin_file=gin/single.gin", "--checkpoint=ckpt-20")
-    assert (
-        line
-        == "error: --checkpoint is an option of --mode=evaluate, not of --mode=train; drop it or add --mode=evaluate"
+    assert line == (
+        "error: --checkpoint is an option of --mode=evaluate, not of --mode=train; drop it or add --mode=evaluate"
     )
 
-    # What the CLI passes on, refused (or resolved) before TensorFlow builds anything.
-    run = Settings(model_dir=ema_run, model_fn=models.mlp, ema_decay=0.9)
+
+def test_the_checkpoint_splits_and_weights_are_resolved_or_refused_before_anything_is_built(tmp_path):
+    """What the CLI passes on, against a directory of real (tiny) checkpoints 20 and 40."""
+    import tensorflow as tf
+
+    model_dir = str(tmp_path / "run")
+    manager = tf.train.CheckpointManager(
+        tf.train.Checkpoint(v=tf.Variable(1.0)), model_dir, None, checkpoint_name="ckpt"
+    )
+    for step in (20, 40):
+        manager.save(checkpoint_number=step)
+    before = tree_digest(model_dir)
+    run = Settings(model_dir=model_dir, model_fn=models.mlp, ema_decay=0.9)
     assert plan(run).name == "ckpt-40" and plan(run).weights == ("model", "ema")
-    for given in ("ckpt-20", "20", os.path.join(ema_run, "ckpt-20")):
-        assert plan(run, checkpoint=given).path == os.path.join(ema_run, "ckpt-20"), given
-    assert plan(run, checkpoint=ema_run).name == "ckpt-40"  # a directory: its newest
-    copy = shutil.copytree(ema_run, tmp_path / "elsewhere")
+    for given in ("ckpt-20", "20", os.path.join(model_dir, "ckpt-20")):
+        assert plan(run, checkpoint=given).path == os.path.join(model_dir, "ckpt-20"), given
+    assert plan(run, checkpoint=model_dir).name == "ckpt-40"  # a directory: its newest
+    copy = shutil.copytree(model_dir, tmp_path / "elsewhere")
     assert plan(run, checkpoint=str(copy)).name == os.path.join(copy, "ckpt-40")  # outside: its path
+    assert plan(run, splits=["train", "eval", "train"]).settings.eval_split_names == ("train", "eval")
     refusals = {
-        "no checkpoint in": dict(settings=Settings(model_dir=str(tmp_path / "run"), model_fn=models.mlp)),
+        "no checkpoint in": dict(settings=Settings(model_dir=str(tmp_path / "empty"), model_fn=models.mlp)),
+        "--checkpoint=ckpt-7: .* has no ckpt-7 (it has ckpt-20, ckpt-40)": dict(settings=run, checkpoint="ckpt-7"),
         "no checkpoint there": dict(settings=run, checkpoint=str(tmp_path / "none")),
         "the input function has no split 'test' (it has train, eval)": dict(settings=run, splits=["test"]),
         "--weights=swa: this run has no such weights (it evaluates model, ema)": dict(settings=run, weights=["swa"]),
         "--weights=ema: this run has no such weights (it evaluates model)": dict(
-            settings=Settings(model_dir=ema_run, model_fn=models.mlp), weights=["ema"]
+            settings=Settings(model_dir=model_dir, model_fn=models.mlp), weights=["ema"]
         ),
     }
     for message, arguments in refusals.items():
         with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
             plan(arguments.pop("settings"), **arguments)
-    assert tree_digest(ema_run) == before
+    assert tree_digest(model_dir) == before and not os.path.exists(tmp_path / "empty")
     # Under gin/ps.gin it isolates itself as training does, before TensorFlow starts threads: its
     # embedded cluster is closed to the network (tests/test_network.py).
     assert early_isolation.expects_embedded_cluster(["--gin_file=gin/ps.gin", "--mode=evaluate"])
