@@ -23,7 +23,7 @@ from trainer.extensions.averaged_weights import AveragedWeights
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import name_of
 from trainer.extensions.registry import Registry
-from trainer.files.metrics_log import REEVAL_DIR, REEVALUATED, MetricsLog
+from trainer.files.metrics_log import METRICS_FILE, REEVAL_DIR, REEVALUATED, MetricsLog
 from trainer.files.run_checkpoint import RunCheckpoint
 from trainer.loops.build import build_loops
 from trainer.loops.sidecar import checkpoints_in
@@ -115,7 +115,7 @@ def evaluate(
             results.update({f"{split}_{name_of(extension)}": r for split, r in by_split.items()})
     if runtime.is_chief:
         context.print(
-            f"re-evaluated {chosen.name}: appended to {os.path.join(settings.model_dir, 'metrics.jsonl')} "
+            f"re-evaluated {chosen.name}: appended to {os.path.join(settings.model_dir, METRICS_FILE)} "
             f'("{REEVALUATED}": "{chosen.name}") and TensorBoard {os.path.join(settings.model_dir, REEVAL_DIR)}'
         )
     return results
