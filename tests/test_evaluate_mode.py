@@ -1,5 +1,5 @@
 """--mode=evaluate: a checkpoint evaluated again gives, bit for bit, the results the run logged when it
-wrote it (raw and EMA weights; single device, mirrored, central storage, MultiWorkerMirrored as one and
+wrote it (raw, EMA and SWA weights; single device, mirrored, central storage, MultiWorkerMirrored as one and
 as 2 launched workers, parameter servers on their embedded cluster), printed, appended to metrics.jsonl
 marked `"reevaluated"` and written to TensorBoard under reeval/; a mistake is one line, nothing written."""
 
@@ -57,59 +57,31 @@ def assert_reevaluated_exactly(model_dir: str, name: str, keys: set[tuple[int, s
         assert again[key] == before[key], (key, again[key], before[key])  # bit-equal, every metric
 
 
-@pytest.fixture(scope="module")
-def ema_run(tmp_path_factory) -> str:
-    """One short single-device run with EMA, evaluated and checkpointed at steps 20 and 40."""
-    model_dir = str(tmp_path_factory.mktemp("evaluate") / "run")
-    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT, EMA, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return model_dir
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_newest_and_a_chosen_checkpoint_evaluate_as_the_run_logged_them(ema_run):
-    newest = run_main("--gin_file=gin/single.gin", f"--model_dir={ema_run}", "--mode=evaluate", *SHORT, EMA)
+def test_the_newest_checkpoint_evaluates_as_the_run_logged_it_and_mistakes_write_nothing(trained_single_dir, tmp_path):
+    """tests/conftest.py's short single-device run (eval and checkpoints at 30 and 60), copied: others read it."""
+    model_dir = str(shutil.copytree(trained_single_dir, tmp_path / "copy"))
+    newest = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--mode=evaluate")
     assert newest.returncode == 0, newest.stderr[-3000:]
-    assert "evaluating ckpt-40 (step 40) on eval with the model and ema weights" in newest.stdout
-    assert "eval at step 40: " in newest.stdout and "eval (EMA) at step 40: " in newest.stdout
-    assert f'("reevaluated": "ckpt-40") and TensorBoard {ema_run}/reeval' in newest.stdout
-    assert_reevaluated_exactly(ema_run, "ckpt-40", {(40, "eval"), (40, "eval_ema")})
-    for split in ("eval", "eval_ema"):  # TensorBoard: one run per split under reeval/, the same values
-        series = _series(_accumulator(os.path.join(ema_run, "reeval", split)), "accuracy")
-        assert series == pytest.approx({40: logged(ema_run)[(40, split)]["accuracy"]}, rel=1e-6)
-
-    chosen = run_main(
-        "--gin_file=gin/single.gin",
-        f"--model_dir={ema_run}",
-        "--mode=evaluate",
-        "--checkpoint=ckpt-20",
-        "--weights=ema",
-        "--eval_splits=eval",
-        *SHORT,
-        EMA,
-    )
-    assert chosen.returncode == 0, chosen.stderr[-3000:]
-    assert "eval at step 20" not in chosen.stdout and "eval (EMA) at step 20: " in chosen.stdout
-    assert_reevaluated_exactly(ema_run, "ckpt-20", {(20, "eval_ema")})
+    assert "evaluating ckpt-60 (step 60) on eval with the model weights, strategy 'default'" in newest.stdout
+    assert "eval at step 60: " in newest.stdout
+    assert f'("reevaluated": "ckpt-60") and TensorBoard {model_dir}/reeval' in newest.stdout
+    assert_reevaluated_exactly(model_dir, "ckpt-60", {(60, "eval")})
+    series = _series(_accumulator(os.path.join(model_dir, "reeval", "eval")), "accuracy")  # TensorBoard: reeval/eval
+    assert series == pytest.approx({60: logged(model_dir)[(60, "eval")]["accuracy"]}, rel=1e-6)
     # The history readers (trainer.plot's) still see one line per (step, split), the same values.
-    history = {(r["step"], r["split"]): r["accuracy"] for r in read_history(ema_run) if r["split"] != "train"}
-    assert history == {key: r["accuracy"] for key, r in logged(ema_run).items()}
+    history = {(r["step"], r["split"]): r["accuracy"] for r in read_history(model_dir) if r["split"] != "train"}
+    assert history == {key: r["accuracy"] for key, r in logged(model_dir).items()}
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(200)
-def test_mistakes_are_one_line_and_write_nothing(ema_run, tmp_path):
-    before = tree_digest(ema_run)
-    unknown = run_main(
-        "--gin_file=gin/single.gin", f"--model_dir={ema_run}", "--mode=evaluate", "--checkpoint=7", *SHORT
-    )
+    before = tree_digest(model_dir)
+    unknown = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--mode=evaluate", "--checkpoint=7")
     assert unknown.returncode == 2, unknown.stderr[-3000:]
     assert unknown.stderr.strip().splitlines() == [
-        f"error: --checkpoint=7: {ema_run} has no ckpt-7 (it has ckpt-20, ckpt-40); name one of those, or a "
+        f"error: --checkpoint=7: {model_dir} has no ckpt-7 (it has ckpt-30, ckpt-60); name one of those, or a "
         "checkpoint's path"
     ]
-    assert tree_digest(ema_run) == before
+    assert tree_digest(model_dir) == before
     line = refused_run(tmp_path, "--gin_file=gin/single.gin", "--checkpoint=ckpt-20")
     assert line == (
         "error: --checkpoint is an option of --mode=evaluate, not of --mode=train; drop it or add --mode=evaluate"
@@ -158,16 +130,22 @@ def test_the_checkpoint_splits_and_weights_are_resolved_or_refused_before_anythi
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["mirrored", "central_storage", "mwms"])
 def test_each_synchronous_strategy_evaluates_a_checkpoint_as_it_logged_it(tmp_path, mode):
-    """With EMA, or (mirrored) the SWA extension of experiments/swa: a user's AveragedWeights."""
+    """With EMA, or (mirrored) the SWA extension of experiments/swa, a user's AveragedWeights: an older
+    checkpoint, every weights by default; central storage names its weights and splits."""
     model_dir = str(tmp_path / "run")
     averaged = SWA if mode == "mirrored" else [EMA]
     args = [f"--gin_file=gin/{mode}.gin", f"--model_dir={model_dir}", *SHORT, *averaged]
     trained = run_main(*args, timeout=150)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    again = run_main(*args, "--mode=evaluate", "--checkpoint=ckpt-20", timeout=150)
+    chosen = ["--weights=ema", "--eval_splits=eval"] if mode == "central_storage" else []
+    again = run_main(*args, "--mode=evaluate", "--checkpoint=ckpt-20", *chosen, timeout=150)
     assert again.returncode == 0, again.stderr[-3000:]
     suffix = "_swa" if mode == "mirrored" else "_ema"
-    assert_reevaluated_exactly(model_dir, "ckpt-20", {(20, "eval"), (20, f"eval{suffix}")})
+    assert (f"eval ({suffix[1:].upper()}) at step 20: " in again.stdout) and (
+        ("eval at step 20: " in again.stdout) == (not chosen)
+    )
+    expected = {(20, f"eval{suffix}")} | (set() if chosen else {(20, "eval")})
+    assert_reevaluated_exactly(model_dir, "ckpt-20", expected)
 
 
 @pytest.mark.slow
