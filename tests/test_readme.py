@@ -194,7 +194,8 @@ def root_groups() -> dict[str, list[str]]:
         if command not in NOT_RUN and not elsewhere(command):
             key = section if section == "Quickstart" else model_dir_of(command)
             groups.setdefault(key, []).append(command)
-    return {key: sorted(commands, key=lambda c: "--mode=eval_continuous" in c) for key, commands in groups.items()}
+    reads_a_run = lambda c: "--mode=eval_continuous" in c or "--mode=evaluate" in c  # noqa: E731
+    return {key: sorted(commands, key=reads_a_run) for key, commands in groups.items()}
 
 
 ROOT_GROUPS = root_groups()
@@ -241,6 +242,12 @@ def test_from_the_repository_root(root, tmp_path, group):
             evaluated = re.findall(r"^sidecar eval of ckpt-(\d+) at step \d+", result.stdout, re.M)
             assert evaluated == ["20", "40"], result.stdout[-2000:]
             assert "reached train.total_steps 40; done" in result.stdout
+            continue
+        if "--mode=evaluate" in command:  # the newest checkpoint of the run it names (continued to 60)
+            result = run(command, root, install=root)
+            assert re.search(r"^evaluating ckpt-60 \(step 60\) on eval", result.stdout, re.M), result.stdout[-2000:]
+            records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
+            assert [r["step"] for r in records if "reevaluated" in r] == [60]
             continue
         extra = SHORT
         if "fashion_mnist" in command:  # small files in the Fashion-MNIST layout

@@ -25,6 +25,7 @@ from trainer.extensions import built_in  # noqa: E402
 from trainer.extensions.progress import ProgressLogger  # noqa: E402
 from trainer.loops import options as loop_options  # noqa: E402
 from trainer.loops import sidecar  # noqa: E402
+from trainer.run import evaluate as evaluate_lib  # noqa: E402
 from trainer.run import settings as settings_lib  # noqa: E402
 from trainer.run import train as train_lib  # noqa: E402
 from trainer.task import contract, models, optimizers, steps  # noqa: E402
@@ -130,6 +131,18 @@ def evaluate_continuously(*, model_dir: str, print_fn=print) -> dict[str, float]
     """--mode=eval_continuous: the sidecar evaluator, set up by the run's own `train.*` bindings
     (`eval_continuous.timeout_secs` and `.poll_secs` are its own)."""
     return CONFIGURABLES["eval_continuous"](settings_from_gin(model_dir=model_dir), print_fn=print_fn)
+
+
+def check_evaluation(*, model_dir: str, **choices) -> None:
+    """What --mode=evaluate refuses before anything runs (`trainer.run.evaluate.plan`), for main to
+    call before it starts an embedded cluster. Raises UserError."""
+    evaluate_lib.plan(settings_from_gin(model_dir=model_dir), **choices)
+
+
+def evaluate_checkpoint(*, model_dir: str, print_fn=print, **choices) -> dict[str, dict[str, float]]:
+    """--mode=evaluate: one checkpoint evaluated again with the run's own `train.*` bindings;
+    `choices`: checkpoint, splits, weights (trainer/run/evaluate.py)."""
+    return evaluate_lib.evaluate(settings_from_gin(model_dir=model_dir, print_fn=print_fn), **choices)
 
 
 def main() -> None:

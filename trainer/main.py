@@ -20,7 +20,7 @@ from trainer.cli import (  # absl only: importing this module loads no TensorFlo
     parse_flags,
     say_interrupted,
 )
-from trainer.distribution import early_isolation, local_cluster  # no TensorFlow either
+from trainer.distribution import early_isolation, local_cluster, modes  # no TensorFlow either
 from trainer.errors import RunFailure, UserError
 from trainer.gin_flags import REPO_ROOT, define_config_flags, parse_gin
 
@@ -39,9 +39,23 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "mode",
         "train",
-        ["train", "eval_continuous"],
-        "train: train and evaluate inline. eval_continuous: a sidecar evaluator that evaluates every new "
-        "checkpoint in --model_dir as it appears, until the one at train.total_steps.",
+        list(modes.RUN_MODES),
+        " ".join(f"{m.name}: {m.help}." for m in modes.RUN_MODES.values()),
+    )
+    flags.DEFINE_string(
+        "checkpoint",
+        None,
+        "--mode=evaluate: the checkpoint, as ckpt-N, N, or a path (a checkpoint's prefix, or a directory "
+        "whose newest is taken); default the newest in --model_dir.",
+    )
+    flags.DEFINE_list(
+        "eval_splits", None, "--mode=evaluate: the splits to evaluate, e.g. test,eval (default: train.eval_splits)."
+    )
+    flags.DEFINE_list(
+        "weights",
+        None,
+        "--mode=evaluate: which weights, e.g. model,ema: 'model' and the averaged weights of the run's "
+        "extensions (ema, swa) (default: every one the run's own eval evaluates).",
     )
     flags.DEFINE_bool(
         "print_config",
@@ -49,6 +63,24 @@ def define_flags() -> None:
         "Print the resolved config (every configurable, each value and where it came from: gin "
         "file:line, --gin_bindings or default) and exit without training.",
     )
+
+
+# The flags that belong to one mode (or a few), refused with any other.
+MODE_FLAGS = {"checkpoint": ("evaluate",), "eval_splits": ("evaluate",), "weights": ("evaluate",)}
+
+
+def check_mode_flags() -> modes.RunMode:
+    """The --mode asked for, refused with a flag of another mode or without the --model_dir it reads."""
+    for name, run_modes in MODE_FLAGS.items():
+        if FLAGS[name].present and FLAGS.mode not in run_modes:
+            raise UserError(
+                f"--{name} is an option of --mode={'|'.join(run_modes)}, not of --mode={FLAGS.mode}; drop it "
+                f"or add --mode={run_modes[0]}"
+            )
+    mode = modes.RUN_MODES[FLAGS.mode]
+    if mode.needs_model_dir and not FLAGS.model_dir:
+        raise UserError(f"--mode={mode.name} needs --model_dir=DIR, the directory of the run it reads")
+    return mode
 
 
 def default_model_dir() -> str:
@@ -65,6 +97,7 @@ def run(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)  # TensorFlow's INFO lines would drown the progress
 
     try:
+        mode = check_mode_flags()
         parse_gin(FLAGS.gin_file, FLAGS.gin_bindings)
         from trainer import configurables
         from trainer.run.settings import absolute_model_dir
@@ -75,22 +108,33 @@ def run(argv: list[str]) -> None:
             return
 
         print_fn = lambda line: print(line, flush=True)  # noqa: E731
-        if FLAGS.mode == "eval_continuous":
-            if not FLAGS.model_dir:
-                raise UserError("--mode=eval_continuous needs --model_dir=DIR, the directory of the run to evaluate")
+        bindings = gin.get_bindings("train", resolve_references=False)
+        strategy, resolver = bindings.get("strategy", "default"), bindings.get("cluster_resolver", "tf_config")
+        if strategy in modes.MODES:  # another name is refused with the settings, in their words
+            modes.require_run_mode(mode.name, strategy)
+
+        def on_the_run_cluster(check):
+            """The run's embedded cluster where it has one; `check()` first: a mistake starts no server."""
+            if local_cluster.needs_local_cluster(strategy, resolver):
+                check()
+            return local_cluster.cluster_for(
+                strategy, configurables.local_cluster, print_fn=print_fn, cluster_resolver=resolver
+            )
+
+        if mode.name == "eval_continuous":
             configurables.evaluate_continuously(model_dir=absolute_model_dir(FLAGS.model_dir), print_fn=print_fn)
+            return
+        if mode.name == "evaluate":
+            model_dir = absolute_model_dir(FLAGS.model_dir)
+            choices = dict(checkpoint=FLAGS.checkpoint, splits=FLAGS.eval_splits or (), weights=FLAGS.weights or ())
+            with on_the_run_cluster(lambda: configurables.check_evaluation(model_dir=model_dir, **choices)):
+                configurables.evaluate_checkpoint(model_dir=model_dir, print_fn=print_fn, **choices)
             return
         # Absolute from here on: a relative --model_dir means the same directory to every reader.
         model_dir = absolute_model_dir(FLAGS.model_dir or default_model_dir())
         if not FLAGS.model_dir:
             print(f"model_dir: {model_dir}", flush=True)
-        bindings = gin.get_bindings("train", resolve_references=False)
-        strategy, resolver = bindings.get("strategy", "default"), bindings.get("cluster_resolver", "tf_config")
-        if local_cluster.needs_local_cluster(strategy, resolver):
-            configurables.check_settings(model_dir)  # a mistake in the settings starts no server
-        with local_cluster.cluster_for(
-            strategy, configurables.local_cluster, print_fn=print_fn, cluster_resolver=resolver
-        ):
+        with on_the_run_cluster(lambda: configurables.check_settings(model_dir)):
             configurables.train(
                 model_dir=model_dir,
                 describe_config=gin.operative_config_str,

@@ -12,7 +12,8 @@ weights. As an extension it shows every power a built-in feature has:
 - `state_dict`/`load_state_dict`: how many snapshots the mean holds, saved in every checkpoint,
   so a run killed and restarted averages exactly as one that never stopped;
 - `every_steps`: loop calls end on its boundaries, where `after_loop` takes a snapshot;
-- after the run's eval (`after = ("eval",)`), its own eval entries: split `<split>_swa`.
+- after the run's eval (`after = ("eval",)`), its own eval entries: split `<split>_swa`, as an
+  `AveragedWeights` extension, whose weights `--mode=evaluate` re-evaluates too.
 
     train.extensions = [@swa()]
     swa.start_step = 300
@@ -28,7 +29,7 @@ import gin
 import tensorflow as tf
 
 from trainer.errors import UserError
-from trainer.extensions import SYNCHRONOUS, Context, Extension, Outputs
+from trainer.extensions import SYNCHRONOUS, AveragedWeights, Context, Outputs
 from trainer.extensions.export import EXPORT_WEIGHTS, ExportWeights
 
 
@@ -49,7 +50,7 @@ class SwaAverages(tf.Module):
 
 
 @gin.configurable("swa")
-class StochasticWeightAveraging(Extension):
+class StochasticWeightAveraging(AveragedWeights):
     """The mean of the weights at every `every_steps`-th step from `start_step` on.
 
     Args:
@@ -59,6 +60,7 @@ class StochasticWeightAveraging(Extension):
     """
 
     name = "swa"
+    weights_label = "SWA"
     supports = SYNCHRONOUS
     unsupported_reason = "asynchronous workers hold no single set of weights at a step to average"
     after = ("eval",)
@@ -104,13 +106,15 @@ class StochasticWeightAveraging(Extension):
     def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         if step >= self.start_step and step % self.every_steps == 0 and self._snapshots_at(step) > self.count:
             self._add_snapshot()
-        if context.evaluations.at(step) is not None and self.count and self._evaluated != step:
-            with self.swapped_in():
-                context.evaluate(step, suffix="_swa", label=" (SWA)")
+        if context.evaluations.at(step) is not None and self.holds_weights() and self._evaluated != step:
+            self.evaluate_weights(context, step)
             self._evaluated = step
 
     def end(self, context: Context, step: int) -> None:
         self.after_loop(context, step, {})  # the final eval, if it was not at a boundary
+
+    def holds_weights(self) -> bool:
+        return self.count > 0
 
     def _snapshots_at(self, step: int) -> int:
         return (step - self.start_step) // self.every_steps + 1

@@ -11,7 +11,7 @@ import os
 import re
 from typing import Sequence
 
-from trainer.distribution import netns
+from trainer.distribution import modes, netns
 from trainer.distribution.local_cluster import WHAT, needs_local_cluster
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,10 +37,11 @@ def isolate_early(argv: Sequence[str]) -> None:
 
 
 def expects_embedded_cluster(argv: Sequence[str]) -> bool:
-    """Whether `python -m trainer.main argv` (no TF_CONFIG) trains ParameterServer on a cluster of
-    its own (not one resolved from SLURM), by text."""
+    """Whether `python -m trainer.main argv` (no TF_CONFIG) trains or evaluates ParameterServer on a
+    cluster of its own (not one resolved from SLURM), by text."""
     run_modes, print_config = _flag_values(argv, "mode"), _flag_values(argv, "print_config")
-    if os.environ.get("TF_CONFIG", "").strip() or run_modes[-1:] not in ([], ["train"]):
+    run_mode = modes.RUN_MODES.get(run_modes[-1] if run_modes else "train")
+    if os.environ.get("TF_CONFIG", "").strip() or run_mode is None or not run_mode.on_the_run_cluster:
         return False
     if print_config[-1:] not in ([], ["false"], ["False"], ["0"]):
         return False

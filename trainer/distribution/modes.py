@@ -2,7 +2,8 @@
 
 A feature that does not work under every strategy states a `Support` (e.g. `SYNCHRONOUS`) that `require`
 checks before anything is built, in one wording; code that differs per strategy asks the run's `Mode`
-instead of comparing strategy names or types. No TensorFlow at import: entry points read this before it starts.
+instead of comparing strategy names or types. `RUN_MODES` declares the same for each `trainer.main --mode`.
+No TensorFlow at import: entry points read this before it starts.
 """
 
 from __future__ import annotations
@@ -104,3 +105,44 @@ def require(setting: str, needs: Support, strategy: str, *, reason: str = "", fi
     raise UserError(
         f"{setting} is not supported with {strategy}{because}; it works with {needs.description}: {instead}"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMode:
+    """One `trainer.main --mode`: what it does (its --help line), the strategies it works under, and
+    whether it runs where training does (under a parameter_server run's embedded cluster, so its
+    process isolates itself early as training's does) or on this process alone."""
+
+    name: str
+    help: str
+    supports: Support = ALL
+    on_the_run_cluster: bool = True
+    needs_model_dir: bool = False  # it reads a run's model_dir; one must be named
+
+
+RUN_MODES: dict[str, RunMode] = {
+    m.name: m
+    for m in (
+        RunMode("train", "train and evaluate inline"),
+        RunMode(
+            "eval_continuous",
+            "a sidecar evaluator that evaluates every new checkpoint in --model_dir as it appears, until "
+            "the one at train.total_steps, on this process's first device",
+            on_the_run_cluster=False,
+            needs_model_dir=True,
+        ),
+        RunMode(
+            "evaluate",
+            "evaluate one checkpoint of --model_dir (--checkpoint, default the newest) on every eval split "
+            "(--eval_splits) with the run's own strategy, and append the results marked as a re-evaluation",
+            needs_model_dir=True,
+        ),
+    )
+}
+
+
+def require_run_mode(name: str, strategy: str) -> RunMode:
+    """The run mode `name`, refused under a strategy it does not support in the one wording."""
+    mode = RUN_MODES[name]
+    require(f"--mode={name}", mode.supports, strategy, fix="use another train.strategy for it")
+    return mode

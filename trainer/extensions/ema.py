@@ -19,9 +19,9 @@ from typing import Any, Iterator
 import tensorflow as tf
 
 from trainer.distribution import modes
+from trainer.extensions.averaged_weights import AveragedWeights
 from trainer.extensions.context import Context
 from trainer.extensions.export import EXPORT_WEIGHTS, ExportWeights
-from trainer.extensions.protocol import Extension
 from trainer.task.structure import trainable_variables
 from trainer.validation import check_number
 
@@ -79,10 +79,11 @@ class WeightAverage(tf.Module):
             self._swap()
 
 
-class Ema(Extension):
+class Ema(AveragedWeights):
     """`train.ema_decay`: the averages, their eval after every raw eval, and the weights to export."""
 
     name = "ema"
+    weights_label = "EMA"
     setting = "train.ema_decay"
     supports = modes.SYNCHRONOUS
     unsupported_reason = "asynchronous updates have no single point after an update to average at"
@@ -104,10 +105,12 @@ class Ema(Extension):
         if path is None:
             self.average.reset()
 
+    def swapped_in(self) -> contextlib.AbstractContextManager[None]:
+        return self.average.swapped_in()
+
     def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         if context.evaluations.at(step) is not None and self._evaluated != step:
-            with self.average.swapped_in():
-                context.evaluate(step, suffix="_ema", label=" (EMA)")
+            self.evaluate_weights(context, step)
             self._evaluated = step
 
     def end(self, context: Context, step: int) -> None:

@@ -5,8 +5,9 @@ One `record(step, split, values)` reaches every sink, as CLU's MultiWriter does:
 (the contract in docs/design.md), TensorBoard (`model_dir/train`, `model_dir/eval`, another eval
 split under `eval/<split>`; one writer per directory, trainer/files/event_writers.py) and each
 subscribed sink (MLflow's). A run that continues a history (a resume, a roll-back) first appends
-`{"step": S, "split": "resumed"}`: earlier lines of steps above S are superseded. Reading needs
-no TensorFlow (trainer.plot runs without it).
+`{"step": S, "split": "resumed"}`: earlier lines of steps above S are superseded. A re-evaluation of a
+checkpoint (`--mode=evaluate`) writes its lines with `"reevaluated": <the checkpoint>` last, and its
+TensorBoard scalars under `model_dir/reeval/<split>`. Reading needs no TensorFlow (trainer.plot runs without it).
 """
 
 from __future__ import annotations
@@ -22,15 +23,26 @@ if TYPE_CHECKING:
 
 METRICS_FILE = "metrics.jsonl"
 RESUMED = "resumed"  # the split of the line a resumed run starts with
+REEVALUATED = "reevaluated"  # the field naming the checkpoint a re-evaluation's line is of
+REEVAL_DIR = "reeval"  # the TensorBoard directory of re-evaluations, one subdirectory per split
 Sink = Callable[[int, str, dict[str, float]], None]  # (step, split, values)
 
 
 class MetricsLog:
     """Appends metric records to every sink; a no-op on non-chief workers (`enabled`, decided once).
-    The event files of `open_now` are created at once, any other split's at its first record."""
+    The event files of `open_now` are created at once, any other split's at its first record. With
+    `reevaluated` (the checkpoint's name) every record is marked as a re-evaluation of it."""
 
-    def __init__(self, model_dir: str, *, enabled: bool = True, open_now: Sequence[str] = ("train", "eval")):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        enabled: bool = True,
+        open_now: Sequence[str] = ("train", "eval"),
+        reevaluated: str | None = None,
+    ):
         self.enabled = enabled
+        self._marker = {} if reevaluated is None else {REEVALUATED: reevaluated}
         self._path = os.path.join(model_dir, METRICS_FILE)
         self._model_dir = model_dir
         self._writers: dict[str, EventWriter] = {}
@@ -49,7 +61,10 @@ class MetricsLog:
         from trainer.files.event_writers import event_writer  # TensorFlow: the writer's only
 
         if split not in self._writers:
-            where = split if split in ("train", "eval") else os.path.join("eval", split)
+            if self._marker:
+                where = os.path.join(REEVAL_DIR, split)
+            else:
+                where = split if split in ("train", "eval") else os.path.join("eval", split)
             writer = event_writer(os.path.join(self._model_dir, where))
             writer.init()
             self._writers[split] = writer
@@ -62,12 +77,14 @@ class MetricsLog:
             self._append({"step": int(step), "split": RESUMED})
 
     def record(self, step: int, split: str, values: Mapping[str, float], *, num_examples: float | None = None) -> None:
-        """`values` to every sink; `num_examples` (an eval's count) to the JSON line only, last:
-        it marks the sidecar evaluator's lines apart from the chief's inline evals."""
+        """`values` to every sink; `num_examples` (an eval's count) to the JSON line only, last but
+        the re-evaluation's marker: it marks the sidecar evaluator's lines apart from the chief's inline evals."""
         if not self.enabled:
             return
         count = {} if num_examples is None else {"num_examples": float(num_examples)}
-        self._append({"step": int(step), "split": split} | {k: float(v) for k, v in values.items()} | count)
+        self._append(
+            {"step": int(step), "split": split} | {k: float(v) for k, v in values.items()} | count | self._marker
+        )
         for sink in self._sinks:
             sink(int(step), split, dict(values))
 

@@ -43,8 +43,10 @@ class RunCheckpoint:
         return run_checkpoint
 
     def restore(self, path: str) -> None:
-        """Raises AssertionError/ValueError if an item of this run is not in the checkpoint at `path`."""
-        self._items.restore(path).assert_existing_objects_matched()
+        """Raises AssertionError/ValueError if an item of this run is not in the checkpoint at `path`; what
+        the checkpoint holds beyond them (the preemption handler's run count, read by training only) is
+        left unread without a warning."""
+        self._items.restore(path).expect_partial().assert_existing_objects_matched()
         if self._states is not None:
             self._states.read(path).expect_partial()
 
