@@ -39,9 +39,20 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "mode",
         "train",
-        ["train", "eval_continuous"],
+        ["train", "eval_continuous", "predict"],
         "train: train and evaluate inline. eval_continuous: a sidecar evaluator that evaluates every new "
-        "checkpoint in --model_dir as it appears, until the one at train.total_steps.",
+        "checkpoint in --model_dir as it appears, until the one at train.total_steps. predict: write the "
+        "model's outputs over a split (predict.split, or predict.input_fn) into one .npz (--output).",
+    )
+    flags.DEFINE_string(
+        "checkpoint",
+        None,
+        "The checkpoint of --model_dir to use (ckpt-N, N, or a checkpoint's path); default the newest.",
+    )
+    flags.DEFINE_string(
+        "output",
+        None,
+        "--mode=predict: the .npz to write (default: <model_dir>/predictions/<split>-ckpt-N.npz).",
     )
     flags.DEFINE_bool(
         "print_config",
@@ -79,6 +90,16 @@ def run(argv: list[str]) -> None:
             if not FLAGS.model_dir:
                 raise UserError("--mode=eval_continuous needs --model_dir=DIR, the directory of the run to evaluate")
             configurables.evaluate_continuously(model_dir=absolute_model_dir(FLAGS.model_dir), print_fn=print_fn)
+            return
+        if FLAGS.mode == "predict":
+            if not FLAGS.model_dir:
+                raise UserError("--mode=predict needs --model_dir=DIR, the directory of a trained run")
+            configurables.predict(
+                model_dir=absolute_model_dir(FLAGS.model_dir),
+                checkpoint=FLAGS.checkpoint,
+                output=FLAGS.output,
+                print_fn=print_fn,
+            )
             return
         # Absolute from here on: a relative --model_dir means the same directory to every reader.
         model_dir = absolute_model_dir(FLAGS.model_dir or default_model_dir())
