@@ -31,7 +31,7 @@ from trainer.files.predictions import PredictionWriter, check_writable
 from trainer.loops.sidecar import checkpoints_in
 from trainer.run.settings import Settings
 from trainer.safety import tracing
-from trainer.task import contract
+from trainer.task import contract, precision
 from trainer.task.contract import function_name
 from trainer.task.steps import call_model
 from trainer.task.structure import flat, named
@@ -45,6 +45,7 @@ PREDICT = modes.support((name for name in modes.STRATEGY_NAMES if name != "tpu")
 SINGLE_OUTPUT = "output"  # the key of a step's (or one model's) single tensor
 
 
+@precision.keeps_global_policy
 def predict(
     settings: Settings,
     *,
@@ -107,11 +108,13 @@ def predict(
     dataset = data.distribute_eval(runtime.strategy, inp, batch_size, split=split, shard_policy=settings.shard_policy)
     num_batches = -(-count // batch_size)
     names = "+".join(type(m).__name__ for m in flat(models))
+    where = f"strategy '{settings.strategy}' on {runtime.num_replicas} replica(s) ({runtime.num_workers} worker(s))"
+    if settings.mode.coordinates_workers:
+        where = f"this process's device (a {settings.strategy} run's variables, restored without its cluster)"
     if runtime.is_chief:
         print_fn(
             f"predicting {names} of {os.path.basename(path)} (step {int(global_step.numpy())}) on split {split!r}: "
-            f"{count} examples in {num_batches} batches of {batch_size}, strategy '{settings.strategy}' on "
-            f"{runtime.num_replicas} replica(s) ({runtime.num_workers} worker(s))"
+            f"{count} examples in {num_batches} batches of {batch_size}, {where}"
         )
     progress = Progress(num_batches, settings.log_every_steps, batch_size, print_fn, enabled=runtime.is_chief)
     what = PREDICT_STEP.what if predict_step_fn else "train.model_fn"
