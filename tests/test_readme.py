@@ -188,13 +188,13 @@ def elsewhere(command: str) -> bool:
 
 def root_groups() -> dict[str, list[str]]:
     """The page's other commands, run from the repository's root: the quickstart's, and the rest by
-    the model_dir they name (a sidecar after the run it evaluates)."""
+    the model_dir they name (a sidecar, or a prediction, after the run it reads)."""
     groups: dict[str, list[str]] = {}
     for section, command in PAGE.commands:
         if command not in NOT_RUN and not elsewhere(command):
             key = section if section == "Quickstart" else model_dir_of(command)
             groups.setdefault(key, []).append(command)
-    return {key: sorted(commands, key=lambda c: "--mode=eval_continuous" in c) for key, commands in groups.items()}
+    return {key: sorted(commands, key=lambda c: "--mode=" in c) for key, commands in groups.items()}
 
 
 ROOT_GROUPS = root_groups()
@@ -241,6 +241,12 @@ def test_from_the_repository_root(root, tmp_path, group):
             evaluated = re.findall(r"^sidecar eval of ckpt-(\d+) at step \d+", result.stdout, re.M)
             assert evaluated == ["20", "40"], result.stdout[-2000:]
             assert "reached train.total_steps 40; done" in result.stdout
+            continue
+        if "--mode=predict" in command:  # the finished run's newest checkpoint, into one file
+            result = run(command, root, install=root)
+            last = result.stdout.strip().splitlines()[-1]
+            path = os.path.join(model_dir, "predictions", "eval-ckpt-60.npz")
+            assert last == f"predictions: {path} (359 examples)" and os.path.exists(path), result.stdout[-2000:]
             continue
         extra = SHORT
         if "fashion_mnist" in command:  # small files in the Fashion-MNIST layout
