@@ -4,6 +4,7 @@ under one device, mirrored, parameter_server (on one device) and 2 launched Mult
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import keras
@@ -179,8 +180,13 @@ def test_mirrored_and_two_launched_workers_write_every_example_once_in_order(tra
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_predicting_without_a_checkpoint_is_one_error_line(tmp_path):
-    line = refused_run(tmp_path, "--gin_file=gin/single.gin", "--mode=predict")
-    assert line.startswith("error: no checkpoint in ") and line.endswith(
-        "train first, or pass the --model_dir of a trained run"
-    )
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--mode=predict"], r"error: no checkpoint in \S+: train first, or pass the --model_dir of a trained run"),
+        (["--output=p.npz"], r"error: --output is for --mode=predict, not --mode=train: drop it or add --mode=predict"),
+    ],
+    ids=["no checkpoint", "output without predict"],
+)
+def test_a_refused_prediction_is_one_error_line(tmp_path, args, expected):
+    assert re.fullmatch(expected, refused_run(tmp_path, "--gin_file=gin/single.gin", *args))

@@ -85,6 +85,8 @@ def run(argv: list[str]) -> None:
             print(gin_config.describe_config(FLAGS.gin_file, FLAGS.gin_bindings, [REPO_ROOT]), end="", flush=True)
             return
 
+        if FLAGS.output and FLAGS.mode != "predict":
+            raise UserError(f"--output is for --mode=predict, not --mode={FLAGS.mode}: drop it or add --mode=predict")
         print_fn = lambda line: print(line, flush=True)  # noqa: E731
         if FLAGS.mode == "eval_continuous":
             if not FLAGS.model_dir:

@@ -12,11 +12,11 @@ import os
 import shutil
 import tempfile
 import zipfile
-from typing import Mapping
+from typing import IO, Mapping
 
 import numpy as np
 
-from trainer.errors import UserError
+from trainer.errors import RunFailure, UserError
 
 COPY_CHUNK = 1 << 20
 
@@ -46,7 +46,7 @@ class PredictionWriter:
         self.path = path
         self.count = 0
         self._temp: str | None = None
-        self._files: dict[str, object] = {}
+        self._files: dict[str, IO[bytes]] = {}
         self._rows: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
 
     def __enter__(self) -> PredictionWriter:
@@ -65,10 +65,7 @@ class PredictionWriter:
                 "row per example for every output"
             )
         if self._temp is None:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self._temp = tempfile.mkdtemp(dir=os.path.dirname(self.path) or ".", prefix=".predictions-")
-            self._rows = {key: (array.dtype, array.shape[1:]) for key, array in rows.items()}
-            self._files = {key: open(os.path.join(self._temp, str(i)), "wb") for i, key in enumerate(rows)}
+            self._start(rows)
         if set(rows) != set(self._rows):
             raise UserError(f"the prediction outputs changed keys from {sorted(self._rows)} to {sorted(rows)}")
         for key, array in rows.items():
@@ -78,28 +75,47 @@ class PredictionWriter:
                     f"prediction output {key!r} changed from rows of {shape} {dtype} to {array.shape[1:]} "
                     f"{array.dtype}: return rows of one shape and dtype in every batch"
                 )
-            self._files[key].write(np.ascontiguousarray(array).tobytes())
+            try:
+                self._files[key].write(np.ascontiguousarray(array).tobytes())
+            except OSError as e:
+                raise RunFailure(f"writing the predictions next to {self.path} failed ({e}); free disk space") from e
         self.count += next(iter(counts.values()), 0)
+
+    def _start(self, rows: Mapping[str, np.ndarray]) -> None:
+        """The temporary files, beside the output (so the result is renamed into place, not copied)."""
+        directory = os.path.dirname(self.path) or "."
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._temp = tempfile.mkdtemp(dir=directory, prefix=".predictions-")
+        except OSError as e:
+            raise UserError(f"cannot write the output {self.path} ({e}); pass --output=PATH somewhere writable") from e
+        self._rows = {key: (array.dtype, array.shape[1:]) for key, array in rows.items()}
+        self._files = {key: open(os.path.join(self._temp, str(i)), "wb") for i, key in enumerate(rows)}
 
     def finish(self) -> str:
         """Writes the `.npz` at `path` (replacing one there); returns the path."""
         if self._temp is None:
             raise UserError("there were no predictions to write: the split has no examples")
-        partial = os.path.join(self._temp, "out.npz")
-        with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-            for key, raw in self._files.items():
-                raw.close()
-                dtype, shape = self._rows[key]
-                header = {
-                    "descr": np.lib.format.dtype_to_descr(dtype),
-                    "fortran_order": False,
-                    "shape": (self.count, *shape),
-                }
-                with archive.open(f"{key}.npy", "w", force_zip64=True) as member, open(raw.name, "rb") as data:
-                    np.lib.format.write_array_header_2_0(member, header)
-                    shutil.copyfileobj(data, member, COPY_CHUNK)
-                os.remove(raw.name)
-        os.replace(partial, self.path)
+        try:
+            partial = os.path.join(self._temp, "out.npz")
+            with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+                for key, raw in self._files.items():
+                    raw.close()
+                    dtype, shape = self._rows[key]
+                    header = {
+                        "descr": np.lib.format.dtype_to_descr(dtype),
+                        "fortran_order": False,
+                        "shape": (self.count, *shape),
+                    }
+                    with archive.open(f"{key}.npy", "w", force_zip64=True) as member, open(raw.name, "rb") as data:
+                        np.lib.format.write_array_header_2_0(member, header)
+                        shutil.copyfileobj(data, member, COPY_CHUNK)
+                    os.remove(raw.name)
+            os.replace(partial, self.path)
+        except OSError as e:
+            raise RunFailure(
+                f"writing {self.path} failed ({e}); free disk space or pass --output=PATH elsewhere"
+            ) from e
         self.discard()
         return self.path
 
