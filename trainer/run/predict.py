@@ -81,7 +81,11 @@ def predict(
     check_writable(output)
 
     runtime = make_runtime(settings, standalone=settings.mode.coordinates_workers)
-    runtime.check_batch_size(batch_size)
+    if batch_size % runtime.num_replicas:
+        raise UserError(
+            f"predict.batch_size {batch_size} is not divisible by the {runtime.num_replicas} replicas; "
+            f"use a multiple of {runtime.num_replicas}"
+        )
     run_input = settings.make_input()  # what the model is built from
     run_input.validate()
     inp = (
@@ -95,14 +99,7 @@ def predict(
     keras.utils.set_random_seed(settings.seed)
     with runtime.strategy.scope(), user_functions({"train.model_fn": settings.model_fn}):
         models, global_step, restorer = build_eval_models(run_input, settings.model_fn)
-    try:
-        restorer.restore(path).expect_partial().assert_existing_objects_matched()
-    except (ValueError, AssertionError) as e:
-        raise UserError(
-            f"checkpoint {path} does not match the model ({error_line(e)}); predict with the gin files that trained it"
-        ) from e
-    except tf.errors.OpError as e:
-        raise RunFailure(f"checkpoint {path} cannot be read ({error_line(e)})") from e
+    restore(restorer, path)
 
     predict_batch = batch_function(runtime.strategy, models, predict_step_fn, inp.examples(split).element_spec)
     dataset = data.distribute_eval(runtime.strategy, inp, batch_size, split=split, shard_policy=settings.shard_policy)
@@ -123,22 +120,31 @@ def predict(
         iterator = iter(dataset)
         for done in range(1, num_batches + 1):
             batch = next(iterator)
-            rows = (
-                tracing.traced(what, shown, functools.partial(predict_batch, batch))
-                if done == 1
-                else predict_batch(batch)
-            )
+            if done == 1:  # traces: a failure of the user's code is one line
+                rows = tracing.traced(what, shown, functools.partial(predict_batch, batch))
+            else:
+                rows = predict_batch(batch)
             if runtime.is_chief:
                 writer.append({key: value.numpy() for key, value in rows.items()})
             progress.update(done)
         progress.finish()
         if not runtime.is_chief:
             return None, count
-        if writer.count != count:
-            raise RunFailure(f"predicted {writer.count} examples of split {split!r}, which has {count}")
         writer.finish()
-    print_fn(f"predictions: {output} ({count} examples)")
-    return output, count
+    print_fn(f"predictions: {output} ({writer.count} examples)")
+    return output, writer.count
+
+
+def restore(restorer: tf.train.Checkpoint, path: str) -> None:
+    """Restores the models as the sidecar does; a checkpoint of another model is the user's to fix."""
+    try:
+        restorer.restore(path).expect_partial().assert_existing_objects_matched()
+    except (ValueError, AssertionError) as e:
+        raise UserError(
+            f"checkpoint {path} does not match the model ({error_line(e)}); predict with the gin files that trained it"
+        ) from e
+    except tf.errors.OpError as e:
+        raise RunFailure(f"checkpoint {path} cannot be read ({error_line(e)})") from e
 
 
 def chosen_checkpoint(model_dir: str, name: str | None) -> str:
