@@ -3,6 +3,7 @@ under one device, mirrored, parameter_server (on one device) and 2 launched Mult
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ from tests.support import refused_run, run_main, run_module
 from trainer import data
 from trainer.errors import UserError
 from trainer.files.predictions import PredictionWriter, check_writable
-from trainer.run.predict import chosen_checkpoint, output_keys, predict
+from trainer.run.predict import Progress, chosen_checkpoint, output_keys, predict
 from trainer.run.settings import Settings
 from trainer.task import models as models_lib
 
@@ -52,6 +53,24 @@ def test_writer_streams_rows_into_one_npz_and_leaves_nothing_when_discarded(tmp_
 def test_output_keys_flatten_nested_structures():
     assert list(output_keys(1)) == ["output"]
     assert list(output_keys({"b": {"y": 1, "x": 2}, "a": [3, (4,)]})) == ["a/0", "a/1/0", "b/x", "b/y"]
+
+
+def test_progress_is_a_live_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("TERM", "xterm")
+    lines, terminal = [], Terminal()
+    for stream in (io.StringIO(), terminal):
+        progress = Progress(3, 2, 4, lines.append, enabled=True, stream=stream)
+        for done in (1, 2, 3):
+            progress.update(done)
+        progress.finish()
+    assert [line.split("  ")[0] for line in lines] == ["predict step 2/3", "predict step 3/3"]
+    assert "steps/s" in lines[-1] and "ex/s" in lines[-1] and "ETA 0:00:00" in lines[-1]
+    drawn = terminal.getvalue()
+    assert drawn.count("\r") == 3 and "step 3/3 [" in drawn and "100%" in drawn and drawn.endswith("\n")
 
 
 def test_refusals_name_the_checkpoint_and_the_output(tmp_path):

@@ -16,7 +16,7 @@ import functools
 import os
 import sys
 import time
-from typing import Any, Callable, Mapping
+from typing import IO, Any, Callable, Mapping
 
 import keras
 import tensorflow as tf
@@ -239,10 +239,20 @@ class Progress:
     """Progress as in training: on a terminal the live bar, elsewhere a line every `every` batches, with
     steps/s (not counting the first batch, which traced) and the ETA."""
 
-    def __init__(self, total: int, every: int, batch_size: int, print_fn: Callable[[str], None], *, enabled: bool):
+    def __init__(
+        self,
+        total: int,
+        every: int,
+        batch_size: int,
+        print_fn: Callable[[str], None],
+        *,
+        enabled: bool,
+        stream: IO[str] | None = None,
+    ):
         self.total, self.every, self.batch_size, self.print_fn = total, every, batch_size, print_fn
         self.enabled = enabled
-        self._bar = LiveBar(sys.stdout) if enabled and is_terminal(sys.stdout) else None
+        stream = stream or sys.stdout
+        self._bar = LiveBar(stream) if enabled and is_terminal(stream) else None
         self._paced_from: tuple[int, float] | None = None
 
     def update(self, done: int) -> None:
