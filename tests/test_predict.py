@@ -82,6 +82,11 @@ def test_refusals_name_the_checkpoint_and_the_output(tmp_path):
         chosen_checkpoint(str(tmp_path), None)
     with pytest.raises(UserError, match="--mode=predict is not supported with tpu"):
         predict(Settings(model_dir=str(tmp_path), strategy="tpu"))
+    with pytest.raises(UserError, match="predict.batch_size must be a positive integer, got 0"):
+        predict(Settings(model_dir=str(tmp_path)), batch_size=0)
+    with pytest.raises(UserError, match="--mode=predict needs --model_dir=DIR"):
+        predict(Settings())
+    assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
 @pytest.mark.slow

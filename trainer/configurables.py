@@ -137,7 +137,9 @@ def evaluate_continuously(*, model_dir: str, print_fn=print) -> dict[str, float]
     return CONFIGURABLES["eval_continuous"](settings_from_gin(model_dir=model_dir), print_fn=print_fn)
 
 
-def predict(*, model_dir: str, checkpoint: str | None, output: str | None, print_fn=print) -> tuple[str | None, int]:
+def predict(
+    *, model_dir: str | None, checkpoint: str | None, output: str | None, print_fn=print
+) -> tuple[str | None, int]:
     """--mode=predict, set up by the run's own `train.*` bindings and `predict.*` (its functions
     resolved as the run's are, `resolve_functions`)."""
     raw = gin.get_bindings("predict", resolve_references=False)

@@ -93,14 +93,9 @@ def run(argv: list[str]) -> None:
                 raise UserError("--mode=eval_continuous needs --model_dir=DIR, the directory of the run to evaluate")
             configurables.evaluate_continuously(model_dir=absolute_model_dir(FLAGS.model_dir), print_fn=print_fn)
             return
-        if FLAGS.mode == "predict":
-            if not FLAGS.model_dir:
-                raise UserError("--mode=predict needs --model_dir=DIR, the directory of a trained run")
+        if FLAGS.mode == "predict":  # refused without --model_dir
             configurables.predict(
-                model_dir=absolute_model_dir(FLAGS.model_dir),
-                checkpoint=FLAGS.checkpoint,
-                output=FLAGS.output,
-                print_fn=print_fn,
+                model_dir=FLAGS.model_dir, checkpoint=FLAGS.checkpoint, output=FLAGS.output, print_fn=print_fn
             )
             return
         # Absolute from here on: a relative --model_dir means the same directory to every reader.
