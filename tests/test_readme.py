@@ -188,14 +188,13 @@ def elsewhere(command: str) -> bool:
 
 def root_groups() -> dict[str, list[str]]:
     """The page's other commands, run from the repository's root: the quickstart's, and the rest by
-    the model_dir they name (a sidecar after the run it evaluates)."""
+    the model_dir they name (a sidecar, an evaluation or a prediction after the run it reads)."""
     groups: dict[str, list[str]] = {}
     for section, command in PAGE.commands:
         if command not in NOT_RUN and not elsewhere(command):
             key = section if section == "Quickstart" else model_dir_of(command)
             groups.setdefault(key, []).append(command)
-    reads_a_run = lambda c: "--mode=eval_continuous" in c or "--mode=evaluate" in c  # noqa: E731
-    return {key: sorted(commands, key=reads_a_run) for key, commands in groups.items()}
+    return {key: sorted(commands, key=lambda c: "--mode=" in c) for key, commands in groups.items()}
 
 
 ROOT_GROUPS = root_groups()
@@ -248,6 +247,12 @@ def test_from_the_repository_root(root, tmp_path, group):
             assert re.search(r"^evaluating ckpt-60 \(step 60\) on eval", result.stdout, re.M), result.stdout[-2000:]
             records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
             assert [r["step"] for r in records if "reevaluated" in r] == [60]
+            continue
+        if "--mode=predict" in command:  # the finished run's newest checkpoint, into one file
+            result = run(command, root, install=root)
+            last = result.stdout.strip().splitlines()[-1]
+            path = os.path.join(model_dir, "predictions", "eval-ckpt-60.npz")
+            assert last == f"predictions: {path} (359 examples)" and os.path.exists(path), result.stdout[-2000:]
             continue
         extra = SHORT
         if "fashion_mnist" in command:  # small files in the Fashion-MNIST layout

@@ -26,6 +26,7 @@ from trainer.extensions.progress import ProgressLogger  # noqa: E402
 from trainer.loops import options as loop_options  # noqa: E402
 from trainer.loops import sidecar  # noqa: E402
 from trainer.run import evaluate as evaluate_lib  # noqa: E402
+from trainer.run import predict as predict_lib  # noqa: E402
 from trainer.run import settings as settings_lib  # noqa: E402
 from trainer.run import train as train_lib  # noqa: E402
 from trainer.task import contract, models, optimizers, steps  # noqa: E402
@@ -118,6 +119,10 @@ CONFIGURABLES = {name: gin.external_configurable(target, name) for name, target 
 CONFIGURABLES["eval_continuous"] = gin.external_configurable(
     sidecar.evaluate_continuously, "eval_continuous", denylist=["settings", "print_fn"]
 )
+# --mode=predict's own options; the model, checkpoint and strategy are the run's.
+CONFIGURABLES["predict"] = gin.external_configurable(
+    predict_lib.predict, "predict", denylist=["settings", "checkpoint", "output", "print_fn"]
+)
 # `train` builds its progress logger itself, so that class is registered in place: the class
 # reads its own bindings (`progress_logger.live = False`); every_steps is train.log_every_steps.
 CONFIGURABLES["progress_logger"] = gin.configurable("progress_logger", denylist=["every_steps", "stream"])(
@@ -143,6 +148,21 @@ def evaluate_checkpoint(*, model_dir: str, print_fn=print, **choices) -> dict[st
     """--mode=evaluate: one checkpoint evaluated again with the run's own `train.*` bindings;
     `choices`: checkpoint, splits, weights (trainer/run/evaluate.py)."""
     return evaluate_lib.evaluate(settings_from_gin(model_dir=model_dir, print_fn=print_fn), **choices)
+
+
+def predict(
+    *, model_dir: str | None, checkpoint: str | None, output: str | None, print_fn=print
+) -> tuple[str | None, int]:
+    """--mode=predict, set up by the run's own `train.*` bindings and `predict.*` (its functions
+    resolved as the run's are, `resolve_functions`)."""
+    raw = gin.get_bindings("predict", resolve_references=False)
+    functions = {
+        name: plain
+        for name, supplied in (("predict_step_fn", predict_lib.PREDICT_STEP.names), ("input_fn", contract.INPUT.names))
+        if (plain := gin_functions.plain_function(raw.get(name), supplied=supplied, what=f"predict.{name}"))
+    }
+    settings = settings_from_gin(model_dir=model_dir)
+    return CONFIGURABLES["predict"](settings, checkpoint=checkpoint, output=output, print_fn=print_fn, **functions)
 
 
 def main() -> None:

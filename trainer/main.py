@@ -45,8 +45,8 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "checkpoint",
         None,
-        "--mode=evaluate: the checkpoint, as ckpt-N, N, or a path (a checkpoint's prefix, or a directory "
-        "whose newest is taken); default the newest in --model_dir.",
+        "--mode=evaluate and --mode=predict: the checkpoint, as ckpt-N, N, or a path (a checkpoint's prefix, or "
+        "a directory whose newest is taken); default the newest in --model_dir.",
     )
     flags.DEFINE_list(
         "eval_splits", None, "--mode=evaluate: the splits to evaluate, e.g. test,eval (default: train.eval_splits)."
@@ -57,6 +57,11 @@ def define_flags() -> None:
         "--mode=evaluate: which weights, e.g. model,ema: 'model' and the averaged weights of the run's "
         "extensions (ema, swa) (default: every one the run's own eval evaluates).",
     )
+    flags.DEFINE_string(
+        "output",
+        None,
+        "--mode=predict: the .npz to write (default: <model_dir>/predictions/<split>-ckpt-N.npz).",
+    )
     flags.DEFINE_bool(
         "print_config",
         False,
@@ -66,7 +71,12 @@ def define_flags() -> None:
 
 
 # The flags that belong to one mode (or a few), refused with any other.
-MODE_FLAGS = {"checkpoint": ("evaluate",), "eval_splits": ("evaluate",), "weights": ("evaluate",)}
+MODE_FLAGS = {
+    "checkpoint": ("evaluate", "predict"),
+    "eval_splits": ("evaluate",),
+    "weights": ("evaluate",),
+    "output": ("predict",),
+}
 
 
 def check_mode_flags() -> modes.RunMode:
@@ -129,6 +139,14 @@ def run(argv: list[str]) -> None:
             choices = dict(checkpoint=FLAGS.checkpoint, splits=FLAGS.eval_splits or (), weights=FLAGS.weights or ())
             with on_the_run_cluster(lambda: configurables.check_evaluation(model_dir=model_dir, **choices)):
                 configurables.evaluate_checkpoint(model_dir=model_dir, print_fn=print_fn, **choices)
+            return
+        if mode.name == "predict":  # on this process alone, as the sidecar evaluates
+            configurables.predict(
+                model_dir=absolute_model_dir(FLAGS.model_dir),
+                checkpoint=FLAGS.checkpoint,
+                output=FLAGS.output,
+                print_fn=print_fn,
+            )
             return
         # Absolute from here on: a relative --model_dir means the same directory to every reader.
         model_dir = absolute_model_dir(FLAGS.model_dir or default_model_dir())

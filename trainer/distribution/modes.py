@@ -137,6 +137,15 @@ RUN_MODES: dict[str, RunMode] = {
             "(--eval_splits) with the run's own strategy, and append the results marked as a re-evaluation",
             needs_model_dir=True,
         ),
+        RunMode(
+            "predict",
+            "write the model's outputs over a split (predict.split, or predict.input_fn) at --checkpoint into "
+            "one .npz (--output); a parameter_server run is restored onto this process's device, as the "
+            "sidecar does",
+            supports=support((name for name in MODES if name != "tpu"), "every strategy but tpu (untried there)"),
+            on_the_run_cluster=False,
+            needs_model_dir=True,
+        ),
     )
 }
 

@@ -54,7 +54,7 @@ def plan(
     """Refuses (UserError) a model_dir without checkpoints, a checkpoint, split or weights the run does
     not have, and what the run itself would refuse; writes nothing."""
     registry = checked_registry(settings)  # the run's own checks, with its own eval splits
-    path = _checkpoint_path(settings.model_dir, checkpoint)
+    path = chosen_checkpoint(settings.model_dir, checkpoint)
     inside = os.path.relpath(path, settings.model_dir)
     name = path if inside.startswith(os.pardir) else inside
     available = (MODEL, *(name_of(e) for e in registry.extensions if isinstance(e, AveragedWeights)))
@@ -121,15 +121,14 @@ def evaluate(
     return results
 
 
-def _checkpoint_path(model_dir: str, checkpoint: str | None) -> str:
+def chosen_checkpoint(model_dir: str, checkpoint: str | None) -> str:
     """The prefix of `checkpoint` (`ckpt-N`, `N`, a checkpoint's path or a directory of them; None:
     the newest in model_dir)."""
     listed = checkpoints_in(model_dir) if os.path.isdir(model_dir) else []
     if checkpoint is None:
         if not listed:
             raise UserError(
-                f"no checkpoint in {model_dir}: --mode=evaluate evaluates a run's checkpoint; pass the "
-                "--model_dir of a run that saved one"
+                f"no checkpoint in {model_dir}: train first, or pass the --model_dir of a run that saved one"
             )
         return listed[-1][1]
     if found := _NUMBERED.match(checkpoint):
