@@ -86,10 +86,15 @@ def run(argv: list[str]) -> None:
             print(f"model_dir: {model_dir}", flush=True)
         bindings = gin.get_bindings("train", resolve_references=False)
         strategy, resolver = bindings.get("strategy", "default"), bindings.get("cluster_resolver", "tf_config")
-        if local_cluster.needs_local_cluster(strategy, resolver):
+        data_workers = configurables.local_data_workers()
+        if local_cluster.needs_local_cluster(strategy, resolver) or data_workers:
             configurables.check_settings(model_dir)  # a mistake in the settings starts no server
         with local_cluster.cluster_for(
-            strategy, configurables.local_cluster, print_fn=print_fn, cluster_resolver=resolver
+            strategy,
+            configurables.local_cluster,
+            print_fn=print_fn,
+            cluster_resolver=resolver,
+            data_workers=data_workers,
         ):
             configurables.train(
                 model_dir=model_dir,
