@@ -47,12 +47,17 @@ class DataServiceConfig:
         worker runs the whole pipeline).
       job_name: the job every input pipeline of the run reads from (default: one per model_dir, so
         a restarted run asks for the same job).
+      shuffle_buffer: examples each data worker shuffles among. Every data worker fills its own
+        buffer from the next parts of the source, so the buffers together hold the start of the
+        next pass before this one is done: at a pass's end up to num_workers x shuffle_buffer
+        examples of the two mix (smaller than the loop's own buffer for that reason).
     """
 
     address: str = LOCAL
     num_workers: int = DEFAULT_DATA_WORKERS
     processing_mode: str = "distributed_epoch"
     job_name: str | None = None
+    shuffle_buffer: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or not (self.address == LOCAL or self.address.startswith("grpc://")):
@@ -60,6 +65,7 @@ class DataServiceConfig:
                 f"train.data_service must be 'local' or 'grpc://host:port' (a running dispatcher), got {self.address!r}"
             )
         check_int("data_service.num_workers", self.num_workers)
+        check_int("data_service.shuffle_buffer", self.shuffle_buffer)
         check_choice("data_service.processing_mode", self.processing_mode, PROCESSING_MODES)
         if self.job_name is not None and (not isinstance(self.job_name, str) or not self.job_name):
             raise UserError(f"data_service.job_name must be a non-empty string or None, got {self.job_name!r}")
@@ -101,12 +107,12 @@ def job_name(config: DataServiceConfig, model_dir: str | None) -> str:
     return "trainer-" + hashlib.sha1((model_dir or "").encode()).hexdigest()[:12]
 
 
-def distribute(dataset, config: DataServiceConfig, *, model_dir: str | None):
-    """`dataset` read from the service: the data workers run its pipeline, this reader gets its share of
-    the run's one job. Never auto-sharded again by the strategy: the service already splits the data."""
+def distribute(batches, config: DataServiceConfig, *, model_dir: str | None):
+    """`batches` read from the service, whose data workers make them: this reader's share of the run's
+    one job. Never auto-sharded again by the strategy: the service already splits the data."""
     import tensorflow as tf
 
-    served = dataset.apply(
+    served = batches.apply(
         tf.data.experimental.service.distribute(
             processing_mode=config.processing_mode,
             service=dispatcher_address(config),
@@ -134,15 +140,16 @@ def serve(task_type: str, cluster: dict[str, list[str]], task_id: int):
     )
 
 
-def train_batches(inp, batch_size: int, seed: int):
-    """Endless shuffled `batch_size` batches of the train split for the data workers to make. Unlike the
-    loop's own pipeline, nothing carries state from one part of the source to the next, so the
-    dispatcher can split it (by example) among the data workers: each shuffles and batches its parts.
-    Data held in memory is gathered by index from the arrays, which travel inside the pipeline."""
+def train_batches(inp, batch_size: int, shuffle_buffer: int):
+    """Endless shuffled batches of the train split for the data workers to make. Unlike the loop's own
+    pipeline, nothing carries state from one part of the source to the next, so the dispatcher can split
+    it (by example, each pass in order) among the data workers: each shuffles what it gets in a buffer of
+    `shuffle_buffer`, unseeded (which worker gets which part is the service's choice anyway), and
+    batches it. Data held in memory is gathered by index from the arrays, which travel in the pipeline."""
     import tensorflow as tf
 
     from trainer.data.inputs import as_input
-    from trainer.data.pipeline import MAX_SHUFFLE_BUFFER, gathered
+    from trainer.data.pipeline import graph_code
 
     inp = as_input(inp)
     held = inp.train_arrays(None)
@@ -150,7 +157,8 @@ def train_batches(inp, batch_size: int, seed: int):
         source = tf.data.Dataset.range(len(tf.nest.flatten(held[0])[0]))
     else:
         source = inp.examples("train", None)
-    buffer = min(inp.num_examples("train"), MAX_SHUFFLE_BUFFER)
-    batches = source.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).repeat()
-    batches = batches.batch(batch_size, drop_remainder=True)
-    return gathered(batches, held[0], batch_size) if held is not None else batches
+    batches = source.shuffle(shuffle_buffer).repeat().batch(batch_size, drop_remainder=True)
+    if held is None:
+        return batches
+    tensors = tf.nest.map_structure(tf.constant, held[0])
+    return batches.map(graph_code(lambda index: tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)))
