@@ -81,3 +81,27 @@ def test_batched_parsing_keeps_every_example_in_order(tmp_path):
         np.testing.assert_array_equal([y for _, y in got], labels)
     shards = [[int(y) for _, y in built_in.examples("train", (4, i)).as_numpy_iterator()] for i in range(4)]
     assert [y for i in range(len(labels)) for y in [shards[i % 4][i // 4]]] == list(labels)  # by record
+
+
+SERVICE_BENCH = """
+import json
+from trainer.distribution import netns
+netns.isolate("the test's tf.data service")
+from experiments.bench.service_input import run_service_bench
+lines = []
+result = run_service_bench(latency_ms=4, data_workers=2, seconds=0.4, rounds=2, print_fn=lines.append)
+print(json.dumps({"result": result, "table": "\\n".join(lines)}))
+"""
+
+
+@pytest.mark.slow
+def test_service_bench_reads_a_slow_source_faster_with_two_data_workers():
+    """A source that waits 4 ms per example: one pipeline reads at most 250 examples/s, two data workers
+    about twice that (sleeping needs no core, so a busy machine does not change it)."""
+    answer = run_python(SERVICE_BENCH, timeout=240)
+    result, rows = answer["result"], answer["table"].splitlines()
+    assert result["per_worker_examples_per_sec"] <= 250
+    assert result["service_over_per_worker"] > 1.3, result
+    assert len(result["round_ratios"]) == 2 and result["settings"]["data_workers"] == 2
+    assert rows[2].startswith("per-worker pipeline") and rows[3].startswith("data service (2 data workers)")
+    assert rows[4].startswith(f"data service / per-worker: {result['service_over_per_worker']:.2f}x")

@@ -8,7 +8,9 @@ parameter-server run builds it without the service; "data service" is the same p
 dispatcher and its data workers (real servers, subprocesses, `distributed_epoch`) and read by this process.
 Both are read in turns of `--input_seconds`, alternating which goes first, for `ROUNDS` rounds, after a
 warm-up; the ratio is the geometric mean of the rounds' ratios (service over per-worker), so a drift of the
-machine's speed cancels within a round.
+machine's speed cancels within a round. While one reader has its turn the other's buffers fill (the
+service's data workers keep making batches): short turns favour the service, so measure with turns of
+seconds.
 """
 
 from __future__ import annotations
@@ -28,13 +30,20 @@ def slow_batches(latency_ms: float):
     import tensorflow as tf
 
     from trainer import internals
+    from trainer.data.pipeline import graph_code
 
-    examples = tf.data.Dataset.range(NUM_EXAMPLES).map(lambda i: (tf.fill([8], tf.cast(i, tf.float32)), i))
+    example = graph_code(lambda i: (tf.fill([8], tf.cast(i, tf.float32)), i))
+    examples = tf.data.Dataset.range(NUM_EXAMPLES).map(example)
     return examples.apply(internals.sleep_each(int(latency_ms * 1000))).repeat().batch(BATCH_SIZE)
 
 
 def run_service_bench(
-    *, latency_ms: float, data_workers: int, seconds: float, print_fn: Callable[[str], None] = print
+    *,
+    latency_ms: float,
+    data_workers: int,
+    seconds: float,
+    rounds: int = ROUNDS,
+    print_fn: Callable[[str], None] = print,
 ) -> dict:
     """Measures both readers in interleaved rounds; prints a table, returns the figures."""
     from trainer.data import service
@@ -48,14 +57,14 @@ def run_service_bench(
         }
         for reader in readers.values():  # warm-up: the service's job starts, its workers fill their buffers
             _rate(reader, min(seconds, 1.0))
-        rounds = []
-        for index in range(ROUNDS):
+        rates = []
+        for index in range(rounds):
             order = list(readers) if index % 2 == 0 else list(reversed(readers))
-            rounds.append({name: _rate(readers[name], seconds) for name in order})
-    ratios = [r["service"] / r["per_worker"] for r in rounds]
+            rates.append({name: _rate(readers[name], seconds) for name in order})
+    ratios = [r["service"] / r["per_worker"] for r in rates]
     result = {
-        "per_worker_examples_per_sec": _mean(r["per_worker"] for r in rounds),
-        "service_examples_per_sec": _mean(r["service"] for r in rounds),
+        "per_worker_examples_per_sec": _mean(r["per_worker"] for r in rates),
+        "service_examples_per_sec": _mean(r["service"] for r in rates),
         "service_over_per_worker": round(math.exp(sum(map(math.log, ratios)) / len(ratios)), 3),
         "round_ratios": [round(r, 3) for r in ratios],
         "settings": {
@@ -63,7 +72,7 @@ def run_service_bench(
             "data_workers": data_workers,
             "batch_size": BATCH_SIZE,
             "seconds": seconds,
-            "rounds": ROUNDS,
+            "rounds": rounds,
             "cores": os.cpu_count(),
         },
     }
