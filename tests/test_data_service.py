@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests import id_counting
-from tests.support import run_main, run_module, subprocess_env
+from tests.support import REPO, run_main, run_module, subprocess_env
 from tests.test_ps import assert_all_gone, server_pids
 from trainer.data import service
 from trainer.distribution import early_isolation, local_cluster
@@ -113,3 +113,20 @@ def test_server_runs_dispatcher_and_data_worker_tasks_and_checks_their_cluster()
     )
     proc = run_module("trainer.server", env=env, timeout=60)
     assert proc.returncode == 2 and "needs exactly one 'dispatcher' task" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_local_service_alone_starts_a_dispatcher_and_its_data_workers_and_ends_them(monkeypatch):
+    """LocalCluster without parameter-server tasks (a one-process run), with stand-in servers
+    (tests/fake_server.py): the service's own cluster and its address, every process ended."""
+    from tests.test_ps import _ended
+
+    monkeypatch.chdir(REPO)
+    printed: list[str] = []
+    with local_cluster.LocalCluster(
+        None, data_workers=2, print_fn=printed.append, server_module="tests.fake_server"
+    ) as cluster:
+        pids = cluster.pids
+        assert sorted(pids) == sorted(SERVICE) and cluster.cluster == {}
+        assert cluster.service_address == f"grpc://{cluster.service_cluster['dispatcher'][0]}"
+    assert printed[-1].endswith("; this process is the trainer") and "dispatcher 0 pid" in printed[-1]
+    assert _ended(pids.values())

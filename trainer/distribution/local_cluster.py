@@ -180,10 +180,10 @@ class LocalCluster:
             self.cluster = build_cluster(self.config.num_workers, self.config.num_ps, free_ports)
         if self._data_workers:
             self.service_cluster = build_service_cluster(self._data_workers, free_ports)
-        for cluster in (self.cluster, self.service_cluster):
-            for task_type, addresses in cluster.items():
-                for task_id in range(len(addresses) if task_type != "chief" else 0):
-                    self._servers.append(_Server(task_type, task_id, cluster, self._module))
+        kinds = [(self.cluster, kind) for kind in ("ps", "worker") if kind in self.cluster]
+        for cluster, task_type in kinds + [(self.service_cluster, kind) for kind in self.service_cluster]:
+            for task_id in range(len(cluster[task_type])):
+                self._servers.append(_Server(task_type, task_id, cluster, self._module))
         self._wait_until_ready()
         shown = ", ".join(f"{s.name} pid {s.pid} at {s.address}" for s in self._servers)
         role = "the coordinator (chief)" if self._training else "the trainer"
