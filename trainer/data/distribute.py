@@ -95,7 +95,7 @@ def distribute_train(
     `service`, read from it (`served_train`: no skip, no dropped batches)."""
     inp = as_input(inp)
     if service is not None:
-        return served_train(strategy, inp, global_batch_size, service, model_dir=model_dir)
+        return served_train(strategy, inp, global_batch_size, seed, service, model_dir=model_dir)
     _check(strategy, inp, "train", method, shard_policy)
     global_batches = functools.partial(
         train_dataset, inp, global_batch_size, seed, skip_batches=skip_steps, drop_batches=drop_batches
@@ -125,6 +125,7 @@ def served_train(
     strategy: tf.distribute.Strategy,
     inp: Input | InputFunction,
     global_batch_size: int,
+    seed: int,
     service: data_service.DataServiceConfig,
     *,
     model_dir: str | None,
@@ -135,7 +136,7 @@ def served_train(
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         batches = data_service.train_batches(
-            inp, context.get_per_replica_batch_size(global_batch_size), service.shuffle_buffer
+            inp, context.get_per_replica_batch_size(global_batch_size), service.shuffle_buffer, seed
         )
         return data_service.distribute(batches, service, model_dir=model_dir)
 

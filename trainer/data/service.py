@@ -140,12 +140,14 @@ def serve(task_type: str, cluster: dict[str, list[str]], task_id: int):
     )
 
 
-def train_batches(inp, batch_size: int, shuffle_buffer: int):
+def train_batches(inp, batch_size: int, shuffle_buffer: int, seed: int):
     """Endless shuffled batches of the train split for the data workers to make. Unlike the loop's own
     pipeline, nothing carries state from one part of the source to the next, so the dispatcher can split
     it (by example, each pass in order) among the data workers: each shuffles what it gets in a buffer of
     `shuffle_buffer`, unseeded (which worker gets which part is the service's choice anyway), and
-    batches it. Data held in memory is gathered by index from the arrays, which travel in the pipeline."""
+    batches it. Data held in memory is gathered by index from the arrays, which travel in the pipeline,
+    in an order shuffled once by `seed` (the same every pass), so a pass is not in the arrays' order (often
+    sorted by label) where the buffer is smaller than the data."""
     import tensorflow as tf
 
     from trainer.data.inputs import as_input
@@ -154,7 +156,9 @@ def train_batches(inp, batch_size: int, shuffle_buffer: int):
     inp = as_input(inp)
     held = inp.train_arrays(None)
     if held is not None:
-        source = tf.data.Dataset.range(len(tf.nest.flatten(held[0])[0]))
+        count = len(tf.nest.flatten(held[0])[0])
+        order = tf.random.experimental.stateless_shuffle(tf.range(count, dtype=tf.int64), seed=[seed, 0])
+        source = tf.data.Dataset.range(count).map(graph_code(lambda i: tf.gather(order, i)))
     else:
         source = inp.examples("train", None)
     batches = source.shuffle(shuffle_buffer).repeat().batch(batch_size, drop_remainder=True)

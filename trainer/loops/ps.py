@@ -287,7 +287,7 @@ def per_worker_train_data(
     """Per-worker datasets, each built on its worker inside the dataset function (see module doc); with a
     tf.data `service`, each worker a reader of the run's one job."""
     if service is not None:
-        served = lambda: data.served_train(strategy, inp, global_batch_size, service, model_dir=model_dir)  # noqa: E731
+        served = lambda: data.served_train(strategy, inp, global_batch_size, seed, service, model_dir=model_dir)  # noqa: E731
         return coordinator.create_per_worker_dataset(served)
     workers = data.num_workers(strategy)
     with strategy.scope():
