@@ -8,9 +8,9 @@ parameter-server run builds it without the service; "data service" is the same p
 dispatcher and its data workers (real servers, subprocesses, `distributed_epoch`) and read by this process.
 Both are read in turns of `--input_seconds`, alternating which goes first, for `ROUNDS` rounds, after a
 warm-up; the ratio is the geometric mean of the rounds' ratios (service over per-worker), so a drift of the
-machine's speed cancels within a round. While one reader has its turn the other's buffers fill (the
-service's data workers keep making batches): short turns favour the service, so measure with turns of
-seconds.
+machine's speed cancels within a round. While one reader has its turn the other's buffers fill (tf.data
+prefetches on its own, the service's data workers keep making batches), which short turns count as
+speed: measure with turns of seconds.
 """
 
 from __future__ import annotations
