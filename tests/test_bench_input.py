@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.bench import input_only
+from experiments.bench import input_only, service_input
 from tests.support import run_python
 from trainer import data, write_tfrecords
 
@@ -81,3 +81,21 @@ def test_batched_parsing_keeps_every_example_in_order(tmp_path):
         np.testing.assert_array_equal([y for _, y in got], labels)
     shards = [[int(y) for _, y in built_in.examples("train", (4, i)).as_numpy_iterator()] for i in range(4)]
     assert [y for i in range(len(labels)) for y in [shards[i % 4][i // 4]]] == list(labels)  # by record
+
+
+def test_service_bench_table_shows_both_readers_and_their_ratio():
+    """experiments/bench/service_input.py's table (its real run, three servers and six rounds, is the
+    one in docs/speed.md; the sleep it reads through is tried in tests/test_internals.py)."""
+    settings = {"latency_ms": 2, "data_workers": 2, "batch_size": 16, "seconds": 3, "rounds": 2, "cores": 2}
+    result = {
+        "per_worker_examples_per_sec": 480.8,
+        "service_examples_per_sec": 930.9,
+        "service_over_per_worker": 1.936,
+        "round_ratios": [2.04, 1.84],
+        "settings": settings,
+    }
+    rows = service_input.text_table(result).splitlines()
+    assert rows[0].startswith("input bench, slow source: 2 ms per example") and "2 interleaved rounds of 3 s" in rows[0]
+    assert rows[2].startswith("per-worker pipeline") and rows[2].endswith("480.8")
+    assert rows[3].startswith("data service (2 data workers)") and rows[3].endswith("930.9")
+    assert rows[4] == "data service / per-worker: 1.94x (rounds: 2.04, 1.84)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import gin
 import keras
@@ -176,3 +177,10 @@ def test_the_preemption_handlers_private_methods_and_the_coordination_service_ex
     )
     with internals.silenced_deprecation():
         pass
+
+
+def test_the_sleep_transformation_waits_before_each_element():
+    dataset = tf.data.Dataset.range(5).apply(internals.sleep_each(20_000))
+    started = time.monotonic()
+    assert list(dataset.as_numpy_iterator()) == [0, 1, 2, 3, 4]
+    assert time.monotonic() - started >= 0.1

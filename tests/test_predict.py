@@ -80,7 +80,9 @@ def test_refusals_name_the_checkpoint_and_the_output(tmp_path):
             check_writable(str(path))
     with pytest.raises(UserError, match=r"no checkpoint in .*: train first"):
         chosen_checkpoint(str(tmp_path), None)
-    with pytest.raises(UserError, match="--mode=predict is not supported with tpu; it works with every strategy but tpu"):
+    with pytest.raises(
+        UserError, match="--mode=predict is not supported with tpu; it works with every strategy but tpu"
+    ):
         predict(Settings(model_dir=str(tmp_path), strategy="tpu"))
     with pytest.raises(UserError, match="predict.batch_size must be a positive integer, got 0"):
         predict(Settings(model_dir=str(tmp_path)), batch_size=0)

@@ -19,6 +19,7 @@ import gin  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from trainer import data  # noqa: E402
+from trainer.data import service as data_service_lib  # noqa: E402
 from trainer.distribution import devices  # noqa: E402
 from trainer.distribution import local_cluster as local_cluster_lib  # noqa: E402
 from trainer.extensions import built_in  # noqa: E402
@@ -60,7 +61,22 @@ def resolve_functions(arguments: dict) -> dict:
             names = supplied.names if supplied else ()
             plain = gin_functions.plain_function(reference, supplied=names, what=f"train.{name}")
             resolved[name] = plain or arguments[name]
+    if isinstance(resolved.get("data_service"), str):  # an address, with `data_service.*` bound in gin
+        resolved["data_service"] = data_service_config(resolved["data_service"])
     return resolved
+
+
+def data_service_config(address: str) -> data_service_lib.DataServiceConfig:
+    """`train.data_service = 'address'` with the `data_service.*` bindings."""
+    return CONFIGURABLES["data_service"](address=address)
+
+
+def local_data_workers() -> int:
+    """How many data workers the parsed config's 'local' tf.data service has (0: none to start), for the
+    entry point that starts it (trainer/distribution/local_cluster.py)."""
+    value = gin.get_bindings("train").get("data_service")
+    config = data_service_config(value) if isinstance(value, str) else value
+    return config.num_workers if isinstance(config, data_service_lib.DataServiceConfig) and config.local else 0
 
 
 def train_from_gin(**arguments):
@@ -105,6 +121,7 @@ REGISTERED = {
     "devices": devices.DeviceConfig,
     **built_in.GIN_NAMES,  # the built-in extensions' own (trainer/extensions/built_in.py)
     "parameter_server": loop_options.ParameterServerConfig,
+    "data_service": data_service_lib.DataServiceConfig,
     "local_cluster": local_cluster_lib.LocalClusterConfig,
     "min_size_partitioner": tf.distribute.experimental.partitioners.MinSizePartitioner,
     "max_size_partitioner": tf.distribute.experimental.partitioners.MaxSizePartitioner,

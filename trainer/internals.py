@@ -160,3 +160,12 @@ def tell_preemption_handler(handler: Any) -> None:
     thread decides which signal stops the run, and hands the handler the stop it then agrees on with
     every worker."""
     handler._maybe_set_received_own_sigterm()  # noqa: SLF001
+
+
+def sleep_each(microseconds: int) -> Callable[[Any], Any]:
+    """A dataset transformation that waits `microseconds` before each element (tf.data's own test op,
+    `testing.sleep`): a source with a read latency that, unlike `tf.py_function`, runs on tf.data service
+    workers in other processes. Without it the input bench cannot model a slow source."""
+    from tensorflow.python.data.experimental.ops import testing
+
+    return testing.sleep(microseconds)

@@ -9,7 +9,10 @@ reaches every task (Ctrl-C the training tasks first, which save, then the server
 process group is killed at the end, and the group can restart whole on fresh ports (exit 42). It
 runs in a private network namespace with only loopback (trainer/distribution/netns.py), since
 TensorFlow's servers listen on every address. Without ps: N `worker` tasks (worker 0 the chief);
-with ps: one `chief` running the module, N `worker` and P `ps` tasks running `--server_module`.
+with ps: one `chief` running the module, N `worker` and P `ps` tasks running `--server_module`. A config
+with a 'local' tf.data service (`train.data_service = 'local'`, read from its gin text) adds a `dispatcher`
+and `data_service.num_workers` `data_worker` tasks running `--server_module`, a cluster of their own whose
+address the training tasks get in TRAINER_DATA_SERVICE.
 """
 
 import dataclasses
@@ -26,8 +29,15 @@ from typing import IO, NoReturn
 from absl import app, flags
 
 from trainer.cli import fail, parse_flags
-from trainer.distribution import netns
-from trainer.distribution.local_cluster import build_cluster, free_ports, tf_config_for
+from trainer.distribution import early_isolation, netns
+from trainer.distribution.local_cluster import (
+    ADDRESS_ENV,
+    build_cluster,
+    build_service_cluster,
+    free_ports,
+    service_address,
+    tf_config_for,
+)
 from trainer.errors import UserError
 
 USER_ERROR_EXIT = 2
@@ -67,11 +77,13 @@ def launch(
     launcher's own signal N. Main thread only (it handles SIGINT and SIGTERM)."""
     _check_options(num_workers, num_ps, max_restarts, grace_secs)
     options = Options(module=module, server_module=server_module, grace_secs=grace_secs)
+    data_workers = early_isolation.local_data_workers(args)
     with _SignalCatcher() as signals:
         attempt = 0
         while True:
             cluster = build_cluster(num_workers, num_ps, free_ports)
-            code = _run_group(cluster, args, options, signals)
+            service = build_service_cluster(data_workers, free_ports) if data_workers else {}
+            code = _run_group(cluster, service, args, options, signals)
             # A user mistake (exit 2) would fail the same way again, and a task stopped by Ctrl-C
             # (130) was asked to stop, so either ends the run.
             if code in (0, USER_ERROR_EXIT, INTERRUPTED_EXIT) or signals.received or attempt == max_restarts:
@@ -116,10 +128,10 @@ class _SignalCatcher:
 class _Task:
     """One task's process, in its own process group, with its output copied under a prefix."""
 
-    def __init__(self, task_type: str, task_id: int, command: list[str], tf_config: str):
+    def __init__(self, task_type: str, task_id: int, command: list[str], tf_config: str, env: dict[str, str]):
         self.task_type = task_type
         self.name = f"{task_type} {task_id}"
-        env = {**os.environ, "TF_CONFIG": tf_config, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **env, "TF_CONFIG": tf_config, "PYTHONUNBUFFERED": "1"}
         pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
         self.process = subprocess.Popen(command, env=env, start_new_session=True, **pipes)
         self._copier = threading.Thread(target=_copy_lines, args=(self.process.stdout, f"[{self.name}] "), daemon=True)
@@ -139,16 +151,23 @@ class _Task:
         self._copier.join(timeout=5)
 
 
-def _run_group(cluster: dict, args: Sequence[str], options: Options, signals: _SignalCatcher) -> int:
-    _log(f"starting {sum(map(len, cluster.values()))} tasks: {json.dumps(cluster)}")
+def _run_group(cluster: dict, service: dict, args: Sequence[str], options: Options, signals: _SignalCatcher) -> int:
+    """Runs the training `cluster` and, if any, a tf.data `service` cluster beside it."""
+    count = sum(map(len, cluster.values())) + sum(map(len, service.values()))
+    _log(f"starting {count} tasks: {json.dumps({**cluster, **service})}")
+    env = {ADDRESS_ENV: service_address(service)} if service else {}
     tasks: list[_Task] = []
     try:
+        for task_type, task_id in [(t, i) for t, addresses in service.items() for i in range(len(addresses))]:
+            server = [sys.executable, "-m", options.server_module]
+            tasks.append(_Task(task_type, task_id, server, tf_config_for(service, task_type, task_id), env))
         for task_type, addresses in cluster.items():
             for task_id in range(len(addresses)):
                 command = command_for(cluster, task_type, args, options)
                 tf_config = tf_config_for(cluster, task_type, task_id)
-                tasks.append(_Task(task_type, task_id, command, tf_config))
-        watched = [task for task in tasks if task.task_type == "chief"] or tasks
+                tasks.append(_Task(task_type, task_id, command, tf_config, env))
+        training = [task for task in tasks if task.task_type not in service]
+        watched = [task for task in tasks if task.task_type == "chief"] or training
         return _supervise(tasks, watched, signals, options.grace_secs)
     finally:
         _kill(tasks)

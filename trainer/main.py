@@ -123,12 +123,17 @@ def run(argv: list[str]) -> None:
         if strategy in modes.MODES:  # another name is refused with the settings, in their words
             modes.require_run_mode(mode.name, strategy)
 
-        def on_the_run_cluster(check):
-            """The run's embedded cluster where it has one; `check()` first: a mistake starts no server."""
-            if local_cluster.needs_local_cluster(strategy, resolver):
+        def on_the_run_cluster(check, data_workers: int = 0):
+            """The run's embedded cluster where it has one, and the tf.data service's servers where
+            `data_workers` are asked for; `check()` first: a mistake starts no server."""
+            if local_cluster.needs_local_cluster(strategy, resolver) or data_workers:
                 check()
             return local_cluster.cluster_for(
-                strategy, configurables.local_cluster, print_fn=print_fn, cluster_resolver=resolver
+                strategy,
+                configurables.local_cluster,
+                print_fn=print_fn,
+                cluster_resolver=resolver,
+                data_workers=data_workers,
             )
 
         if mode.name == "eval_continuous":
@@ -152,7 +157,7 @@ def run(argv: list[str]) -> None:
         model_dir = absolute_model_dir(FLAGS.model_dir or default_model_dir())
         if not FLAGS.model_dir:
             print(f"model_dir: {model_dir}", flush=True)
-        with on_the_run_cluster(lambda: configurables.check_settings(model_dir)):
+        with on_the_run_cluster(lambda: configurables.check_settings(model_dir), configurables.local_data_workers()):
             configurables.train(
                 model_dir=model_dir,
                 describe_config=gin.operative_config_str,

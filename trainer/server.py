@@ -1,5 +1,7 @@
 """`python -m trainer.server`: one worker or ps task of a ParameterServer cluster, from TF_CONFIG or SLURM
-(`--cluster_resolver=slurm --cluster_resolver_options="{'jobs': {...}}"`, as the chief's gin options).
+(`--cluster_resolver=slurm --cluster_resolver_options="{'jobs': {...}}"`, as the chief's gin options); or,
+from TF_CONFIG, one `dispatcher` or `data_worker` task of a tf.data service cluster
+(`{'dispatcher': [address], 'data_worker': [...]}`, trainer/data/service.py), whatever the strategy.
 
 Only the coordinator (task `chief`) runs the training program; workers and ps are plain TensorFlow servers.
 This one checks the cluster (one line, exit 2 on a mistake), sets `GRPC_FAIL_FAST=use_caller` before
@@ -21,14 +23,22 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from trainer.cli import flush_and_exit  # noqa: E402
 from trainer.distribution import cluster  # noqa: E402  (no TensorFlow import)
-from trainer.distribution.local_cluster import READY_MESSAGE  # noqa: E402  (no TensorFlow import)
+from trainer.distribution.local_cluster import READY_MESSAGE, SERVICE_TASK_TYPES  # noqa: E402  (no TensorFlow)
 from trainer.errors import UserError  # noqa: E402
 
 SERVER_TASK_TYPES = ("worker", "ps")
 _PARENT_POLL_SECS = 1.0
+_SERVING: list = []  # the tf.data service server, held until the process ends
 
 
 def check_server_task(info: cluster.ClusterInfo) -> None:
+    if info.task_type in SERVICE_TASK_TYPES:
+        if len(info.cluster.get("dispatcher", [])) != 1:
+            raise UserError(
+                "TF_CONFIG: a tf.data service cluster needs exactly one 'dispatcher' task, got "
+                f"{len(info.cluster.get('dispatcher', []))}"
+            )
+        return
     if not info.is_distributed:
         raise UserError(
             "trainer.server needs TF_CONFIG describing a worker or ps task; without a "
@@ -37,7 +47,8 @@ def check_server_task(info: cluster.ClusterInfo) -> None:
     if info.task_type not in SERVER_TASK_TYPES:
         raise UserError(
             f"TF_CONFIG: task.type is {info.task_type!r} but trainer.server runs 'worker' or 'ps' "
-            "tasks; run the chief with `python -m trainer.main --gin_file=gin/ps.gin`"
+            "tasks (or a tf.data service's 'dispatcher' or 'data_worker'); run the chief with "
+            "`python -m trainer.main --gin_file=gin/ps.gin`"
         )
     for needed in SERVER_TASK_TYPES:
         if not info.cluster.get(needed):
@@ -74,7 +85,9 @@ def parse_args(argv: list[str]) -> tuple[str, dict[str, Any]]:
 
 def server_task(resolver_kind: str, options: dict[str, Any]) -> cluster.ClusterInfo:
     if resolver_kind == "tf_config" and not options:
-        info = cluster.cluster_from_env(cluster.allowed_task_types_for("parameter_server"))
+        info = cluster.cluster_from_env()
+        if info.task_type not in SERVICE_TASK_TYPES:
+            info = cluster.cluster_from_env(cluster.allowed_task_types_for("parameter_server"))
     else:
         from trainer import quiet_start
 
@@ -94,9 +107,14 @@ def serve(info: cluster.ClusterInfo, stop: threading.Event) -> None:
     quiet_start.import_tensorflow()  # without its load-time C++ notices
     import tensorflow as tf
 
-    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=inter_op_threads(info))
-    spec = tf.train.ClusterSpec(info.cluster)
-    tf.distribute.Server(spec, job_name=info.task_type, task_index=info.task_id, protocol="grpc", config=config)
+    if info.task_type in SERVICE_TASK_TYPES:
+        from trainer.data import service
+
+        _SERVING.append(service.serve(info.task_type, info.cluster, info.task_id))  # stops if collected
+    else:
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=inter_op_threads(info))
+        spec = tf.train.ClusterSpec(info.cluster)
+        tf.distribute.Server(spec, job_name=info.task_type, task_index=info.task_id, protocol="grpc", config=config)
     address = info.cluster[info.task_type][info.task_id]
     say(f"server {info.task_type} {info.task_id} (pid {os.getpid()}) {READY_MESSAGE} {address}")
     parent = os.getppid()

@@ -62,7 +62,8 @@ JSON with experiments/bench/readme.py).
 Exit 0 when everything ran, 1 when a variant other than fit failed, 2 on a user mistake.
 
 `--mode` picks what is measured: `train` (the above), `input` (the input pipeline alone, for
-`--input_seconds`, against what the step consumes) or `save_stall` (the training stall per
+`--input_seconds`, against what the step consumes; with `--input_latency_ms`, a slow source read by a
+per-worker pipeline against a tf.data service, experiments/bench/service_input.py) or `save_stall` (the training stall per
 checkpoint save of a `--save_stall_params`-parameter model, `--saves` times, the step on
 `--save_stall_step_threads` threads or every core); `--json` writes
 what those modes return too.
@@ -81,7 +82,11 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from trainer.cli import exit_without_teardown, fail, import_tensorflow_quietly, parse_flags  # noqa: E402
+from trainer.distribution import netns  # noqa: E402
 
+if any(arg.startswith("--input_latency_ms") for arg in sys.argv[1:]):
+    # Its tf.data service listens on every address: into the private network namespace before any thread.
+    netns.isolate("the input bench's tf.data service")
 import_tensorflow_quietly()  # this module runs only as the program; the parts below import TensorFlow
 
 from absl import app, flags, logging  # noqa: E402
@@ -109,6 +114,13 @@ def define_flags() -> None:
         "the training stall per checkpoint save.",
     )
     flags.DEFINE_float("input_seconds", 5, "--mode=input: seconds each input source is read.")
+    flags.DEFINE_float(
+        "input_latency_ms",
+        0,
+        "--mode=input: > 0 compares a per-worker pipeline with a tf.data service on a source of this read "
+        "latency per example instead (experiments/bench/service_input.py).",
+    )
+    flags.DEFINE_integer("input_data_workers", 2, "--mode=input with --input_latency_ms: the service's data workers.")
     flags.DEFINE_integer("save_stall_params", 100_000_000, "--mode=save_stall: parameters of the saved model.")
     flags.DEFINE_integer("saves", 5, "--mode=save_stall: checkpoint saves measured.")
     flags.DEFINE_integer(
@@ -207,6 +219,15 @@ def install_orbit() -> None:
 def dispatch(mode: str) -> tuple[int, dict | None]:
     """Runs `mode`; its exit code, and the dict `--json` writes for the modes that return one."""
     print_fn = lambda line: print(line, flush=True)  # noqa: E731
+    if mode == "input" and FLAGS.input_latency_ms > 0:
+        from experiments.bench.service_input import run_service_bench
+
+        return 0, run_service_bench(
+            latency_ms=FLAGS.input_latency_ms,
+            data_workers=FLAGS.input_data_workers,
+            seconds=FLAGS.input_seconds,
+            print_fn=print_fn,
+        )
     if mode == "input":
         from experiments.bench.input_only import run_input_bench
 

@@ -1,7 +1,15 @@
 """Input: input functions (the user's and the built-in sources) and the pipelines that batch,
 shard and distribute any of them (see trainer.data.inputs for the input function contract)."""
 
-from trainer.data.distribute import distribute_eval, distribute_train, held, num_workers, replica_slices, shards_by_file
+from trainer.data.distribute import (
+    distribute_eval,
+    distribute_train,
+    held,
+    num_workers,
+    replica_slices,
+    served_train,
+    shards_by_file,
+)
 from trainer.data.inputs import (
     MAX_IN_MEMORY_BYTES,
     SPLITS,

@@ -1,6 +1,7 @@
 """Training and eval data for a strategy (docs/design.md, rules 4 and 5): global batches for
 `experimental_distribute_dataset` ('dataset'); per-replica batches for `distribute_datasets_from_function`
-('function'), cut from the same global batches unless each pipeline reads its own files."""
+('function'), cut from the same global batches unless each pipeline reads its own files; or, with a tf.data
+service, per-replica batches its data workers make (trainer/data/service.py)."""
 
 import functools
 from typing import Sequence
@@ -9,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from trainer import internals
+from trainer.data import service as data_service
 from trainer.data.inputs import Input, InputFunction, as_input
 from trainer.data.pipeline import eval_dataset, prefetch_for_accelerators, train_dataset, whole
 from trainer.errors import UserError
@@ -85,10 +87,15 @@ def distribute_train(
     skip_steps: int = 0,
     drop_batches: Sequence[int] = (),
     held_steps: int | None = None,
+    service: data_service.DataServiceConfig | None = None,
+    model_dir: str | None = None,
 ) -> tf.distribute.DistributedDataset:
     """The training data for `strategy`, resumed after `skip_steps` global steps (see `train_dataset`); with
-    `held_steps`, only the batches of that many steps, `held` (for Keras fit, trainer.parity)."""
+    `held_steps`, only the batches of that many steps, `held` (for Keras fit, trainer.parity); with a
+    `service`, read from it (`served_train`: no skip, no dropped batches)."""
     inp = as_input(inp)
+    if service is not None:
+        return served_train(strategy, inp, global_batch_size, seed, service, model_dir=model_dir)
     _check(strategy, inp, "train", method, shard_policy)
     global_batches = functools.partial(
         train_dataset, inp, global_batch_size, seed, skip_batches=skip_steps, drop_batches=drop_batches
@@ -110,6 +117,28 @@ def distribute_train(
             input_context=context,
         )
         return held(dataset, held_steps and held_steps * per_step)
+
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def served_train(
+    strategy: tf.distribute.Strategy,
+    inp: Input | InputFunction,
+    global_batch_size: int,
+    seed: int,
+    service: data_service.DataServiceConfig,
+    *,
+    model_dir: str | None,
+) -> tf.distribute.DistributedDataset:
+    """Per-replica train batches from the tf.data service, every input pipeline a reader of the run's one job.
+    The service hands out its stream as it comes (no position to skip to): a resumed run reads on from
+    where the job is, or from a fresh job's start (docs/parameter-servers.md)."""
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        batches = data_service.train_batches(
+            inp, context.get_per_replica_batch_size(global_batch_size), service.shuffle_buffer, seed
+        )
+        return data_service.distribute(batches, service, model_dir=model_dir)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 

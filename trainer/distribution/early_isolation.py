@@ -12,12 +12,14 @@ import re
 from typing import Sequence
 
 from trainer.distribution import modes, netns
-from trainer.distribution.local_cluster import WHAT, needs_local_cluster
+from trainer.distribution.local_cluster import DEFAULT_DATA_WORKERS, WHAT, needs_local_cluster
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _STRATEGY = re.compile(r"""\bstrategy\s*=\s*['"](\w+)['"]""")
 _RESOLVER = re.compile(r"""\bcluster_resolver\s*=\s*['"](\w+)['"]""")
+_DATA_SERVICE = re.compile(r"""\bdata_service\s*=\s*['"]([^'"]*)['"]""")
+_DATA_WORKERS = re.compile(r"""\bdata_service\.num_workers\s*=\s*(\d+)""")
 _INCLUDE = re.compile(r"""^\s*include\s+['"]([^'"]+)['"]""", re.M)
 
 
@@ -32,7 +34,8 @@ def isolate_early(argv: Sequence[str]) -> None:
     this misses is caught by `cluster_for`, which re-executes the process into the namespace.
     """
     netns.enter_if_requested(WHAT)
-    if not netns.is_private() and expects_embedded_cluster(argv):
+    alone = local_data_workers(argv) and not os.environ.get("TF_CONFIG", "").strip()
+    if not netns.is_private() and (expects_embedded_cluster(argv) or alone):
         netns.isolate(WHAT)
 
 
@@ -45,11 +48,27 @@ def expects_embedded_cluster(argv: Sequence[str]) -> bool:
         return False
     if print_config[-1:] not in ([], ["false"], ["False"], ["0"]):
         return False
-    texts = [text for path in _flag_values(argv, "gin_file") for text in _gin_texts(path, set())]
-    texts += _flag_values(argv, "gin_bindings")
+    texts = _texts(argv)
     strategies = [m for text in texts for m in _STRATEGY.findall(text)]
     resolvers = [m for text in texts for m in _RESOLVER.findall(text)] or ["tf_config"]
     return bool(strategies) and needs_local_cluster(strategies[-1], resolvers[-1])
+
+
+def local_data_workers(argv: Sequence[str]) -> int:
+    """How many data workers a 'local' tf.data service of `python -m trainer.main argv` has, by text (0:
+    none), for the entry points that start it before TensorFlow loads (trainer.launch, this isolation)."""
+    texts = _texts(argv)
+    services = [m for text in texts for m in _DATA_SERVICE.findall(text)]
+    if services[-1:] != ["local"]:
+        return 0
+    counts = [int(m) for text in texts for m in _DATA_WORKERS.findall(text)]
+    return counts[-1] if counts else DEFAULT_DATA_WORKERS
+
+
+def _texts(argv: Sequence[str]) -> list[str]:
+    """The flags' gin files' and bindings' texts, in order."""
+    texts = [text for path in _flag_values(argv, "gin_file") for text in _gin_texts(path, set())]
+    return texts + _flag_values(argv, "gin_bindings")
 
 
 def _flag_values(argv: Sequence[str], name: str) -> list[str]:

@@ -15,6 +15,11 @@ The whole cluster, this process included, runs in a private network namespace wi
 only loopback (see trainer/distribution/early_isolation.py), since TensorFlow's servers listen
 on every address.
 
+With a local tf.data service (`train.data_service = 'local'`, trainer/data/service.py) the same
+machinery starts a dispatcher and its data workers, also `trainer.server` subprocesses, as a cluster of
+their own (`service_cluster`): beside the parameter-server tasks, or alone for a run in one process.
+The training processes find the dispatcher in ADDRESS_ENV.
+
 A worker that dies is restarted on its port (up to `max_worker_restarts` times): the
 coordinator works around it meanwhile and gives it work again once it is back. A ps
 that dies is not restarted: its variables are gone, so the coordinator stops the run
@@ -42,6 +47,10 @@ from trainer.validation import check_int, check_number
 WHAT = "the embedded ParameterServer cluster"  # as the network warning names it
 SERVER_MODULE = "trainer.server"
 READY_MESSAGE = "listening at"  # what trainer.server prints once it serves
+SERVICE_TASK_TYPES = ("dispatcher", "data_worker")
+DEFAULT_DATA_WORKERS = 2  # of a 'local' tf.data service (trainer/data/service.py)
+# The dispatcher of the service a local cluster started, 'grpc://localhost:P', for the training processes.
+ADDRESS_ENV = "TRAINER_DATA_SERVICE"
 _POLL_SECS = 0.2
 
 
@@ -77,6 +86,7 @@ class _Server:
     def __init__(self, task_type: str, task_id: int, cluster: dict, module: str):
         self.task_type, self.task_id = task_type, task_id
         self.name = f"{task_type} {task_id}"
+        self.address = cluster[task_type][task_id]
         self.ready = threading.Event()
         self.last_lines: list[str] = []
         env = {**os.environ, "TF_CONFIG": tf_config_for(cluster, task_type, task_id), "PYTHONUNBUFFERED": "1"}
@@ -127,16 +137,22 @@ class LocalCluster:
 
     def __init__(
         self,
-        config: LocalClusterConfig = LocalClusterConfig(),
+        config: LocalClusterConfig | None = LocalClusterConfig(),
         *,
+        data_workers: int = 0,
         print_fn: Callable[[str], None] = print,
         server_module: str = SERVER_MODULE,
     ):
-        config.validate()
-        self.config = config
+        """`config` None: no parameter-server tasks, only the service of `data_workers` data workers."""
+        if config is not None:
+            config.validate()
+        self.config = config or LocalClusterConfig()
+        self._training = config is not None
+        self._data_workers = data_workers
         self._print = print_fn
         self._module = server_module
         self.cluster: dict[str, list[str]] = {}
+        self.service_cluster: dict[str, list[str]] = {}
         self._servers: list[_Server] = []
         self._retired: list[_Server] = []
         self._lock = threading.Lock()
@@ -154,14 +170,24 @@ class LocalCluster:
         """TF_CONFIG of the coordinator: task `chief` 0 of this cluster."""
         return tf_config_for(self.cluster, "chief", 0)
 
+    @property
+    def service_address(self) -> str | None:
+        """'grpc://localhost:P' of the service's dispatcher (None without a service)."""
+        return service_address(self.service_cluster) if self.service_cluster else None
+
     def start(self) -> None:
-        self.cluster = build_cluster(self.config.num_workers, self.config.num_ps, free_ports)
-        for task_type in ("ps", "worker"):
-            for task_id in range(len(self.cluster[task_type])):
-                self._servers.append(_Server(task_type, task_id, self.cluster, self._module))
+        if self._training:
+            self.cluster = build_cluster(self.config.num_workers, self.config.num_ps, free_ports)
+        if self._data_workers:
+            self.service_cluster = build_service_cluster(self._data_workers, free_ports)
+        kinds = [(self.cluster, kind) for kind in ("ps", "worker") if kind in self.cluster]
+        for cluster, task_type in kinds + [(self.service_cluster, kind) for kind in self.service_cluster]:
+            for task_id in range(len(cluster[task_type])):
+                self._servers.append(_Server(task_type, task_id, cluster, self._module))
         self._wait_until_ready()
-        shown = ", ".join(f"{s.name} pid {s.pid} at {self.cluster[s.task_type][s.task_id]}" for s in self._servers)
-        self._print(f"local cluster: {shown}; this process is the coordinator (chief)")
+        shown = ", ".join(f"{s.name} pid {s.pid} at {s.address}" for s in self._servers)
+        role = "the coordinator (chief)" if self._training else "the trainer"
+        self._print(f"local cluster: {shown}; this process is {role}")
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="local-cluster")
         self._watcher.start()
 
@@ -237,6 +263,19 @@ def build_cluster(num_workers: int, num_ps: int, ports: Callable[[int], list[int
     return {kind: [f"localhost:{next(free)}" for _ in range(n)] for kind, n in counts.items()}
 
 
+def build_service_cluster(num_data_workers: int, ports: Callable[[int], list[int]]) -> dict:
+    """A tf.data service on localhost: one dispatcher and `num_data_workers` data workers."""
+    free = iter(ports(num_data_workers + 1))
+    return {
+        "dispatcher": [f"localhost:{next(free)}"],
+        "data_worker": [f"localhost:{next(free)}" for _ in range(num_data_workers)],
+    }
+
+
+def service_address(service_cluster: dict) -> str:
+    return f"grpc://{service_cluster['dispatcher'][0]}"
+
+
 def tf_config_for(cluster: dict, task_type: str, task_id: int) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_id}})
 
@@ -252,16 +291,19 @@ def free_ports(count: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    previous = os.environ.get(name)
-    os.environ[name] = value
+def _environ(values: dict[str, str | None]) -> Iterator[None]:
+    """The environment with `values` set (None ones left alone), as it was afterwards."""
+    values = {name: value for name, value in values.items() if value is not None}
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def needs_local_cluster(strategy: str, cluster_resolver: str = "tf_config") -> bool:
@@ -277,10 +319,14 @@ def needs_local_cluster(strategy: str, cluster_resolver: str = "tf_config") -> b
 
 
 @contextlib.contextmanager
-def embedded_cluster(config: LocalClusterConfig, *, print_fn: Callable[[str], None] = print) -> Iterator[LocalCluster]:
-    """Runs the body as the coordinator of a fresh local cluster, ended whatever happens."""
-    with sigterm_unwinds(), LocalCluster(config, print_fn=print_fn) as cluster:
-        with _environ("TF_CONFIG", cluster.coordinator_tf_config()):
+def embedded_cluster(
+    config: LocalClusterConfig | None, *, data_workers: int = 0, print_fn: Callable[[str], None] = print
+) -> Iterator[LocalCluster]:
+    """Runs the body as the coordinator of a fresh local cluster (config None: beside a local tf.data
+    service alone), ended whatever happens."""
+    with sigterm_unwinds(), LocalCluster(config, data_workers=data_workers, print_fn=print_fn) as cluster:
+        tf_config = cluster.coordinator_tf_config() if config is not None else None
+        with _environ({"TF_CONFIG": tf_config, ADDRESS_ENV: cluster.service_address}):
             yield cluster
 
 
@@ -294,8 +340,11 @@ def cluster_for(
     print_fn: Callable[[str], None] = print,
     model_dir: str | None = None,
     cluster_resolver: str = "tf_config",
+    data_workers: int = 0,
 ) -> contextlib.AbstractContextManager:
-    """What an entry point runs `train` in: an embedded cluster when `needs_local_cluster`.
+    """What an entry point runs `train` in: an embedded cluster when `needs_local_cluster`, with
+    `data_workers` > 0 (a 'local' tf.data service) a dispatcher and its data workers beside it, or
+    alone where no cluster is given (no TF_CONFIG: under trainer.launch the launcher starts them).
 
     The embedded cluster, coordinator included, must not be reachable from the network
     (docs/design.md, rule 12). `early_isolation.isolate_early` has usually entered the private
@@ -305,10 +354,12 @@ def cluster_for(
     """
     global _coordinates_ps_cluster
     _coordinates_ps_cluster = strategy in modes.MODES and modes.MODES[strategy].coordinates_workers
-    if not needs_local_cluster(strategy, cluster_resolver):
+    training = needs_local_cluster(strategy, cluster_resolver)
+    service_alone = data_workers > 0 and not os.environ.get("TF_CONFIG", "").strip() and cluster_resolver == "tf_config"
+    if not training and not service_alone:
         return contextlib.nullcontext()
     netns.reexec_isolated(WHAT, [f"--model_dir={model_dir}"] if model_dir else [])
-    return embedded_cluster(make_config(), print_fn=print_fn)
+    return embedded_cluster(make_config() if training else None, data_workers=data_workers, print_fn=print_fn)
 
 
 def coordinates_ps_cluster() -> bool:

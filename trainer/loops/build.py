@@ -133,6 +133,8 @@ def build_ps_loops(
         settings.seed,
         start_step=start_step,
         shard_policy=settings.shard_policy,
+        service=settings.data_service,
+        model_dir=settings.model_dir,
     )
     loop = PSTrainLoop(
         dist,
@@ -181,6 +183,8 @@ def distributed_train_data(
         shard_policy=settings.shard_policy,
         skip_steps=skip_steps,
         drop_batches=drop_batches,
+        service=settings.data_service,
+        model_dir=settings.model_dir,
     )
 
 

@@ -18,6 +18,8 @@ Data: each worker builds its dataset in the per-worker dataset function (rule 8)
 exactly the single-device pipeline; with N, worker k reads the whole set shuffled with `seed + k`
 (k from a counter on the ps), so a dead worker takes no data with it. On resume each worker skips
 `start_step / N` batches (approximate with several workers: who ran which step is not recorded).
+With a tf.data service every worker reads its batches from the run's one job instead
+(`data.served_train`): with 'distributed_epoch', each example once per epoch across the workers.
 Evaluation runs on the coordinator over the whole eval set, reading the ps variables.
 """
 
@@ -28,6 +30,7 @@ from typing import Callable, Mapping
 import tensorflow as tf
 
 from trainer import data
+from trainer.data import service as data_service
 from trainer.errors import UserError, error_line, peer_failure
 from trainer.loops.evaluator import Evaluator
 from trainer.loops.step_summaries import refuse_under_parameter_server, tracing_for_summaries, writes_summaries
@@ -278,8 +281,14 @@ def per_worker_train_data(
     *,
     start_step: int,
     shard_policy: str,
+    service: data_service.DataServiceConfig | None = None,
+    model_dir: str | None = None,
 ):
-    """Per-worker datasets, each built on its worker inside the dataset function (see module doc)."""
+    """Per-worker datasets, each built on its worker inside the dataset function (see module doc); with a
+    tf.data `service`, each worker a reader of the run's one job."""
+    if service is not None:
+        served = lambda: data.served_train(strategy, inp, global_batch_size, seed, service, model_dir=model_dir)  # noqa: E731
+        return coordinator.create_per_worker_dataset(served)
     workers = data.num_workers(strategy)
     with strategy.scope():
         stream_counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="worker_stream_counter")

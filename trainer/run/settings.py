@@ -15,6 +15,7 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 from trainer import data
+from trainer.data import service
 from trainer.distribution import cluster, devices, modes
 from trainer.errors import UserError
 from trainer.extensions.protocol import Extension
@@ -39,7 +40,8 @@ class Settings:
     (trainer/task/steps.py), input_fn (older name `data_source`; default the embedded digits) and
     eval_splits (default: the input's `splits` but 'train', else ('eval',)). Where: strategy,
     device_config, cluster_resolver(_options), collective_timeout_secs, distribute_method,
-    shard_policy, parameter_server. Speed: jit_compile, mixed_precision, async_checkpoint. Safety:
+    shard_policy, parameter_server, data_service (the tf.data service: 'local', 'grpc://host:port' or
+    @data_service(), trainer/data/service.py). Speed: jit_compile, mixed_precision, async_checkpoint. Safety:
     check_loss_scaling, nonfinite, max_rollbacks, loss_upper_bound, allow_resume_changes, max_time_secs.
     The optional features are extensions (trainer/extensions/built_in.py), beside your own
     `extensions`. Set by the entry point: model_dir, describe_config, hparams (the flat bindings), print_fn.
@@ -72,6 +74,7 @@ class Settings:
     distribute_method: str = "dataset"
     shard_policy: str = "AUTO"
     parameter_server: ParameterServerConfig | None = None
+    data_service: str | service.DataServiceConfig | None = None
     keep_checkpoints: int = 3
     async_checkpoint: bool = False
     nonfinite: str = "stop"
@@ -116,6 +119,8 @@ class Settings:
                 object.__setattr__(self, name, tuple(value))
         if self.parameter_server is not None and not isinstance(self.parameter_server, ParameterServerConfig):
             raise UserError(f"train.parameter_server must be @parameter_server(), got {self.parameter_server!r}")
+        object.__setattr__(self, "data_service", service.config_of(self.data_service))
+        service.check(self.data_service, self.strategy)
         if self.model_dir is not None and not isinstance(self.model_dir, str):
             raise UserError(f"model_dir must be a path, got {self.model_dir!r}")
         if self.model_dir:

@@ -1,0 +1,60 @@
+"""A run that counts which examples it trained on, for tests/test_data_service.py.
+
+Example i is `(x, i)`; the model holds `seen`, how often each id was in a trained batch, which the
+step adds to (summed across workers on the ps) and the checkpoint keeps, so a test reads from the
+newest checkpoint exactly which examples the run consumed.
+
+Gin: `import tests.id_counting`, `train.input_fn = @ids`, `train.model_fn = @id_counter`,
+`train.step_fn = @counting_step`, `train.eval_step_fn = @counting_eval_step`.
+"""
+
+from __future__ import annotations
+
+import gin
+import tensorflow as tf
+
+NUM_IDS = 512
+
+
+@gin.configurable
+def ids(split: str) -> tf.data.Dataset:
+    count = NUM_IDS if split == "train" else 16
+    ids = tf.range(count, dtype=tf.int64)
+    return tf.data.Dataset.from_tensor_slices((tf.cast(ids, tf.float32)[:, None] / count, ids))
+
+
+class IdCounter(tf.Module):
+    def __init__(self):
+        super().__init__(name="id_counter")
+        self.w = tf.Variable(0.0, name="w")
+        self.seen = tf.Variable(
+            tf.zeros([NUM_IDS], tf.int64), trainable=False, name="seen", aggregation=tf.VariableAggregation.SUM
+        )
+
+
+@gin.configurable
+def id_counter() -> IdCounter:
+    return IdCounter()
+
+
+@gin.configurable
+def counting_step(model, optimizer, batch, global_batch_size):
+    x, ids = batch
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(model.w * x[:, 0] - 1.0)) / global_batch_size
+    optimizer.apply_gradients(zip(tape.gradient(loss, [model.w]), [model.w]))
+    model.seen.assign_add(tf.math.bincount(tf.cast(ids, tf.int32), minlength=NUM_IDS, dtype=tf.int64))
+    return {"loss": loss}
+
+
+@gin.configurable
+def counting_eval_step(model, batch):
+    x, _, weight = batch
+    return {"loss": tf.reduce_sum(weight * tf.square(model.w * x[:, 0] - 1.0)), "num_examples": tf.reduce_sum(weight)}
+
+
+def seen(model_dir: str):
+    """`seen` in the newest checkpoint of `model_dir`."""
+    reader = tf.train.load_checkpoint(model_dir)
+    (key,) = [k for k in reader.get_variable_to_shape_map() if "seen" in k and "OPTIMIZER" not in k]
+    return reader.get_tensor(key)
