@@ -129,3 +129,16 @@ def test_a_resume_that_would_change_the_global_batches_is_still_refused(tmp_path
         "resuming on 3 worker(s) with 1 replica(s) (was 2 worker(s) with 1 replica(s)); parameter_server updates "
         "are asynchronous, so the steps differ from here on anyway"
     )
+
+
+def test_a_run_on_the_data_service_may_change_its_worker_count(tmp_path):
+    # The service hands out batches in its own order: another worker count changes nothing it guaranteed.
+    directory = str(tmp_path)
+    model_dir.prepare(directory, record(workers=2, data_service=True), is_chief=True, start_step=0)
+    printed = []
+    served = record(workers=1, batches_independent_of_workers=False, data_service=True)
+    run_record.check_resume(directory, served, allow_changes=False, print_fn=printed.append)
+    assert printed == [
+        "resuming on 1 worker(s) (was 2); the tf.data service hands out the batches in its own order, so the "
+        "steps differ anyway"
+    ]

@@ -40,9 +40,11 @@ def make_record(
     model,
     config_text: str,
     batches_independent_of_workers: bool = True,
+    data_service: bool = False,
 ) -> dict:
     """`batches_independent_of_workers`: the global batch of a step holds the same examples whatever the
-    worker and replica counts (False where each worker reads its own files or its own stream)."""
+    worker and replica counts (False where each worker reads its own files or its own stream);
+    `data_service`: the tf.data service hands out the batches in its own order, whatever the counts."""
     return {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "tensorflow": tf.__version__,
@@ -53,6 +55,7 @@ def make_record(
         "num_workers": num_workers,
         "global_batch_size": global_batch_size,
         "batches_independent_of_workers": batches_independent_of_workers,
+        "data_service": data_service,
         # The worker and replica counts from each step on where they changed (a resume on another count).
         "layouts": [{"from_step": 0, "num_workers": num_workers, "num_replicas": num_replicas}],
         "model_variables": variable_shapes(model),
@@ -124,6 +127,7 @@ def differences(recorded: dict, current: dict) -> list[str]:
         not found
         and before != now
         and modes.get(current["strategy"]).synchronous
+        and not current.get("data_service")
         and not _same_updates(recorded, current)
     ):
         found.append(
@@ -150,6 +154,8 @@ def layout_change(recorded: dict, current: dict) -> str | None:
         return f"{line}; same global batch {current['global_batch_size']}, so the same updates"
     if not modes.get(current["strategy"]).synchronous:
         return f"{line}; {current['strategy']} updates are asynchronous, so the steps differ from here on anyway"
+    if current.get("data_service"):
+        return f"{line}; the tf.data service hands out the batches in its own order, so the steps differ anyway"
     return f"{line}, with train.allow_resume_changes: the global batches change from here on"
 
 

@@ -123,7 +123,9 @@ def _checked_record(settings: Settings, runtime, task, print_fn) -> dict:
         model=task.models,
         config_text=settings.describe_config() if settings.describe_config else "",
         batches_independent_of_workers=settings.mode.synchronous
+        and not settings.data_service
         and not shards_by_file(task.input, settings.shard_policy, pipelines),
+        data_service=bool(settings.data_service),
     )
     run_record.check_resume(settings.model_dir, record, allow_changes=settings.allow_resume_changes, print_fn=print_fn)
     return record
