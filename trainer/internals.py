@@ -160,3 +160,12 @@ def tell_preemption_handler(handler: Any) -> None:
     thread decides which signal stops the run, and hands the handler the stop it then agrees on with
     every worker."""
     handler._maybe_set_received_own_sigterm()  # noqa: SLF001
+
+
+def run_on_every_worker(coordinator: Any, fn: Callable[[], Any]) -> list:
+    """`fn()` run once on each parameter-server worker, its results in task order, waited for
+    (`ClusterCoordinator._create_per_worker_resources`, how TF builds per-worker datasets): the public
+    `schedule` picks any one worker. Without it trainer/extensions/worker_watch.py cannot tell which
+    worker ran which closure, nor read an idle worker's memory."""
+    remote = coordinator._create_per_worker_resources(fn)  # noqa: SLF001
+    return [value.fetch() for value in remote._values]  # noqa: SLF001
