@@ -25,11 +25,14 @@ import tensorflow as tf
 from trainer import internals
 from trainer.distribution import modes
 from trainer.distribution.cluster import ClusterInfo
+from trainer.errors import peer_failure
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
 from trainer.validation import check_bool, check_int, check_number
 
 SPLIT = "workers"
+ABSENT_PEERS = "absent_peers"  # the named value: step -> "; not arrived at step S: worker 1 (...)" or ""
+_READ_TIMEOUT_MS = 2000
 _STATUS = "/proc/self/status"  # Linux: where a process reads its own resident memory
 _STAT = "/proc/self/stat"  # ... and its own process id, first
 
@@ -65,6 +68,7 @@ class WorkerWatch(Extension):
     intervals in a row."""
 
     name = "worker_watch"
+    after = ("checkpoint",)  # a worker's post says it has done all there is between loop calls
     setting = "worker_watch.enabled"
     supports = modes.support((m.name for m in modes.MODES.values() if m.multi_worker), "the multi-worker strategies")
     unsupported_reason = "one process is one worker: its step time is the train record's steps_per_sec"
@@ -77,10 +81,42 @@ class WorkerWatch(Extension):
         self.slow_factor, self.slow_intervals = float(slow_factor), slow_intervals
         self._slow_runs: dict[int, int] = {}  # worker -> slow intervals in a row
 
+    def attach(self, context: Context) -> None:
+        runtime = context.runtime
+        # Synchronous workers post each step they reach, so a worker whose collective timed out can
+        # name the peers that never arrived (TensorFlow's timeout names none).
+        self._posting = runtime.num_workers > 1 and not runtime.mode.coordinates_workers
+        if self._posting:
+            context.provide(ABSENT_PEERS, lambda step: self._absent(context, step))
+
     def begin(self, context: Context) -> None:
         self._coordinated = context.runtime.mode.coordinates_workers
         self._since = context.start_step
         self._restart(context)
+        self._post(context, context.start_step)
+
+    def _post(self, context: Context, step: int) -> None:
+        """Tells the other workers (the coordination service's key-value store) this one reached `step`."""
+        if not self._posting:
+            return
+        service, key = internals.coordination_service(), _arrival_key(worker_index(context.runtime.cluster))
+        try:
+            service.delete_config_key_value(key)
+            service.set_config_key_value(key, str(step))
+        except tf.errors.OpError:
+            pass  # the service gone: the next collective fails and says so
+
+    def _absent(self, context: Context, step: int) -> str:
+        """The peers that had not reached `step` (the start of the call that failed), as a phrase."""
+        service, behind = internals.coordination_service(), []
+        for worker in range(context.runtime.num_workers):
+            try:
+                reached = int(service.get_config_key_value(_arrival_key(worker), _READ_TIMEOUT_MS))
+            except tf.errors.OpError:
+                return ""  # the service gone with its leader: TensorFlow's error names who
+            if reached < step:
+                behind.append(f"worker {worker} (still at step {reached})")
+        return f"; not arrived at step {step}: {', '.join(behind)}" if behind else ""
 
     def rewind(self, context: Context, step: int) -> None:
         self._since = step
@@ -95,6 +131,7 @@ class WorkerWatch(Extension):
             for pid, seconds, megabytes, steps in getattr(context.loop, "worker_reports", ()):
                 totals = self._closures.setdefault(pid, [0.0, 0, 0.0])
                 totals[0], totals[1], totals[2] = totals[0] + seconds, totals[1] + steps, megabytes
+        self._post(context, step)
         if not (self.at_boundary(step) or step >= context.settings.total_steps) or step <= self._since:
             return
         per_worker = self._coordinator_view(context) if self._coordinated else self._gathered(context, step)
@@ -115,10 +152,12 @@ class WorkerWatch(Extension):
         }
         if (gpu := gpu_memory_mb()) is not None:
             own["gpu_mb"] = gpu
-        keys = sorted(own)
-        table = all_workers_rows(
-            context.runtime.strategy, worker_index(context.runtime.cluster), [own[k] for k in keys]
-        )
+        keys, worker = sorted(own), worker_index(context.runtime.cluster)
+        try:
+            table = all_workers_rows(context.runtime.strategy, worker, [own[k] for k in keys])
+        except tf.errors.OpError as error:  # a collective of constants fails only for want of a peer
+            lost = "a peer task may have died or timed out" + self._absent(context, step)
+            raise peer_failure(error, f"at step {step}", lost, context.saver.latest()) from error
         return {i: dict(zip(keys, (float(v) for v in row))) for i, row in enumerate(table)}
 
     def _coordinator_view(self, context: Context) -> dict[int, dict[str, float]]:
@@ -146,6 +185,10 @@ class WorkerWatch(Extension):
                     f"workers ({pace} {seconds:.4f} against {median:.4f}) for {self.slow_intervals} log intervals "
                     f"in a row, up to step {step}; its records are split {SPLIT!r} of metrics.jsonl"
                 )
+
+
+def _arrival_key(worker: int) -> str:
+    return f"worker_watch/reached/{worker}"
 
 
 def worker_index(cluster: ClusterInfo) -> int:
