@@ -8,13 +8,14 @@ all-reduce at each log interval, which every worker joins outside the compiled s
 not change). Every worker waits for the slowest at each step's all-reduce, so their wall step times
 are alike; what tells a straggler there is the CPU time each spends per step (`cpu_time_s`: a
 worker waiting for its peers idles). Under parameter servers the workers are plain TensorFlow
-servers: each closure reports the worker process it ran in, its seconds and that process's memory
-(trainer/loops/ps.py), and at each log interval one small function read on every worker
-(trainer/internals.py `run_on_every_worker`) maps processes to task indices.
+servers: each closure reports the worker process it ran in and its seconds (trainer/loops/ps.py),
+and at each log interval one small function run on every worker (trainer/internals.py
+`run_on_every_worker`) reads its process and memory, which maps processes to task indices.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any
@@ -37,28 +38,35 @@ _STATUS = "/proc/self/status"  # Linux: where a process reads its own resident m
 _STAT = "/proc/self/stat"  # ... and its own process id, first
 
 
+_READABLE = os.path.exists(_STATUS)  # elsewhere (macOS) both read as -1 and no memory is recorded
+
+
 def process_id() -> tf.Tensor:
     """The id of the process this op runs in (a remote worker's, placed on its device)."""
+    if not _READABLE:
+        return tf.constant(-1.0, tf.float64)
     return tf.strings.to_number(tf.strings.split(tf.io.read_file(_STAT), maxsplit=1)[0], tf.float64)
 
 
 def memory_mb() -> tf.Tensor:
     """The resident memory, in MB, of the process this op runs in: a TensorFlow op, so that placed on
     a parameter-server worker it reads that server's own memory."""
+    if not _READABLE:
+        return tf.constant(-1.0, tf.float64)
     kilobytes = tf.strings.regex_replace(tf.io.read_file(_STATUS), r"(?s).*VmRSS:\s*(\d+) kB.*", r"\1")
     return tf.strings.to_number(kilobytes, tf.float64) / 1024
 
 
 def closure_report(started: tf.Tensor) -> tf.Tensor:
-    """[process id, seconds since `started`, resident MB] of the worker running a closure."""
-    return tf.stack([process_id(), tf.timestamp() - started, memory_mb()])
+    """[process id, seconds since `started`] of the worker running a closure."""
+    return tf.stack([process_id(), tf.timestamp() - started])
 
 
-def gpu_memory_mb() -> float | None:
-    """Memory in use on this process's GPUs, in MB (None without one)."""
+def gpu_memory_mb() -> float:
+    """Memory in use on this process's GPUs, in MB (-1 without one)."""
     gpus = tf.config.list_logical_devices("GPU")
     if not gpus:
-        return None
+        return -1.0
     return sum(tf.config.experimental.get_memory_info(gpu.name)["current"] for gpu in gpus) / 2**20
 
 
@@ -124,20 +132,25 @@ class WorkerWatch(Extension):
 
     def _restart(self, context: Context) -> None:
         self._train_seconds, self._cpu = context.clock.train_seconds, time.process_time()
-        self._closures: dict[float, list[float]] = {}  # process id -> [seconds, steps, latest MB]
+        self._closures: dict[float, list[float]] = {}  # process id -> [seconds, steps]
 
     def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         if self._coordinated:
-            for pid, seconds, megabytes, steps in getattr(context.loop, "worker_reports", ()):
-                totals = self._closures.setdefault(pid, [0.0, 0, 0.0])
-                totals[0], totals[1], totals[2] = totals[0] + seconds, totals[1] + steps, megabytes
+            for pid, seconds, steps in getattr(context.loop, "worker_reports", ()):
+                totals = self._closures.setdefault(pid, [0.0, 0])
+                totals[0], totals[1] = totals[0] + seconds, totals[1] + steps
         self._post(context, step)
         if not (self.at_boundary(step) or step >= context.settings.total_steps) or step <= self._since:
             return
         per_worker = self._coordinator_view(context) if self._coordinated else self._gathered(context, step)
         first, self._since = self._since == context.start_step, step
         self._restart(context)
-        record = {f"worker/{i}/{key}": value for i, values in per_worker.items() for key, value in values.items()}
+        record = {  # what could not be read (-1: no GPU, no /proc) left out
+            f"worker/{i}/{key}": value
+            for i, values in per_worker.items()
+            for key, value in values.items()
+            if value >= 0
+        }
         context.metrics_log.record(step, SPLIT, record)
         if context.runtime.is_chief and not first:  # the first interval's times hold the tracing
             self._warn_slow(context, step, per_worker)
@@ -145,13 +158,12 @@ class WorkerWatch(Extension):
     def _gathered(self, context: Context, step: int) -> dict[int, dict[str, float]]:
         """Every worker's own measurements, summed into the chief's view by one all-reduce."""
         steps = step - self._since
-        own = {
+        own = {  # the same keys on every worker: the all-reduce needs one shape
             "step_time_s": (context.clock.train_seconds - self._train_seconds) / steps,
             "cpu_time_s": (time.process_time() - self._cpu) / steps,
             "rss_mb": float(memory_mb()),
+            "gpu_mb": gpu_memory_mb(),
         }
-        if (gpu := gpu_memory_mb()) is not None:
-            own["gpu_mb"] = gpu
         keys, worker = sorted(own), worker_index(context.runtime.cluster)
         try:
             table = all_workers_rows(context.runtime.strategy, worker, [own[k] for k in keys])
@@ -167,13 +179,13 @@ class WorkerWatch(Extension):
         read = tf.function(lambda: tf.stack([process_id(), memory_mb()]))
         per_worker = {}
         for index, (pid, megabytes) in enumerate(internals.run_on_every_worker(coordinator, read)):
-            seconds, steps, _ = self._closures.get(float(pid), (0.0, 0, 0.0))
+            seconds, steps = self._closures.get(float(pid), (0.0, 0)) if pid >= 0 else (0.0, 0)
             per_worker[index] = {"rss_mb": float(megabytes)} | ({"step_time_s": seconds / steps} if steps else {})
         return per_worker
 
     def _warn_slow(self, context: Context, step: int, per_worker: dict[int, dict[str, float]]) -> None:
         pace = "step_time_s" if self._coordinated else "cpu_time_s"
-        times = {i: values[pace] for i, values in per_worker.items() if pace in values}
+        times = {i: values[pace] for i, values in per_worker.items() if values.get(pace, -1) >= 0}
         for worker, seconds in times.items():
             others = [t for i, t in times.items() if i != worker]
             median = statistics.median(others) if others else 0.0

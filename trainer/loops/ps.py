@@ -151,7 +151,7 @@ class PSTrainLoop:
             with tf.control_dependencies([started]):
                 totals = repeated(one_step, num_steps)  # sums (or max/min) over the closure's steps
             with tf.control_dependencies(tf.nest.flatten(totals)):
-                return totals, closure_report(started)  # which worker, its seconds, its memory
+                return totals, closure_report(started)  # which worker ran it, in how many seconds
 
         # Plain TF ops: no AutoGraph but for the user's step (trainer/task/user_code.py).
         self._train_steps = tf.function(train_steps, autograph=False)
@@ -168,7 +168,7 @@ class PSTrainLoop:
         pending = split_steps(num_steps, self._steps_per_closure)
         totals: dict[str, float] | None = None
         rescheduled = 0
-        self.worker_reports: list[tuple[float, float, float, int]] = []  # (process id, seconds, MB, steps)
+        self.worker_reports: list[tuple[float, float, int]] = []  # (worker process id, seconds, steps)
         try:
             while pending:
                 scheduled = [
