@@ -91,6 +91,9 @@ class WorkerWatch(Extension):
 
     def attach(self, context: Context) -> None:
         runtime = context.runtime
+        self._idle = not runtime.spans_processes  # one MWMS worker: its train record says it all
+        if self._idle:
+            self.every_steps = 0
         # Synchronous workers post each step they reach, so a worker whose collective timed out can
         # name the peers that never arrived (TensorFlow's timeout names none).
         self._posting = runtime.num_workers > 1 and not runtime.mode.coordinates_workers
@@ -135,8 +138,10 @@ class WorkerWatch(Extension):
         self._closures: dict[float, list[float]] = {}  # process id -> [seconds, steps]
 
     def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
+        if self._idle:
+            return
         if self._coordinated:
-            for pid, seconds, steps in getattr(context.loop, "worker_reports", ()):
+            for pid, seconds, steps in context.loop.worker_reports:
                 totals = self._closures.setdefault(pid, [0.0, 0])
                 totals[0], totals[1] = totals[0] + seconds, totals[1] + steps
         self._post(context, step)

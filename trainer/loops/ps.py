@@ -128,6 +128,7 @@ class PSTrainLoop:
         print_fn: Callable[[str], None] = print,
     ):
         self.coordinator = self._coordinator = coordinator  # public for trainer/extensions/worker_watch.py
+        self.worker_reports: list[tuple[float, float, int]] = []  # the last run's (worker process id, seconds, steps)
         self._print = print_fn
         self._global_step = global_step
         self._step = int(global_step.numpy())  # kept here too: no ps read before a loop
@@ -168,7 +169,7 @@ class PSTrainLoop:
         pending = split_steps(num_steps, self._steps_per_closure)
         totals: dict[str, float] | None = None
         rescheduled = 0
-        self.worker_reports: list[tuple[float, float, int]] = []  # (worker process id, seconds, steps)
+        self.worker_reports = []
         try:
             while pending:
                 scheduled = [
