@@ -163,9 +163,8 @@ def tell_preemption_handler(handler: Any) -> None:
 
 
 def run_on_every_worker(coordinator: Any, fn: Callable[[], Any]) -> list:
-    """`fn()` run once on each parameter-server worker, its results in task order, waited for
+    """`fn()` scheduled once on each parameter-server worker: its `RemoteValue`s in task order
     (`ClusterCoordinator._create_per_worker_resources`, how TF builds per-worker datasets): the public
     `schedule` picks any one worker. Without it trainer/extensions/worker_watch.py cannot tell which
     worker ran which closure, nor read an idle worker's memory."""
-    remote = coordinator._create_per_worker_resources(fn)  # noqa: SLF001
-    return [value.fetch() for value in remote._values]  # noqa: SLF001
+    return list(coordinator._create_per_worker_resources(fn)._values)  # noqa: SLF001

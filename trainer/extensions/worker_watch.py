@@ -183,7 +183,11 @@ class WorkerWatch(Extension):
         coordinator = context.loop.coordinator
         read = tf.function(lambda: tf.stack([process_id(), memory_mb()]))
         per_worker = {}
-        for index, (pid, megabytes) in enumerate(internals.run_on_every_worker(coordinator, read)):
+        for index, remote in enumerate(internals.run_on_every_worker(coordinator, read)):
+            try:
+                pid, megabytes = remote.fetch()
+            except tf.errors.OpError:  # a worker lost (and being restarted): nothing to read of it now
+                continue
             seconds, steps = self._closures.get(float(pid), (0.0, 0)) if pid >= 0 else (0.0, 0)
             per_worker[index] = {"rss_mb": float(megabytes)} | ({"step_time_s": seconds / steps} if steps else {})
         return per_worker
