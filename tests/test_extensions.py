@@ -171,6 +171,7 @@ def test_each_built_in_is_declared_once_and_shows_in_the_factory_the_registry_th
         keras_callbacks=[keras.callbacks.TerminateOnNaN()],
         export_saved_model=True,
         max_time_secs=3600,
+        strategy="multi_worker_mirrored",  # the worker watch's
     )  # warm_start needs a checkpoint to start from: tests/test_warm_start.py
     made = names(built_in.participants(on))
     assert made == [e.name for e in built_in.BUILT_IN if e.name in made]  # the table's order is the default one

@@ -24,6 +24,7 @@ from trainer.distribution import devices  # noqa: E402
 from trainer.distribution import local_cluster as local_cluster_lib  # noqa: E402
 from trainer.extensions import built_in  # noqa: E402
 from trainer.extensions.progress import ProgressLogger  # noqa: E402
+from trainer.extensions.worker_watch import WorkerWatch  # noqa: E402
 from trainer.loops import options as loop_options  # noqa: E402
 from trainer.loops import sidecar  # noqa: E402
 from trainer.run import evaluate as evaluate_lib  # noqa: E402
@@ -145,6 +146,8 @@ CONFIGURABLES["predict"] = gin.external_configurable(
 CONFIGURABLES["progress_logger"] = gin.configurable("progress_logger", denylist=["every_steps", "stream"])(
     ProgressLogger
 )
+# Made by the run under the multi-worker strategies, so registered in place too (`worker_watch.enabled`).
+CONFIGURABLES["worker_watch"] = gin.configurable("worker_watch", denylist=["every_steps"])(WorkerWatch)
 train = CONFIGURABLES["train"]
 local_cluster = CONFIGURABLES["local_cluster"]
 

@@ -66,9 +66,22 @@ def _shortened(line: str) -> str:
     return head[: head.rfind(" ")].rstrip(",;:") + "..." if " " in head else head + "..."
 
 
+_TASK = re.compile(r"^/job:(\w+)/replica:\d+/task:(\d+)$", re.MULTILINE)  # a task on a line of its own
+
+
+def named_tasks(error: BaseException) -> list[str]:
+    """The tasks TensorFlow's error text lists, one a line (`/job:worker/replica:0/task:1` -> `worker 1`):
+    a collective aborted because peers stopped sending heartbeats lists them so, below the line
+    `error_line` keeps (a device's name in the text is not such a line)."""
+    return sorted({f"{job} {task}" for job, task in _TASK.findall(str(error))})
+
+
 def peer_failure(error: BaseException, when: str, lost: str, latest_checkpoint: str | None = None) -> RunFailure:
     """Training stopped by a call that failed because another task died or hangs: when, the error's
-    line, what was lost, and where a rerun continues."""
+    line, the tasks that did not answer (where TensorFlow names them), what was lost, and where a
+    rerun continues."""
+    if tasks := named_tasks(error):
+        lost = f"{lost}; not answering: {', '.join(tasks)}"
     resume = (
         f"a rerun continues from {latest_checkpoint}"
         if latest_checkpoint

@@ -169,3 +169,11 @@ def sleep_each(microseconds: int) -> Callable[[Any], Any]:
     from tensorflow.python.data.experimental.ops import testing
 
     return testing.sleep(microseconds)
+
+
+def run_on_every_worker(coordinator: Any, fn: Callable[[], Any]) -> list:
+    """`fn()` scheduled once on each parameter-server worker: its `RemoteValue`s in task order
+    (`ClusterCoordinator._create_per_worker_resources`, how TF builds per-worker datasets): the public
+    `schedule` picks any one worker. Without it trainer/extensions/worker_watch.py cannot tell which
+    worker ran which closure, nor read an idle worker's memory."""
+    return list(coordinator._create_per_worker_resources(fn)._values)  # noqa: SLF001

@@ -33,6 +33,8 @@ from trainer.extensions.protocol import Extension
 from trainer.extensions.time_budget import TimeBudget
 from trainer.extensions.update_path import UpdatePath
 from trainer.extensions.warm_start import WarmStart
+from trainer.extensions.worker_watch import WorkerWatch
+from trainer.extensions.worker_watch import make as worker_watch
 from trainer.validation import check_bool, check_int
 
 if TYPE_CHECKING:
@@ -118,6 +120,7 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn(Export, _turned_on("export_saved_model", Export)),
     BuiltIn(MlflowTracking, gin={"mlflow_hook": MlflowTracking}),
     BuiltIn(Profiler, gin={"profiler_hook": Profiler}),
+    BuiltIn(WorkerWatch, worker_watch),  # on under the multi-worker strategies; gin: trainer/configurables.py
     BuiltIn(PeriodicCheckpoints, lambda s: PeriodicCheckpoints(s.checkpoint_every_steps), last=True),
 )
 

@@ -1,7 +1,9 @@
 """Traces a window of steps with TensorFlow's profiler, for TensorBoard's Profile tab:
 `train.extensions = [@profiler_hook()]`, `profiler_hook.steps = (10, 20)`. Loop calls end exactly
 at both steps, so the trace holds steps 11..20 only; the chief writes it under
-`<model_dir>/plugins/profile/` (needs `pip install -e '.[profile]'`).
+`<model_dir>/plugins/profile/` (needs `pip install -e '.[profile]'`). With `profiler_hook.all_workers =
+True` every MultiWorkerMirrored worker traces the same window, each under
+`<model_dir>/profile/<task>/plugins/profile/` (`worker1`: a TensorBoard run each).
 """
 
 from __future__ import annotations
@@ -11,28 +13,43 @@ import os
 
 import tensorflow as tf
 
+from trainer.distribution import modes
 from trainer.errors import UserError
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
+from trainer.validation import check_bool
 
 PROFILE_SUBDIR = os.path.join("plugins", "profile")
+WORKERS_SUBDIR = "profile"  # with all_workers: <model_dir>/profile/<task> (worker0, worker1, ...)
 
 
 class Profiler(Extension):
-    """Traces the steps after `steps[0]` up to `steps[1]` (or the run's end), chief only."""
+    """Traces the steps after `steps[0]` up to `steps[1]` (or the run's end): on the chief, or with
+    `all_workers` on every worker."""
 
     name = "profiler"
     setting = "profiler_hook"
 
-    def __init__(self, steps: tuple[int, int] = (10, 20)):
+    def __init__(self, steps: tuple[int, int] = (10, 20), all_workers: bool = False):
+        check_bool("profiler_hook.all_workers", all_workers)
         try:
             start, stop = (int(s) for s in steps)
         except (TypeError, ValueError):
             raise UserError(f"profiler_hook.steps must be two steps (start, stop), got {steps!r}") from None
         if not 0 <= start < stop:
             raise UserError(f"profiler_hook.steps must satisfy 0 <= start < stop, got {tuple(steps)!r}")
-        self.start, self.stop = start, stop
+        self.start, self.stop, self.all_workers = start, stop, all_workers
         self._active = False
+
+    def check(self, settings) -> None:
+        if self.all_workers:
+            modes.require(
+                "profiler_hook.all_workers",
+                modes.SYNCHRONOUS,
+                settings.strategy,
+                reason="its workers are plain TensorFlow servers, which run no profiler this trainer could start",
+                fix="unset it to trace the chief, which schedules the steps",
+            )
 
     def steps_to_boundary(self, step: int) -> int | None:
         # Every worker ends its loop calls here, so collectives stay in step across workers.
@@ -61,11 +78,17 @@ class Profiler(Extension):
     def end(self, context: Context, step: int) -> None:
         self._stop(context, step)
 
+    def _logdir(self, context: Context) -> str | None:
+        """Where this process writes its trace (None: it traces nothing)."""
+        if self.all_workers:
+            return os.path.join(context.settings.model_dir, WORKERS_SUBDIR, context.runtime.cluster.task_name)
+        return context.settings.model_dir if context.runtime.is_chief else None
+
     def _start(self, context: Context, step: int) -> None:
-        if not context.runtime.is_chief or self._active:
+        if (logdir := self._logdir(context)) is None or self._active:
             return
         try:
-            tf.profiler.experimental.start(context.settings.model_dir)
+            tf.profiler.experimental.start(logdir)
         except (tf.errors.AlreadyExistsError, tf.errors.UnavailableError) as e:
             context.print(f"profiler: not tracing, another profiler session is running ({e.message})")
             return
@@ -78,10 +101,13 @@ class Profiler(Extension):
         self._active = False
         context.print(
             f"profiler: traced steps {self._from + 1}-{step} into "
-            f"{os.path.join(context.settings.model_dir, PROFILE_SUBDIR)} (TensorBoard's Profile tab)"
+            f"{os.path.join(self._logdir(context), PROFILE_SUBDIR)} (TensorBoard's Profile tab)"
         )
 
 
-def trace_files(model_dir: str) -> list[str]:
-    """The profile traces of a run, where TensorBoard's profile plugin reads them."""
+def trace_files(model_dir: str, task: str | None = None) -> list[str]:
+    """The profile traces of a run (of one task's, `worker1`, traced with `all_workers`), where
+    TensorBoard's profile plugin reads them."""
+    if task is not None:
+        model_dir = os.path.join(model_dir, WORKERS_SUBDIR, task)
     return sorted(glob.glob(os.path.join(model_dir, PROFILE_SUBDIR, "*", "*.xplane.pb")))

@@ -15,6 +15,7 @@ import tensorflow as tf
 from trainer.errors import peer_failure
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
+from trainer.extensions.worker_watch import ABSENT_PEERS
 
 PEER_ERRORS = (
     tf.errors.UnavailableError,
@@ -84,6 +85,8 @@ def _drive(context: Context, extensions: Sequence[Extension], steps_per_loop: in
             metrics = context.loop.run(num_steps)
         except PEER_ERRORS as e:
             lost, latest = "a peer task may have died or timed out", saver.latest() if saver else None
+            if (absent := context.values.get(ABSENT_PEERS)) is not None:  # trainer/extensions/worker_watch.py
+                lost += absent(step)
             raise peer_failure(e, f"in steps {step + 1}-{step + num_steps}", lost, latest) from e
         context.clock.train_seconds += time.monotonic() - started
         back = next(

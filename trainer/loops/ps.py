@@ -32,6 +32,7 @@ import tensorflow as tf
 from trainer import data
 from trainer.data import service as data_service
 from trainer.errors import UserError, error_line, peer_failure
+from trainer.extensions.worker_watch import closure_report
 from trainer.loops.evaluator import Evaluator
 from trainer.loops.step_summaries import refuse_under_parameter_server, tracing_for_summaries, writes_summaries
 from trainer.loops.totals import reduce_outputs, repeated
@@ -129,7 +130,8 @@ class PSTrainLoop:
         batch_spec=None,
         print_fn: Callable[[str], None] = print,
     ):
-        self._coordinator = coordinator
+        self.coordinator = self._coordinator = coordinator  # public for trainer/extensions/worker_watch.py
+        self.worker_reports: list[tuple[float, float, int]] = []  # the last run's (worker process id, seconds, steps)
         self._print = print_fn
         self._global_step = global_step
         self._step = int(global_step.numpy())  # kept here too: no ps read before a loop
@@ -149,7 +151,11 @@ class PSTrainLoop:
                 outputs = reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)), rule=rule)
                 return combine.over_steps(rule, totals, outputs)
 
-            return repeated(one_step, num_steps)  # sums (or max/min) over the closure's steps
+            started = tf.timestamp()
+            with tf.control_dependencies([started]):
+                totals = repeated(one_step, num_steps)  # sums (or max/min) over the closure's steps
+            with tf.control_dependencies(tf.nest.flatten(totals)):
+                return totals, closure_report(started)  # which worker ran it, in how many seconds
 
         # Plain TF ops: no AutoGraph but for the user's step (trainer/task/user_code.py).
         self._train_steps = tf.function(train_steps, autograph=False)
@@ -166,6 +172,7 @@ class PSTrainLoop:
         pending = split_steps(num_steps, self._steps_per_closure)
         totals: dict[str, float] | None = None
         rescheduled = 0
+        self.worker_reports = []
         try:
             while pending:
                 scheduled = [
@@ -186,7 +193,7 @@ class PSTrainLoop:
                 pending = []
                 for n, result in scheduled:
                     try:
-                        outputs = result.fetch()
+                        outputs, report = result.fetch()
                     except (tf.errors.CancelledError, tf.errors.InternalError) as error:
                         if not rescheduled or not (
                             isinstance(error, tf.errors.CancelledError) or rejected_by_worker(error)
@@ -195,6 +202,7 @@ class PSTrainLoop:
                         pending.append(n)
                         continue
                     totals = combine.over_steps(self.rule, totals, {k: float(v) for k, v in outputs.items()})
+                    self.worker_reports.append((*(float(v) for v in report), n))
             self._global_step.assign_add(num_steps)
             self._step += num_steps
         except _LOST_TASK_ERRORS as error:
