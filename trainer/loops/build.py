@@ -150,16 +150,26 @@ def build_ps_loops(
     )
     local = tf.distribute.get_strategy()  # the default strategy: the coordinator's own device
     metrics = make_metrics(settings.eval_metrics_fn)  # on the coordinator, where eval runs
-    shards = ps_eval.shard_count(config.eval_shards, dist, workers, has_metrics=bool(metrics))
+    shards, why = ps_eval.shard_count(
+        config.eval_shards,
+        workers=workers,
+        replicas=dist.num_replicas_in_sync,
+        cluster=runtime.cluster.cluster,
+        has_metrics=bool(metrics),
+    )
     if task.input.eval_splits:
-        where = f"spread over {workers} workers in up to {shards} shards" if shards else "on the coordinator"
-        print_fn(f"eval under parameter_server: {where} (parameter_server.eval_shards = {config.eval_shards!r})")
+        where = f"spread over {workers} worker(s) in up to {shards} shards" if shards else "on the coordinator"
+        print_fn(f"eval under parameter_server: {where} (parameter_server.eval_shards = {config.eval_shards!r}: {why})")
     evaluators = {}
     for split in task.input.eval_splits:
 
-        def eval_data(split=split):
+        def eval_data(*batches, split=split):
             return data.eval_dataset(
-                task.input, settings.global_batch_size, split=split, shard_policy=settings.shard_policy
+                task.input,
+                settings.global_batch_size,
+                split=split,
+                shard_policy=settings.shard_policy,
+                batches=batches or None,
             )
 
         num_batches = _num_batches(task, split, settings)

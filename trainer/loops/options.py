@@ -24,7 +24,8 @@ class ParameterServerConfig:
         layer's own variables must stay whole (Keras 3 layers cannot compute with sharded
         variables), else the run is refused.
       eval_shards: eval spread over the workers in this many shards of consecutive eval batches,
-        each example counted once (trainer/loops/ps_eval.py); 'auto': 5 per worker where it can
+        each example counted once, results as on the coordinator (trainer/loops/ps_eval.py);
+        'auto': 2 per worker where the workers run on other hosts than the coordinator and it can
         work, else the coordinator; 0: on the coordinator.
     """
 

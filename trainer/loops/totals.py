@@ -131,13 +131,12 @@ class ReplicaTotals:
         Added up row by row in float32, one replica's rows give `sums(accumulate(...))` bit for bit: a pass cut
         into parts run apart (trainer/loops/ps_eval.py) keeps the sums of one pass."""
 
-        def one_step(i, rows):
+        def one_step(state):
+            i, rows = state or (tf.constant(0), tf.TensorArray(tf.float32, size=tf.cast(num_steps, tf.int32)))
             outputs = self._strategy.run(self._vector, args=(next_batch(),))
             return i + 1, rows.write(i, self._strategy.reduce(SUM, outputs, axis=None))
 
-        rows = tf.TensorArray(tf.float32, size=tf.cast(num_steps, tf.int32))
-        _, rows = tf.while_loop(lambda i, _: i < tf.cast(num_steps, tf.int32), one_step, (tf.constant(0), rows))
-        return rows.stack()
+        return repeated(one_step, tf.cast(num_steps, tf.int32))[1].stack()
 
     def _first(self, batch):
         totals = self._vector(batch)
