@@ -1,5 +1,6 @@
 """Eval under parameter servers spread over the workers (issue 38, must-show 4): shards of consecutive eval
-batches, one closure each, every example counted once, results the coordinator's bit for bit."""
+batches, one closure each, every example counted once (a worker killed mid-eval too), results the
+coordinator's bit for bit."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import read_jsonl, run_main
+from tests.support import read_jsonl, run_main, run_python
 from tests.test_ps import assert_all_gone, server_pids
 from trainer import data
 from trainer.errors import UserError
@@ -102,17 +103,86 @@ def test_the_shards_batches_are_the_passs_and_their_rows_add_up_to_its_sums_bit_
     assert added == one_pass and added["w"] == EXAMPLES and added["ids"] == EXAMPLES * (EXAMPLES - 1) / 2
 
 
+KILLED_MID_EVAL = r"""
+import json, os, signal, threading, time
+import keras, tensorflow as tf
+from trainer import data
+from trainer.cli import flush_and_exit
+from trainer.distribution import local_cluster
+from trainer.loops.evaluator import Evaluator
+from trainer.loops.ps_eval import WorkerEvaluator
+
+N, BATCH, SHARDS = 6000, 50, 6  # 120 batches, 20 a shard
+
+
+def examples(split):
+    return tf.data.Dataset.range(N).map(lambda i: (tf.fill([256], tf.cast(i % 97, tf.float32) / 97), i))
+
+
+printed = []
+config = local_cluster.LocalClusterConfig(num_workers=2, num_ps=1, max_worker_restarts=1)
+with local_cluster.embedded_cluster(config, print_fn=printed.append) as cluster:
+    strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver())
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((256,)), *[keras.layers.Dense(512, "relu") for _ in range(3)], keras.layers.Dense(1)])
+        batches_run = tf.Variable(0, dtype=tf.int64)  # on the ps: every batch any closure ran, re-runs too
+
+    def eval_step(model, batch):
+        x, ids, weight = batch
+        batches_run.assign_add(1)
+        return {
+            "y": tf.reduce_sum(model(x)[:, 0] * weight),
+            "ids": tf.reduce_sum(tf.cast(ids, tf.float32) * weight),
+            "num_examples": tf.reduce_sum(weight),
+        }
+
+    def evaluator():
+        return Evaluator(tf.distribute.get_strategy(), model, eval_step, data.eval_dataset(examples, BATCH), N // BATCH)
+
+    spread = WorkerEvaluator(
+        strategy, coordinator, evaluator(), lambda *b: data.eval_dataset(examples, BATCH, batches=b), N // BATCH, SHARDS
+    )
+    before = spread.evaluate()
+    batches_run.assign(0)
+    after = {}
+    thread = threading.Thread(target=lambda: after.update(spread.evaluate()))
+    thread.start()
+    while int(batches_run.numpy()) < 3:  # both workers are inside their first shards
+        time.sleep(0.01)
+    os.kill(cluster.pids["worker 1"], signal.SIGKILL)
+    thread.join(timeout=150)
+    ran = int(batches_run.numpy())
+    on_coordinator = evaluator().evaluate()
+print(json.dumps({"before": before, "after": after, "coordinator": on_coordinator, "ran": ran, "printed": printed}))
+flush_and_exit(0)
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_eval_spread_over_two_workers_equals_the_coordinators_eval(tmp_path):
-    """A run with 2 workers and 3 eval shards of the 6 batches; the sidecar then evaluates its checkpoint on
-    one device (the coordinator's pass): the same results, bit for bit, and all 359 examples counted."""
+@pytest.mark.timeout(200)
+def test_a_worker_killed_mid_eval_has_its_shard_run_again_and_every_example_counts_once():
+    """Exactly once under failure: worker 1 SIGKILLed inside its shard; the coordinator runs that shard again
+    whole on a worker (more batches ran than the pass has), and the results are still the coordinator's own
+    pass, bit for bit, every example once (their count and the sum of their ids)."""
+    out = run_python(KILLED_MID_EVAL, timeout=180)
+    assert any("worker 1 exited with code -9; restarted it" in line for line in out["printed"]), out["printed"]
+    assert out["ran"] > 120, out  # the killed closure's batches ran twice, but counted once
+    assert out["after"] == out["before"] == out["coordinator"]
+    assert out["after"]["num_examples"] == 6000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_eval_shards_spread_a_runs_eval_over_two_workers(tmp_path):
+    """`parameter_server.eval_shards = 3` in a run with 2 workers: the chief says so, and each eval counts the
+    359 examples (6 batches, the last partial) once."""
     model_dir = tmp_path / "run"
-    steps = ["--gin_bindings=train.total_steps=20"]
     run = run_main(
         "--gin_file=gin/ps.gin",
         f"--model_dir={model_dir}",
-        *steps,
+        "--gin_bindings=train.total_steps=20",
         "--gin_bindings=train.steps_per_loop=10",
         "--gin_bindings=train.eval_every_steps=10",
         "--gin_bindings=train.checkpoint_every_steps=20",
@@ -125,17 +195,5 @@ def test_eval_spread_over_two_workers_equals_the_coordinators_eval(tmp_path):
         "(parameter_server.eval_shards = 3: asked for)" in run.stdout
     ), run.stdout[-3000:]
     assert re.findall(r"eval at step (\d+): .*\((\d+) examples\)", run.stdout) == [("10", "359"), ("20", "359")]
+    assert [r["step"] for r in read_jsonl(model_dir / "metrics.jsonl") if r["split"] == "eval"] == [10, 20]
     assert_all_gone(server_pids(run.stdout, run.stderr))
-    sidecar = run_main(
-        "--gin_file=gin/ps.gin",
-        "--mode=eval_continuous",
-        f"--model_dir={model_dir}",
-        *steps,
-        "--gin_bindings=eval_continuous.timeout_secs=30",
-        timeout=120,
-    )
-    assert sidecar.returncode == 0, sidecar.stderr[-4000:]
-    records = [r for r in read_jsonl(model_dir / "metrics.jsonl") if r["split"] == "eval" and r["step"] == 20]
-    spread, coordinator = records
-    assert coordinator.pop("num_examples") == EXAMPLES
-    assert spread == coordinator
