@@ -41,7 +41,7 @@ def test_shard_count_auto_spreads_over_other_hosts_and_refuses_what_cannot_work(
         setting, **{"workers": 2, "replicas": 1, "cluster": remote, "has_metrics": False} | kw
     )
     assert ps_eval.on_one_host(local) and not ps_eval.on_one_host(remote)
-    assert count("auto") == (4, "2 per worker on other hosts")
+    assert count("auto") == (2, "one per worker, the workers on other hosts")
     assert count("auto", cluster=local) == (0, "the workers share the coordinator's host")
     assert count(3, cluster=local) == (3, "asked for") and count(0)[0] == 0
     assert count("auto", has_metrics=True)[0] == 0 and count("auto", replicas=2)[0] == 0

@@ -25,7 +25,7 @@ class ParameterServerConfig:
         variables), else the run is refused.
       eval_shards: eval spread over the workers in this many shards of consecutive eval batches,
         each example counted once, results as on the coordinator (trainer/loops/ps_eval.py);
-        'auto': 2 per worker where the workers run on other hosts than the coordinator and it can
+        'auto': one per worker where the workers run on other hosts than the coordinator and it can
         work, else the coordinator; 0: on the coordinator.
     """
 
