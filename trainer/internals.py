@@ -119,6 +119,15 @@ def strategy_worker_count(strategy: Any) -> int | None:
     return getattr(strategy.extended, "_num_workers", None)
 
 
+def cached_variable_reads() -> Any:
+    """A scope in which a ParameterServer variable read traced inside a function is read from the ps once per
+    call, then reused (`distribute_utils.cache_variable_reads`, as tf_keras' exact evaluation does): no public
+    API. Without it an eval shard on a worker (trainer/loops/ps_eval.py) reads every variable for every batch."""
+    from tensorflow.python.distribute import distribute_utils
+
+    return distribute_utils.cache_variable_reads()
+
+
 def keras_variable_backing(variable: Any) -> Any:
     """The TensorFlow variable behind a Keras 3 variable (`_value`): Keras' own `assign_add` reads,
     adds and assigns in three ops, which lose counts when parameter-server workers add at once;

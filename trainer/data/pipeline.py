@@ -172,16 +172,22 @@ def eval_dataset(
     pad_to_multiple_of: int | None = None,
     shard_policy: str = "AUTO",
     input_context: tf.distribute.InputContext | None = None,
+    batches: tuple[Any, Any] | None = None,
 ) -> tf.data.Dataset:
     """Every example of `split` once, weight 1.0 appended (`with_weight`), batched, the last batch partial.
 
     Padding (zeros, weight 0) to a multiple of `pad_to_multiple_of` gives every worker and replica the same
     number of batches, so collectives cannot hang; so the padded examples are sharded, never the files.
+    `batches=(first, count)` (ints or tensors; unpadded) keeps those batches alone, skipping the examples
+    before them unread by the map: a part of the pass run apart (trainer/loops/ps_eval.py).
     """
     inp = as_input(inp)
     dataset_options = options(shard_policy)
     examples = inp.examples(split)
     spec = examples.element_spec
+    if batches is not None:
+        first, count = batches
+        examples = examples.skip(first * batch_size).take(count * batch_size)
     dataset = examples.map(whole(lambda example: with_weight(example, 1.0), spec), num_parallel_calls=tf.data.AUTOTUNE)
     padding = -inp.num_examples(split) % pad_to_multiple_of if pad_to_multiple_of else 0
     if padding:

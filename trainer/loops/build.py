@@ -12,11 +12,12 @@ from trainer import data
 from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError
 from trainer.files.event_writers import event_writer
+from trainer.loops import ps_eval
 from trainer.loops.controller import EvaluatorLike, TrainLoopLike
 from trainer.loops.evaluator import Evaluator, make_metrics
 from trainer.loops.options import ParameterServerConfig
 from trainer.loops.ps import (
-    CoordinatorEvaluator,
+    PSEvaluator,
     PSTrainLoop,
     check_partitioner,
     describe_placement,
@@ -114,8 +115,8 @@ def build_ps_loops(
     step_fn: StepFn,
     start_step: int,
     print_fn: Callable[[str], None] = print,
-) -> tuple[PSTrainLoop, dict[str, CoordinatorEvaluator]]:
-    """The ParameterServer loop and, per eval split, an evaluator on the coordinator."""
+) -> tuple[PSTrainLoop, dict[str, PSEvaluator]]:
+    """The ParameterServer loop and, per eval split, an evaluator spread over the workers or on the coordinator."""
     config = settings.parameter_server or ParameterServerConfig()
     if config.variable_partitioner is not None:
         check_partitioner(task.models)
@@ -151,16 +152,33 @@ def build_ps_loops(
     )
     local = tf.distribute.get_strategy()  # the default strategy: the coordinator's own device
     metrics = make_metrics(settings.eval_metrics_fn)  # on the coordinator, where eval runs
+    shards, why = ps_eval.shard_count(
+        config.eval_shards,
+        workers=workers,
+        replicas=dist.num_replicas_in_sync,
+        cluster=runtime.cluster.cluster,
+        has_metrics=bool(metrics),
+    )
+    if task.input.eval_splits:
+        where = f"spread over {workers} worker(s) in up to {shards} shards" if shards else "on the coordinator"
+        print_fn(f"eval under parameter_server: {where} (parameter_server.eval_shards = {config.eval_shards!r}: {why})")
     evaluators = {}
     for split in task.input.eval_splits:
-        eval_data = data.eval_dataset(
-            task.input, settings.global_batch_size, split=split, shard_policy=settings.shard_policy
-        )
-        evaluators[split] = CoordinatorEvaluator(
-            Evaluator(
-                local, task.models, task.eval_step_fn, eval_data, _num_batches(task, split, settings), metrics=metrics
+
+        def eval_data(*batches, split=split):
+            return data.eval_dataset(
+                task.input,
+                settings.global_batch_size,
+                split=split,
+                shard_policy=settings.shard_policy,
+                batches=batches or None,
             )
-        )
+
+        num_batches = _num_batches(task, split, settings)
+        evaluator = Evaluator(local, task.models, task.eval_step_fn, eval_data(), num_batches, metrics=metrics)
+        if shards:
+            evaluator = ps_eval.WorkerEvaluator(dist, coordinator, evaluator, eval_data, num_batches, shards)
+        evaluators[split] = PSEvaluator(evaluator)
     return loop, evaluators
 
 

@@ -87,6 +87,8 @@ class Evaluator:
                 )
             return dict(outputs) | {WEIGHT_KEY: tf.reduce_sum(tf.cast(batch[-1], tf.float32))}
 
+        # One replica's eval step, for a pass run elsewhere (trainer/loops/ps_eval.py).
+        self.replica_fn = replica_fn
         totals = ReplicaTotals(strategy, replica_fn, "train.eval_step_fn", count_finite=False)
 
         def eval_batches(iterator, num_batches):
@@ -129,7 +131,10 @@ class Evaluator:
     def evaluate(self) -> dict[str, float]:
         for metric in self._metrics.values():
             metric.reset_state()
-        totals = self._eval_batches(iter(self._dataset), tf.constant(self._num_batches, tf.int32))
+        return self.results(self._eval_batches(iter(self._dataset), tf.constant(self._num_batches, tf.int32)))
+
+    def results(self, totals: Mapping[str, float]) -> dict[str, float]:
+        """The pass's results from its sums over every batch: means, metric results and `num_examples`."""
         self._check_keys(totals)
         totals = {k: float(v) for k, v in totals.items()}
         weight = totals.pop(WEIGHT_KEY)

@@ -20,7 +20,8 @@ exactly the single-device pipeline; with N, worker k reads the whole set shuffle
 `start_step / N` batches (approximate with several workers: who ran which step is not recorded).
 With a tf.data service every worker reads its batches from the run's one job instead
 (`data.served_train`): with 'distributed_epoch', each example once per epoch across the workers.
-Evaluation runs on the coordinator over the whole eval set, reading the ps variables.
+Evaluation reads the ps variables over the whole eval set, every example once: spread over the workers in
+shards (trainer/loops/ps_eval.py, `parameter_server.eval_shards`) or on the coordinator.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from trainer import data
 from trainer.data import service as data_service
 from trainer.errors import UserError, error_line, peer_failure
 from trainer.extensions.worker_watch import closure_report
-from trainer.loops.evaluator import Evaluator
+from trainer.loops.controller import EvaluatorLike
 from trainer.loops.step_summaries import refuse_under_parameter_server, tracing_for_summaries, writes_summaries
 from trainer.loops.totals import reduce_outputs, repeated
 from trainer.safety import tracing
@@ -264,10 +265,11 @@ class _GraphNotingRecorder(GradientRecorder):
         return super()._record(gradients, variables)
 
 
-class CoordinatorEvaluator:
-    """Evaluates on the coordinator's own device: every eval example once, variables read from ps."""
+class PSEvaluator:
+    """An eval pass on the coordinator's own device (an `Evaluator`) or spread over the workers (a
+    `ps_eval.WorkerEvaluator`); a lost ps ends the run with its one line."""
 
-    def __init__(self, evaluator: Evaluator):
+    def __init__(self, evaluator: EvaluatorLike):
         self._evaluator = evaluator
 
     def trace(self) -> tuple[str, ...]:

@@ -126,6 +126,18 @@ class ReplicaTotals:
 
         return repeated(one_step, num_steps)
 
+    def each_step(self, num_steps: tf.Tensor, next_batch: Callable[[], Any]) -> tf.Tensor:
+        """`[num_steps, outputs]`: each step's outputs on `next_batch()`, summed over the replicas, in step order.
+        Added up row by row in float32, one replica's rows give `sums(accumulate(...))` bit for bit: a pass cut
+        into parts run apart (trainer/loops/ps_eval.py) keeps the sums of one pass."""
+
+        def one_step(state):
+            i, rows = state or (tf.constant(0), tf.TensorArray(tf.float32, size=tf.cast(num_steps, tf.int32)))
+            outputs = self._strategy.run(self._vector, args=(next_batch(),))
+            return i + 1, rows.write(i, self._strategy.reduce(SUM, outputs, axis=None))
+
+        return repeated(one_step, tf.cast(num_steps, tf.int32))[1].stack()
+
     def _first(self, batch):
         totals = self._vector(batch)
         return totals, self._finite(totals)
