@@ -131,7 +131,7 @@ def test_configurables_lists_every_registered_name_with_parameters_and_doc(capsy
     for name in names:
         assert re.search(rf"^{re.escape(name)}\(.*\)\n    \S", listing, re.M), name
     assert "listed_by_registry_test(alpha=1.5)\n    Registered after trainer.configurables" in listing
-    assert "profiler_hook(steps=(10, 20))" in listing
+    assert "profiler_hook(steps=(10, 20), all_workers=False)" in listing
     assert "progress_logger(live=None, refresh_secs=0.5, all_workers=False)" in listing
 
 
