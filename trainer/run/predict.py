@@ -116,7 +116,7 @@ def predict(
         for done in range(1, num_batches + 1):
             batch = next(iterator)
             if done == 1:  # traces: a failure of the user's code is one line
-                rows = tracing.traced(what, shown, functools.partial(predict_batch, batch))
+                rows = _first_batch(what, shown, functools.partial(predict_batch, batch), default=not predict_step_fn)
             else:
                 rows = predict_batch(batch)
             if runtime.is_chief:
@@ -168,6 +168,21 @@ def batch_function(
 
 
 @tf.autograph.experimental.do_not_convert
+def _first_batch(what: str, shown: str, trace: Callable[[], Any], *, default: bool) -> Any:
+    """The first batch's outputs (traced); where the default step cannot call the model(s) on the
+    features (a GAN's generator takes noise), the line says how to choose the outputs instead."""
+    try:
+        return tracing.traced(what, shown, trace)
+    except UserError as e:
+        if not default or e.__cause__ is None:
+            raise
+        raise UserError(
+            f"--mode=predict calls the model(s) of train.model_fn = @{shown} on each batch's features "
+            f"(model(x, training=False)) by default, and that failed ({error_line(e.__cause__)}); bind "
+            "predict.predict_step_fn = @your_function(model, batch) to say what to predict"
+        ) from e.__cause__
+
+
 def model_outputs(models: Any, example: Any) -> Any:
     """The default step: the model's output on the batch's features (`x` of `(x, y, ...)`, else the whole
     example), each model's by key for a dict of them."""
