@@ -91,6 +91,8 @@ def test_parameter_server_workers_report_their_own_closures_and_memory(tmp_path)
     """Once training starts, worker 1's server is stopped 3/4 of the time (a busy machine): its closures
     take longer and the warning names it, so closures are told apart by the worker process that ran
     them."""
+    from trainer.extensions.profiler import trace_files
+
     model_dir = tmp_path / "run"
     run = Main(
         "--gin_file=gin/ps.gin",
@@ -99,6 +101,9 @@ def test_parameter_server_workers_report_their_own_closures_and_memory(tmp_path)
         "--gin_bindings=train.total_steps=60",
         "--gin_bindings=train.steps_per_loop=20",
         "--gin_bindings=train.log_every_steps=20",
+        "--gin_bindings=train.extensions=[@profiler_hook()]",
+        "--gin_bindings=profiler_hook.steps=(20, 40)",
+        "--gin_bindings=profiler_hook.all_workers=True",
     )
     done = threading.Event()
     try:
@@ -135,6 +140,11 @@ def test_parameter_server_workers_report_their_own_closures_and_memory(tmp_path)
     assert all(
         r["worker/1/step_time_s"] > r["worker/0/step_time_s"] for r in records[1:] if "worker/1/step_time_s" in r
     )
+    # The workers are traced remotely from the window's first step (their gRPC servers answer the profiler).
+    for task in ("chief0", "worker0", "worker1"):
+        traces = trace_files(str(model_dir), task)
+        assert len(traces) == 1 and os.path.getsize(traces[0]) > 10_000, (task, traces)
+    assert [line for line in run.out if line.startswith("profiler: traced worker 1 for ")], run.stdout
 
 
 def test_a_peers_heartbeat_loss_names_it_in_the_one_line():
@@ -174,6 +184,5 @@ def test_on_by_default_under_the_multi_worker_strategies_and_its_options_checked
     for bad in ({"enabled": 1}, {"slow_factor": 0}, {"slow_intervals": 0}):
         with pytest.raises(UserError, match="worker_watch"):
             WorkerWatch(10, **bad)
-    with pytest.raises(UserError, match="profiler_hook.all_workers is not supported with parameter_server"):
-        Profiler(all_workers=True).check(Settings(strategy="parameter_server"))
-    Profiler(all_workers=True).check(Settings(strategy="multi_worker_mirrored"))
+    with pytest.raises(UserError, match="profiler_hook.all_workers must be True or False"):
+        Profiler(all_workers=1)

@@ -2,19 +2,23 @@
 `train.extensions = [@profiler_hook()]`, `profiler_hook.steps = (10, 20)`. Loop calls end exactly
 at both steps, so the trace holds steps 11..20 only; the chief writes it under
 `<model_dir>/plugins/profile/` (needs `pip install -e '.[profile]'`). With `profiler_hook.all_workers =
-True` every MultiWorkerMirrored worker traces the same window, each under
-`<model_dir>/profile/<task>/plugins/profile/` (`worker1`: a TensorBoard run each).
+True` every worker traces the same window, each under `<model_dir>/profile/<task>/plugins/profile/`
+(`worker1`: a TensorBoard run each): a MultiWorkerMirrored worker traces itself; parameter-server
+workers are plain TensorFlow servers, whose gRPC server answers the profiler's remote trace, so the
+chief traces each of them from the window's first step for the time the window should take at the
+run's measured rate (their steps are asynchronous: a step window is a time window there).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import threading
+import time
 
 import tensorflow as tf
 
-from trainer.distribution import modes
-from trainer.errors import UserError
+from trainer.errors import UserError, error_line
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
 from trainer.validation import check_bool
@@ -40,16 +44,7 @@ class Profiler(Extension):
             raise UserError(f"profiler_hook.steps must satisfy 0 <= start < stop, got {tuple(steps)!r}")
         self.start, self.stop, self.all_workers = start, stop, all_workers
         self._active = False
-
-    def check(self, settings) -> None:
-        if self.all_workers:
-            modes.require(
-                "profiler_hook.all_workers",
-                modes.SYNCHRONOUS,
-                settings.strategy,
-                reason="its workers are plain TensorFlow servers, which run no profiler this trainer could start",
-                fix="unset it to trace the chief, which schedules the steps",
-            )
+        self._remote: list[threading.Thread] = []  # traces of parameter-server workers, one thread each
 
     def steps_to_boundary(self, step: int) -> int | None:
         # Every worker ends its loop calls here, so collectives stay in step across workers.
@@ -60,6 +55,7 @@ class Profiler(Extension):
         return None
 
     def begin(self, context: Context) -> None:
+        self._began = time.monotonic()
         if context.start_step >= self.stop:
             if context.runtime.is_chief:
                 context.print(
@@ -93,12 +89,41 @@ class Profiler(Extension):
             context.print(f"profiler: not tracing, another profiler session is running ({e.message})")
             return
         self._active, self._from = True, step
+        if self.all_workers and context.settings.mode.coordinates_workers:
+            self._trace_workers(context, step)
+
+    def _trace_workers(self, context: Context, step: int) -> None:
+        """Each parameter-server worker traced remotely for the window's expected length (the seconds per
+        step so far, from the start of the run: tracing included, so rather longer than shorter)."""
+        done = step - context.start_step
+        seconds = (time.monotonic() - self._began) / done * (self.stop - step) if done else 2.0
+        milliseconds = max(1000, int(seconds * 1000))
+        root = os.path.join(context.settings.model_dir, WORKERS_SUBDIR)
+
+        def trace(index: int, address: str) -> None:
+            logdir = os.path.join(root, f"worker{index}")
+            try:
+                tf.profiler.experimental.client.trace(f"grpc://{address}", logdir, milliseconds)
+                context.print(
+                    f"profiler: traced worker {index} for {milliseconds} ms from step {step} into "
+                    f"{os.path.join(logdir, PROFILE_SUBDIR)}"
+                )
+            except (tf.errors.OpError, ValueError) as e:
+                context.print(f"profiler: could not trace worker {index} at {address} ({error_line(e)})")
+
+        addresses = context.runtime.cluster.cluster.get("worker", [])
+        self._remote = [threading.Thread(target=trace, args=item, daemon=True) for item in enumerate(addresses)]
+        for thread in self._remote:
+            thread.start()
 
     def _stop(self, context: Context, step: int) -> None:
         if not self._active:
             return
         tf.profiler.experimental.stop()
         self._active = False
+        for thread in self._remote:  # their traces end on their own clock
+            thread.join()
+        self._remote = []
         context.print(
             f"profiler: traced steps {self._from + 1}-{step} into "
             f"{os.path.join(self._logdir(context), PROFILE_SUBDIR)} (TensorBoard's Profile tab)"
