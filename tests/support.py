@@ -100,6 +100,15 @@ def write_idx(path, magic: int, array: np.ndarray) -> None:
         f.write(header + array.astype(np.uint8).tobytes())
 
 
+def as_from_a_terminal() -> None:
+    """A child's Ctrl-C and SIGTERM as a terminal gives them: delivered, default action. A disposition
+    set to ignore, or a mask that blocks them, is inherited through exec; TensorFlow code run earlier in
+    the same pytest worker may leave either behind, and the child would then train through a Ctrl-C."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 class Main:
     """`python -m trainer.main args` in its own session, its output collected line by line."""
 
@@ -112,6 +121,7 @@ class Main:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            preexec_fn=as_from_a_terminal,
         )
         self.out: list[str] = []
         self.err: list[str] = []

@@ -84,7 +84,7 @@ def test_the_newest_checkpoint_evaluates_as_the_run_logged_it_and_mistakes_write
     assert tree_digest(model_dir) == before
     line = refused_run(tmp_path, "--gin_file=gin/single.gin", "--checkpoint=ckpt-20")
     assert line == (
-        "error: --checkpoint is an option of --mode=evaluate, not of --mode=train; drop it or add --mode=evaluate"
+        "error: --checkpoint is an option of --mode=evaluate|predict, not of --mode=train; drop it or add --mode=evaluate"
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,7 +203,8 @@ def test_a_killed_worker_makes_its_peer_fail_with_the_step_and_the_launcher_exit
             w.wait()
     assert workers[0].returncode == 1
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("error: training failed in steps ") and "peer" in last, last
+    # The peer's loss surfaces in a step's collective or in the worker watch's one at a log interval.
+    assert re.match(r"error: training failed (in steps \d+-\d+|at step \d+) ", last) and "peer" in last, last
 
     launched_dir = str(tmp_path / "launched")
     launcher = subprocess.Popen(
