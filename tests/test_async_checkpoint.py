@@ -78,7 +78,7 @@ def test_killed_async_run_resumes_bit_for_bit_like_an_uninterrupted_sync_one(tmp
     rerun = run_main(*SMALL, ASYNC, f"--model_dir={resumed_dir}")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     restored = int(rerun.stdout.split("continuing from step ")[1].split()[0])
-    assert restored in (10, 20)
+    assert restored in (10, 20, 30)  # killed mid-run: the newest checkpoint written before the kill
 
     expected, got = per_step_losses(reference_dir), per_step_losses(resumed_dir)
     assert sorted(got) == sorted(expected) == list(range(1, 41))
