@@ -102,6 +102,8 @@ class WorkerWatch(Extension):
 
     def begin(self, context: Context) -> None:
         self._coordinated = context.runtime.mode.coordinates_workers
+        if self._coordinated:  # built once: a new function at each interval would be traced anew
+            self._read = tf.function(lambda: tf.stack([process_id(), memory_mb()]))
         self._since = context.start_step
         self._restart(context)
         self._post(context, context.start_step)
@@ -180,10 +182,8 @@ class WorkerWatch(Extension):
     def _coordinator_view(self, context: Context) -> dict[int, dict[str, float]]:
         """Each worker's closures since the last interval (the processes mapped to task indices by one
         read on every worker), and every worker's memory now."""
-        coordinator = context.loop.coordinator
-        read = tf.function(lambda: tf.stack([process_id(), memory_mb()]))
         per_worker = {}
-        for index, remote in enumerate(internals.run_on_every_worker(coordinator, read)):
+        for index, remote in enumerate(internals.run_on_every_worker(context.loop.coordinator, self._read)):
             try:
                 pid, megabytes = remote.fetch()
             except tf.errors.OpError:  # a worker lost (and being restarted): nothing to read of it now
