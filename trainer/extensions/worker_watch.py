@@ -113,7 +113,7 @@ class WorkerWatch(Extension):
         if not self._posting:
             return
         service, key = internals.coordination_service(), _arrival_key(worker_index(context.runtime.cluster))
-        try:
+        try:  # two calls: TensorFlow's insert refuses a key already set, and no overwrite or update is exported
             service.delete_config_key_value(key)
             service.set_config_key_value(key, str(step))
         except tf.errors.OpError:
