@@ -29,9 +29,10 @@ from trainer.distribution.cluster import ClusterInfo
 from trainer.errors import peer_failure
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
+from trainer.files import metrics_log
 from trainer.validation import check_bool, check_int, check_number
 
-SPLIT = "workers"
+SPLIT = metrics_log.WORKERS
 ABSENT_PEERS = "absent_peers"  # the named value: step -> "; not arrived at step S: worker 1 (...)" or ""
 _READ_TIMEOUT_MS = 2000
 _STATUS = "/proc/self/status"  # Linux: where a process reads its own resident memory
