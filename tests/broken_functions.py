@@ -197,3 +197,33 @@ class _CallRaises(keras.Model):
 @gin.configurable
 def model_whose_call_raises(input_shape, num_classes):
     return _CallRaises(num_classes)
+
+
+class _WrongSideInput(keras.layers.Layer):
+    """A layer whose training-only branch gives a Dense built for 7 features the batch's 64: fine when the
+    run builds the model (inference), raising in the traced train step."""
+
+    def __init__(self):
+        super().__init__()
+        self.side = keras.layers.Dense(3, name="side")
+
+    def build(self, input_shape):
+        self.side.build((None, 7))
+
+    def call(self, x, training=False):
+        return self.side(x) if training else x
+
+
+class _NoTraining(keras.layers.Layer):
+    """A layer whose own call raises in training."""
+
+    def call(self, x, training=False):
+        if training:
+            raise ValueError("_NoTraining has no training branch")
+        return x
+
+
+@gin.configurable
+def model_whose_layer_fails_in_training(input_shape, num_classes, layer="wrong_side_input"):
+    middle = {"wrong_side_input": _WrongSideInput, "no_training": _NoTraining}[layer]()
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(), middle, keras.layers.Dense(num_classes)])

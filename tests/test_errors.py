@@ -17,6 +17,18 @@ def test_a_long_tensorflow_message_ends_on_a_whole_sentence():
     assert len(words) <= MAX_LINE + 3 and words.endswith("word...")
 
 
+def test_an_error_in_a_keras_layers_call_is_its_cause_and_the_call():
+    import keras
+
+    class Picky(keras.layers.Layer):
+        def call(self, x):
+            raise ValueError("Picky takes no zeros")
+
+    with pytest.raises(ValueError) as raised:  # Keras' first line: "Exception encountered when calling ..."
+        Picky()(tf.zeros([2, 3]))
+    assert error_line(raised.value) == "ValueError in Picky.call(): Picky takes no zeros"
+
+
 def test_a_graph_error_is_what_happened_not_where():
     labels = tf.constant([10, 1])
 

@@ -258,6 +258,12 @@ CASES: dict[str, tuple[list[str], str]] = {
         "model of train.model_fn model_whose_call_raises, raised AttributeError: "
         "'_CallRaises' object has no attribute 'missing_index'",
     ),
+    # a layer of the user's raising in the traced train step: the cause and the call, not Keras' wrapper line
+    "layer_call_raises_in_training": (
+        [IMPORT, *bind("train.model_fn = @model_whose_layer_fails_in_training")],
+        "(ValueError in _WrongSideInput.call(): Input 0 with name 'None' of layer 'side' is incompatible with the "
+        "layer: expected axis -1 of input shape to have value 7, but received input with shape (64, 64))",
+    ),
     # an endless dataset (unknown cardinality): counted for a bounded time, then refused
     "input_fn_endless_generator": ([IMPORT, *bind("train.input_fn = @endless_generator_input")], "an endless dataset?"),
     # the data an op cannot take, found by the first step: the input and the op named
@@ -273,7 +279,7 @@ CASES: dict[str, tuple[list[str], str]] = {
 }
 # Cases run in an empty model_dir (holding only a user's file) rather than a copy of an existing
 # run's, where the resume check (a changed model) would speak first, also in one line.
-FRESH_ONLY = {"model_cannot_take_the_batch", "labels_are_strings"}
+FRESH_ONLY = {"model_cannot_take_the_batch", "labels_are_strings", "layer_call_raises_in_training"}
 
 DRIVER = textwrap.dedent("""
     import contextlib, io, json, os, sys, time, traceback
@@ -367,6 +373,7 @@ def test_mistake_is_one_line_exit_2_and_model_dir_unchanged(outcomes, name):
         "keras_callback_raises",
         "model_fn_raises",
         "model_call_raises",
+        "layer_call_raises_in_training",
     ],
 )
 def test_what_user_code_raises_shows_only_its_frames(outcomes, name):
@@ -425,6 +432,18 @@ def test_a_model_built_at_import_is_named(tmp_path, gin_file):
         "error: tests.import_time_model.MODEL was built when its module was imported, outside the strategy's scope"
     ), line
     assert line.endswith("build models inside train.model_fn, which the run calls under the strategy's scope"), line
+
+
+@pytest.mark.slow
+def test_a_layer_raising_in_a_mirrored_train_step_is_named_with_its_cause(tmp_path):
+    line = refused_run(
+        tmp_path,
+        "--gin_file=gin/mirrored.gin",
+        IMPORT,
+        "--gin_bindings=train.model_fn = @model_whose_layer_fails_in_training",
+        "--gin_bindings=model_whose_layer_fails_in_training.layer = 'no_training'",
+    )
+    assert "(ValueError in _NoTraining.call(): _NoTraining has no training branch); fix" in line, line
 
 
 @pytest.mark.parametrize(

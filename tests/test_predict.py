@@ -127,6 +127,47 @@ def test_one_device_and_parameter_server_equal_keras_predict(trained_single_dir,
     assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_ema_weights_equal_keras_predict_with_the_averages_loaded(tmp_path):
+    model_dir = str(tmp_path / "run")
+    proc = run_main(
+        "--gin_file=gin/single.gin",
+        f"--model_dir={model_dir}",
+        *(f"--gin_bindings=train.{b}" for b in ("model_fn=@mlp", "total_steps=20", "steps_per_loop=10")),
+        *(f"--gin_bindings=train.{b}" for b in ("checkpoint_every_steps=20", "eval_every_steps=20", "ema_decay=0.9")),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    settings = Settings(model_dir=model_dir, model_fn=models_lib.mlp, ema_decay=0.9)
+    lines: list[str] = []
+    path, count = predict(settings, weights=["ema"], print_fn=lines.append)
+    assert path.endswith("predictions/eval-ckpt-20-ema.npz") and count == 359
+    assert lines[0].startswith("predicting Sequential with the ema weights of ckpt-20 (step 20)"), lines[0]
+    own, _ = predict(settings, print_fn=lines.append)
+    assert own.endswith("predictions/eval-ckpt-20.npz")
+
+    x, _ = data.Digits().arrays("eval")
+    model = models_lib.mlp(input_shape=x.shape[1:], num_classes=10)
+    model(tf.zeros([1, *x.shape[1:]]))
+    checkpoint = os.path.join(model_dir, "ckpt-20")
+    tf.train.Checkpoint(model=model).restore(checkpoint).expect_partial()
+    np.testing.assert_allclose(np.load(own)["output"], model.predict(x, batch_size=128, verbose=0), atol=1e-5)
+    reader = tf.train.load_checkpoint(checkpoint)
+    for index, variable in enumerate(model.trainable_variables):
+        variable.assign(reader.get_tensor(f"ema/averages/{index}/.ATTRIBUTES/VARIABLE_VALUE"))
+    ema = np.load(path)["output"]
+    np.testing.assert_allclose(ema, model.predict(x, batch_size=128, verbose=0), atol=1e-5)
+    assert np.abs(ema - np.load(own)["output"]).max() > 0.01
+
+    for weights, problem in (
+        (["swa"], r"--weights=swa: this run keeps no such weights \(it keeps model, ema\); name one"),
+        (["model", "ema"], "--weights=model,ema: --mode=predict writes the outputs of one kind of weights; name one"),
+    ):
+        with pytest.raises(UserError, match=problem):
+            predict(settings, weights=weights, output=str(tmp_path / "refused.npz"))
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
 def number_step(model, batch):
     return 1.0
 
@@ -214,11 +255,15 @@ def test_mirrored_and_two_launched_workers_write_every_example_once_in_order(tra
             r"error: no checkpoint in \S+: train first, or pass the --model_dir of a run that saved one",
         ),
         (
+            ["--mode=predict", "--weights=model,ema"],
+            r"error: --weights=model,ema: --mode=predict writes the outputs of one kind of weights; name one",
+        ),
+        (
             ["--output=p.npz"],
             r"error: --output is an option of --mode=predict, not of --mode=train; drop it or add --mode=predict",
         ),
     ],
-    ids=["no checkpoint", "output without predict"],
+    ids=["no checkpoint", "two kinds of weights", "output without predict"],
 )
 def test_a_refused_prediction_is_one_error_line(tmp_path, args, expected):
     assert re.fullmatch(expected, refused_run(tmp_path, "--gin_file=gin/single.gin", *args))

@@ -301,7 +301,7 @@ def test_mwms_job_trains_on_both_tasks_only_task_0_writes_and_matches_trainer_la
     # every step is logged once, and task 1's own saves went to temp dirs it removed again.
     events = [name for _, _, names in os.walk(job.model_dir) for name in names if name.startswith("events.out")]
     writers = {int(m.group(1)) for name in events if (m := EVENT_FILE_PID.match(name))}
-    assert len(events) == 4 and writers == {pids[0]}, (events, pids)  # 4: eval/workers, the worker watch's
+    assert len(events) == 4 and writers == {pids[0]}, (events, pids)  # 4: workers, the worker watch's
     assert [r["step"] for r in job.records("train")] == list(range(1, STEPS + 1))
     assert os.path.exists(os.path.join(job.model_dir, f"ckpt-{STEPS}.index"))
     assert not os.listdir(os.path.join(job.dir, "tmp"))

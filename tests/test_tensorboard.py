@@ -177,7 +177,8 @@ def test_summaries_inside_the_step_are_one_line_under_parameter_servers_and_xla(
 
 def test_one_record_reaches_the_json_line_the_event_files_and_every_sink(tmp_path):
     """The one metric writer (training, its evals and the sidecar evaluator write through it): an
-    eval's count lands in the JSON line only, last; an eval split of its own under eval/<split>."""
+    eval's count lands in the JSON line only, last; an eval split of its own under eval/<split>, the
+    worker watch's records (not an evaluation) in a run of their own."""
     from trainer.files.metrics_log import MetricsLog, eval_line
 
     seen = []
@@ -185,15 +186,18 @@ def test_one_record_reaches_the_json_line_the_event_files_and_every_sink(tmp_pat
         log.subscribe(lambda step, split, values: seen.append((step, split, values)))
         log.record(200, "eval", {"loss": 0.5, "accuracy": 0.875}, num_examples=359)
         log.record(200, "test", {"loss": 0.25})
+        log.record(200, "workers", {"worker/1/rss_mb": 300.0})
     assert read_jsonl(tmp_path / "metrics.jsonl") == [
         {"step": 200, "split": "eval", "loss": 0.5, "accuracy": 0.875, "num_examples": 359.0},
         {"step": 200, "split": "test", "loss": 0.25},
+        {"step": 200, "split": "workers", "worker/1/rss_mb": 300.0},
     ]
-    assert seen == [(200, "eval", {"loss": 0.5, "accuracy": 0.875}), (200, "test", {"loss": 0.25})]
-    assert sorted(os.listdir(tmp_path)) == ["eval", "metrics.jsonl"]  # no train event file opened
+    assert seen[:2] == [(200, "eval", {"loss": 0.5, "accuracy": 0.875}), (200, "test", {"loss": 0.25})]
+    assert sorted(os.listdir(tmp_path)) == ["eval", "metrics.jsonl", "workers"]  # no train event file opened
     assert _series(_accumulator(str(tmp_path / "eval")), "accuracy") == {200: 0.875}
     assert "num_examples" not in _accumulator(str(tmp_path / "eval")).Tags()["tensors"]
     assert _series(_accumulator(str(tmp_path / "eval" / "test")), "loss") == {200: 0.25}
+    assert _series(_accumulator(str(tmp_path / "workers")), "worker/1/rss_mb") == {200: 300.0}
     assert eval_line("test", 200, {"loss": 0.25}, 359, " of ckpt-200") == (
         "eval on test of ckpt-200 at step 200: loss 0.2500  (359 examples)"
     )

@@ -67,7 +67,7 @@ def test_two_mwms_workers_one_slowed_then_stuck(tmp_path):
     for record in records[1:]:  # after the first interval, which holds the tracing
         # The all-reduce makes both wait for the slowest; the CPU time tells which one it is.
         assert record["worker/1/cpu_time_s"] > record["worker/0/cpu_time_s"] + 0.02, record
-    assert {"worker/0/rss_mb", "worker/1/step_time_s"} <= event_tags(model_dir / "eval" / "workers")
+    assert {"worker/0/rss_mb", "worker/1/step_time_s"} <= event_tags(model_dir / "workers")
 
     warnings = [line for line in lines if "warning: worker" in line]
     assert len(warnings) == 1 and warnings[0].startswith("[worker 0] warning: worker 1 ran "), warnings

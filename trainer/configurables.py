@@ -139,7 +139,7 @@ CONFIGURABLES["eval_continuous"] = gin.external_configurable(
 )
 # --mode=predict's own options; the model, checkpoint and strategy are the run's.
 CONFIGURABLES["predict"] = gin.external_configurable(
-    predict_lib.predict, "predict", denylist=["settings", "checkpoint", "output", "print_fn"]
+    predict_lib.predict, "predict", denylist=["settings", "checkpoint", "output", "weights", "print_fn"]
 )
 # `train` builds its progress logger itself, so that class is registered in place: the class
 # reads its own bindings (`progress_logger.live = False`); every_steps is train.log_every_steps.
@@ -171,7 +171,12 @@ def evaluate_checkpoint(*, model_dir: str, print_fn=print, **choices) -> dict[st
 
 
 def predict(
-    *, model_dir: str | None, checkpoint: str | None, output: str | None, print_fn=print
+    *,
+    model_dir: str | None,
+    checkpoint: str | None,
+    output: str | None,
+    weights: tuple[str, ...] | list[str] = (),
+    print_fn=print,
 ) -> tuple[str | None, int]:
     """--mode=predict, set up by the run's own `train.*` bindings and `predict.*` (its functions
     resolved as the run's are, `resolve_functions`)."""
@@ -182,7 +187,9 @@ def predict(
         if (plain := gin_functions.plain_function(raw.get(name), supplied=supplied, what=f"predict.{name}"))
     }
     settings = settings_from_gin(model_dir=model_dir)
-    return CONFIGURABLES["predict"](settings, checkpoint=checkpoint, output=output, print_fn=print_fn, **functions)
+    return CONFIGURABLES["predict"](
+        settings, checkpoint=checkpoint, output=output, weights=weights, print_fn=print_fn, **functions
+    )
 
 
 def main() -> None:

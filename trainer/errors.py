@@ -7,6 +7,7 @@ import re
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ERROR_LINE = re.compile(r"^\s*(\w+(?:Error|Exception)): (.*)$")
+_KERAS_CALL = re.compile(r"^Exception encountered when calling (.+?)\.?$")  # Keras' wrapper of a layer's error
 _NOT_WHAT = ("Traceback", "File ", "in user code", "Graph execution error", "Detected at node", "<stack")
 MAX_LINE = 300
 
@@ -40,18 +41,27 @@ class RunFailure(Exception):
 
 def error_line(error: BaseException) -> str:
     """What happened, in one line: for TensorFlow's graph errors the line below "Graph execution error"
-    and the stack; for an error AutoGraph re-raised with the user's trace, the original's message."""
+    and the stack; for an error AutoGraph re-raised with the user's trace, the original's message; for
+    an error in a Keras layer's call, its cause and the call (`layer_call_cause`)."""
     text = _ANSI.sub("", re.sub(r"\{\{function_node [^}]*\}\}\s*", "", str(error)))
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for index, line in enumerate(lines):
-        if match := _ERROR_LINE.match(line):  # the innermost error AutoGraph quotes, then its detail
-            detail = (
-                " ".join(lines[index + 1 : index + 2])
-                if match.group(2).startswith("Exception encountered")
-                else match.group(2)
-            )
-            return _shortened(f"{match.group(1)}: {detail}")
+        match = _ERROR_LINE.match(line)  # the innermost error AutoGraph quotes, then its detail
+        kind, message = match.groups() if match else (type(error).__name__, line)
+        if layer := layer_call_cause([message, *lines[index + 1 :]]):
+            return _shortened(f"{kind} in {layer[0]}: {layer[1]}")
+        if match:
+            return _shortened(f"{kind}: {message}")
     return next((_shortened(line) for line in lines if not line.startswith(_NOT_WHAT)), type(error).__name__)
+
+
+def layer_call_cause(lines: list[str]) -> tuple[str, str] | None:
+    """(the call, e.g. "Dense.call()", and the cause) where `lines` (an error's message, a line a list item)
+    start with Keras' wrapper of an error raised in a layer's call ("Exception encountered when calling
+    Dense.call()."), whose own message is the next line. The wrapper alone names neither the cause nor
+    the layer that raised it."""
+    wrapper = _KERAS_CALL.match(lines[0]) if lines else None
+    return (wrapper.group(1), lines[1]) if wrapper and len(lines) > 1 else None
 
 
 def _shortened(line: str) -> str:

@@ -55,7 +55,8 @@ def define_flags() -> None:
         "weights",
         None,
         "--mode=evaluate: which weights, e.g. model,ema: 'model' and the averaged weights of the run's "
-        "extensions (ema, swa) (default: every one the run's own eval evaluates).",
+        "extensions (ema, swa) (default: every one the run's own eval evaluates). --mode=predict: the one "
+        "to predict with (default model).",
     )
     flags.DEFINE_string(
         "output",
@@ -74,7 +75,7 @@ def define_flags() -> None:
 MODE_FLAGS = {
     "checkpoint": ("evaluate", "predict"),
     "eval_splits": ("evaluate",),
-    "weights": ("evaluate",),
+    "weights": ("evaluate", "predict"),
     "output": ("predict",),
 }
 
@@ -150,6 +151,7 @@ def run(argv: list[str]) -> None:
                 model_dir=absolute_model_dir(FLAGS.model_dir),
                 checkpoint=FLAGS.checkpoint,
                 output=FLAGS.output,
+                weights=FLAGS.weights or (),
                 print_fn=print_fn,
             )
             return

@@ -82,11 +82,6 @@ def config_of(value: Any) -> DataServiceConfig | None:
     return DataServiceConfig(address=value)
 
 
-def check(config: DataServiceConfig | None, strategy: str) -> None:
-    if config is not None:
-        modes.require("train.data_service", SUPPORT, strategy)
-
-
 def dispatcher_address(config: DataServiceConfig) -> str:
     """The dispatcher's 'grpc://host:port': the given one, or for 'local' the one its local cluster started."""
     if not config.local:

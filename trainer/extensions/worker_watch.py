@@ -29,9 +29,10 @@ from trainer.distribution.cluster import ClusterInfo
 from trainer.errors import peer_failure
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
+from trainer.files import metrics_log
 from trainer.validation import check_bool, check_int, check_number
 
-SPLIT = "workers"
+SPLIT = metrics_log.WORKERS
 ABSENT_PEERS = "absent_peers"  # the named value: step -> "; not arrived at step S: worker 1 (...)" or ""
 _READ_TIMEOUT_MS = 2000
 _STATUS = "/proc/self/status"  # Linux: where a process reads its own resident memory
@@ -102,6 +103,8 @@ class WorkerWatch(Extension):
 
     def begin(self, context: Context) -> None:
         self._coordinated = context.runtime.mode.coordinates_workers
+        if self._coordinated:  # built once: a new function at each interval would be traced anew
+            self._read = tf.function(lambda: tf.stack([process_id(), memory_mb()]))
         self._since = context.start_step
         self._restart(context)
         self._post(context, context.start_step)
@@ -111,7 +114,7 @@ class WorkerWatch(Extension):
         if not self._posting:
             return
         service, key = internals.coordination_service(), _arrival_key(worker_index(context.runtime.cluster))
-        try:
+        try:  # two calls: TensorFlow's insert refuses a key already set, and no overwrite or update is exported
             service.delete_config_key_value(key)
             service.set_config_key_value(key, str(step))
         except tf.errors.OpError:
@@ -180,10 +183,8 @@ class WorkerWatch(Extension):
     def _coordinator_view(self, context: Context) -> dict[int, dict[str, float]]:
         """Each worker's closures since the last interval (the processes mapped to task indices by one
         read on every worker), and every worker's memory now."""
-        coordinator = context.loop.coordinator
-        read = tf.function(lambda: tf.stack([process_id(), memory_mb()]))
         per_worker = {}
-        for index, remote in enumerate(internals.run_on_every_worker(coordinator, read)):
+        for index, remote in enumerate(internals.run_on_every_worker(context.loop.coordinator, self._read)):
             try:
                 pid, megabytes = remote.fetch()
             except tf.errors.OpError:  # a worker lost (and being restarted): nothing to read of it now

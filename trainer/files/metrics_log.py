@@ -2,8 +2,8 @@
 and `read_history`, the one reader of `metrics.jsonl` as one history.
 
 One `record(step, split, values)` reaches every sink, as CLU's MultiWriter does: `metrics.jsonl`
-(the contract in docs/design.md), TensorBoard (`model_dir/train`, `model_dir/eval`, another eval
-split under `eval/<split>`; one writer per directory, trainer/files/event_writers.py) and each
+(the contract in docs/design.md), TensorBoard (`model_dir/train`, `model_dir/eval`, `model_dir/workers`,
+another eval split under `eval/<split>`; one writer per directory, trainer/files/event_writers.py) and each
 subscribed sink (MLflow's). A run that continues a history (a resume, a roll-back) first appends
 `{"step": S, "split": "resumed"}`: earlier lines of steps above S are superseded. A re-evaluation of a
 checkpoint (`--mode=evaluate`) writes its lines with `"reevaluated": <the checkpoint>` last, and its
@@ -25,6 +25,8 @@ METRICS_FILE = "metrics.jsonl"
 RESUMED = "resumed"  # the split of the line a resumed run starts with
 REEVALUATED = "reevaluated"  # the field naming the checkpoint a re-evaluation's line is of
 REEVAL_DIR = "reeval"  # the TensorBoard directory of re-evaluations, one subdirectory per split
+WORKERS = "workers"  # the split of the worker watch's records: not an evaluation, a run of its own
+OWN_RUNS = ("train", "eval", WORKERS)  # the splits with their own TensorBoard run; any other is an eval split
 Sink = Callable[[int, str, dict[str, float]], None]  # (step, split, values)
 
 
@@ -64,7 +66,7 @@ class MetricsLog:
             if self._marker:
                 where = os.path.join(REEVAL_DIR, split)
             else:
-                where = split if split in ("train", "eval") else os.path.join("eval", split)
+                where = split if split in OWN_RUNS else os.path.join("eval", split)
             writer = event_writer(os.path.join(self._model_dir, where))
             writer.init()
             self._writers[split] = writer

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError, error_line
 from trainer.extensions.averaged_weights import AveragedWeights
 from trainer.extensions.context import Context
@@ -31,6 +32,7 @@ from trainer.run.settings import Settings
 from trainer.run.setup import setup
 from trainer.run.train import checked_registry
 from trainer.task import precision
+from trainer.task.task import Task
 
 MODEL = "model"  # the --weights name of the model's own weights
 _NUMBERED = re.compile(r"^(?:ckpt-)?(\d+)$")
@@ -57,7 +59,7 @@ def plan(
     path = chosen_checkpoint(settings.model_dir, checkpoint)
     inside = os.path.relpath(path, settings.model_dir)
     name = path if inside.startswith(os.pardir) else inside
-    available = (MODEL, *(name_of(e) for e in registry.extensions if isinstance(e, AveragedWeights)))
+    available = weight_kinds(registry)
     for chosen in weights:
         if chosen not in available:
             raise UserError(
@@ -82,10 +84,7 @@ def evaluate(
     `splits`) with every weights the run evaluates (or `weights`); returns the results by recorded split."""
     chosen = plan(settings, checkpoint=checkpoint, splits=splits, weights=weights)
     settings = chosen.settings
-    runtime, task = setup(settings)
-    context = Context(settings, runtime, task, chosen.registry.contributions)
-    chosen.registry.attach(context)
-    _restore(RunCheckpoint(task.checkpoint_items, chosen.registry.states()), chosen.path)
+    runtime, task, context = restored_run(settings, chosen.registry, chosen.path)
     step = int(task.global_step.numpy())
     _, context.evaluators = build_loops(runtime, task, settings, start_step=step, print_fn=context.print)
     for evaluator in context.evaluators.values():
@@ -119,6 +118,21 @@ def evaluate(
             f'("{REEVALUATED}": "{chosen.name}") and TensorBoard {os.path.join(settings.model_dir, REEVAL_DIR)}'
         )
     return results
+
+
+def weight_kinds(registry: Registry) -> tuple[str, ...]:
+    """The weights a run keeps: MODEL, then the names of its AveragedWeights extensions (ema, swa)."""
+    return (MODEL, *(name_of(e) for e in registry.extensions if isinstance(e, AveragedWeights)))
+
+
+def restored_run(settings: Settings, registry: Registry, path: str) -> tuple[Runtime, Task, Context]:
+    """The run's runtime, task and extensions at checkpoint `path`: the extensions attached first, so
+    their checkpoint items (the EMA's, SWA's averages) are restored with the model."""
+    runtime, task = setup(settings)
+    context = Context(settings, runtime, task, registry.contributions)
+    registry.attach(context)
+    _restore(RunCheckpoint(task.checkpoint_items, registry.states()), path)
+    return runtime, task, context
 
 
 def chosen_checkpoint(model_dir: str, checkpoint: str | None) -> str:

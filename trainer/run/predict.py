@@ -1,6 +1,6 @@
 """--mode=predict: a trained model's outputs over every example of a split, into one `.npz`.
 
-    python -m trainer.main --gin_file=gin/single.gin --model_dir=D --mode=predict [--checkpoint=ckpt-N]
+    python -m trainer.main --gin_file=gin/single.gin --model_dir=D --mode=predict [--checkpoint=ckpt-N] [--weights=ema]
 
 The run's own settings build the model (as the sidecar does, `build_eval_models`) under the run's strategy,
 a checkpoint of `model_dir` is restored (the newest by default), and the eval pipeline (`distribute_eval`:
@@ -8,15 +8,19 @@ every example once, padded to whole global batches, padding weighing 0) feeds `p
 on every replica, by default the model's output (`model(x, training=False)`; each model's for a dict of them).
 Each batch's outputs are gathered across replicas and workers in global-batch order, the padding dropped, and
 the chief streams the rows to disk (trainer/files/predictions.py): memory does not grow with the split.
+With `--weights=ema` (or another averaged weights the run keeps, `swa`) the run's task and extensions are
+restored as `--mode=evaluate` restores them (`restored_run`) and the outputs are those of the model with
+those weights swapped in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import time
-from typing import IO, Any, Callable, Mapping
+from typing import IO, Any, Callable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
@@ -25,11 +29,15 @@ from trainer import data
 from trainer.distribution import modes
 from trainer.distribution.runtime import make_runtime
 from trainer.errors import RunFailure, UserError, error_line
+from trainer.extensions.averaged_weights import AveragedWeights
 from trainer.extensions.console import LiveBar, is_terminal
 from trainer.extensions.progress import format_duration
+from trainer.extensions.protocol import name_of
+from trainer.extensions.registry import Registry
 from trainer.files.predictions import PredictionWriter, check_writable
-from trainer.run.evaluate import chosen_checkpoint
+from trainer.run.evaluate import MODEL, chosen_checkpoint, restored_run, weight_kinds
 from trainer.run.settings import Settings
+from trainer.run.train import checked_registry
 from trainer.safety import tracing
 from trainer.task import contract, precision
 from trainer.task.contract import function_name
@@ -52,12 +60,15 @@ def predict(
     batch_size: int | None = None,
     checkpoint: str | None = None,
     output: str | None = None,
+    weights: Sequence[str] = (),
     print_fn: Callable[[str], None] = print,
 ) -> tuple[str | None, int]:
     """Writes the outputs over `split` (default: the first eval split; with `input_fn`, an input function
     of its own called with `split`, default 'predict') at the checkpoint named `checkpoint` (`ckpt-N`, N or
-    a checkpoint path; default the newest) into `output` (default `model_dir/predictions/<split>-ckpt-N.npz`).
-    Returns (the path written, None on other workers than the chief; the number of examples)."""
+    a checkpoint path; default the newest) with the weights named in `weights` (one of those the run keeps:
+    'model', the default, 'ema', 'swa') into `output` (default `model_dir/predictions/<split>-ckpt-N.npz`,
+    `...-ckpt-N-<weights>.npz` for averaged weights). Returns (the path written, None on other workers than
+    the chief; the number of examples)."""
     modes.require_run_mode("predict", settings.strategy)
     if not settings.model_dir:
         raise UserError("--mode=predict needs --model_dir=DIR, the directory of a trained run")
@@ -68,14 +79,17 @@ def predict(
         if not callable(predict_step_fn):
             raise UserError(f"predict.predict_step_fn must be a function (bind it as @name), got {predict_step_fn!r}")
         predict_step_fn = contract.adapt(predict_step_fn, PREDICT_STEP)
+    kind, registry = _chosen_weights(settings, weights)
     path = chosen_checkpoint(settings.model_dir, checkpoint)
     split = split or ("predict" if input_fn is not None else settings.eval_split_names[0])
-    output = os.path.abspath(
-        output or os.path.join(settings.model_dir, "predictions", f"{split}-{os.path.basename(path)}.npz")
-    )
+    named = f"{split}-{os.path.basename(path)}" + ("" if kind == MODEL else f"-{kind}")
+    output = os.path.abspath(output or os.path.join(settings.model_dir, "predictions", f"{named}.npz"))
     check_writable(output)
 
-    runtime = make_runtime(settings, standalone=settings.mode.coordinates_workers)
+    if registry is None:
+        runtime = make_runtime(settings, standalone=settings.mode.coordinates_workers)
+    else:  # the run's task and extensions, restored as --mode=evaluate restores them: the averages with the model
+        runtime, task, _ = restored_run(settings, registry, path)
     if batch_size % runtime.num_replicas:
         raise UserError(
             f"predict.batch_size {batch_size} is not divisible by the {runtime.num_replicas} replicas; "
@@ -91,10 +105,21 @@ def predict(
     count = inp.num_examples(split)
     if count == 0:
         raise UserError(f"split {split!r} has no examples: nothing to predict")
-    keras.utils.set_random_seed(settings.seed)
-    with runtime.strategy.scope(), user_functions({"train.model_fn": settings.model_fn}):
-        models, global_step, restorer = build_eval_models(run_input, settings.model_fn)
-    restore(restorer, path)
+    if registry is None:
+        keras.utils.set_random_seed(settings.seed)
+        with runtime.strategy.scope(), user_functions({"train.model_fn": settings.model_fn}):
+            models, global_step, restorer = build_eval_models(run_input, settings.model_fn)
+        restore(restorer, path)
+        swapped: contextlib.AbstractContextManager = contextlib.nullcontext()
+    else:
+        models, global_step = task.models, task.global_step
+        averaged = next(e for e in registry.extensions if isinstance(e, AveragedWeights) and name_of(e) == kind)
+        if not averaged.holds_weights():
+            raise UserError(
+                f"--weights={kind}: {os.path.basename(path)} (step {int(global_step.numpy())}) holds no {kind} "
+                "weights yet; pick a later checkpoint"
+            )
+        swapped = averaged.swapped_in()
 
     predict_batch = batch_function(runtime.strategy, models, predict_step_fn, inp.examples(split).element_spec)
     dataset = data.distribute_eval(runtime.strategy, inp, batch_size, split=split, shard_policy=settings.shard_policy)
@@ -103,6 +128,8 @@ def predict(
     where = f"strategy '{settings.strategy}' on {runtime.num_replicas} replica(s) ({runtime.num_workers} worker(s))"
     if settings.mode.coordinates_workers:
         where = f"this process's device (a {settings.strategy} run's variables, restored without its cluster)"
+    if kind != MODEL:
+        names += f" with the {kind} weights"
     if runtime.is_chief:
         print_fn(
             f"predicting {names} of {os.path.basename(path)} (step {int(global_step.numpy())}) on split {split!r}: "
@@ -111,7 +138,7 @@ def predict(
     progress = Progress(num_batches, settings.log_every_steps, batch_size, print_fn, enabled=runtime.is_chief)
     what = PREDICT_STEP.what if predict_step_fn else "train.model_fn"
     shown = function_name(predict_step_fn or settings.model_fn)
-    with PredictionWriter(output) as writer:
+    with swapped, PredictionWriter(output) as writer:
         iterator = iter(dataset)
         for done in range(1, num_batches + 1):
             batch = next(iterator)
@@ -128,6 +155,23 @@ def predict(
         writer.finish()
     print_fn(f"predictions: {output} ({writer.count} examples)")
     return output, writer.count
+
+
+def _chosen_weights(settings: Settings, weights: Sequence[str]) -> tuple[str, Registry | None]:
+    """The one kind of weights to predict with, and for averaged weights the run's extensions (checked as
+    the run checks them); refused in one line before anything runs: a kind the run does not keep, more
+    than one."""
+    kinds = tuple(dict.fromkeys(weights)) or (MODEL,)
+    if len(kinds) > 1:
+        raise UserError(
+            f"--weights={','.join(kinds)}: --mode=predict writes the outputs of one kind of weights; name one"
+        )
+    if kinds[0] == MODEL:
+        return MODEL, None
+    registry = checked_registry(settings)
+    if kinds[0] not in (kept := weight_kinds(registry)):
+        raise UserError(f"--weights={kinds[0]}: this run keeps no such weights (it keeps {', '.join(kept)}); name one")
+    return kinds[0], registry
 
 
 def restore(restorer: tf.train.Checkpoint, path: str) -> None:

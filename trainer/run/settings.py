@@ -120,7 +120,8 @@ class Settings:
         if self.parameter_server is not None and not isinstance(self.parameter_server, ParameterServerConfig):
             raise UserError(f"train.parameter_server must be @parameter_server(), got {self.parameter_server!r}")
         object.__setattr__(self, "data_service", service.config_of(self.data_service))
-        service.check(self.data_service, self.strategy)
+        if self.data_service is not None:
+            modes.require("train.data_service", service.SUPPORT, self.strategy)
         if self.model_dir is not None and not isinstance(self.model_dir, str):
             raise UserError(f"model_dir must be a path, got {self.model_dir!r}")
         if self.model_dir:

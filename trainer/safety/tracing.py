@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-from trainer.errors import UserError, error_line
+from trainer.errors import UserCodeError, UserError, error_line
 
 MERGE_CALL_IN_GRAPH = "`merge_call` called while defining a new graph"
 
@@ -32,7 +32,10 @@ def update_in_graph_control_flow(what: str, name: str) -> UserError:
 
 
 def traced(what: str, name: str, trace: Callable[[], Any]) -> Any:
-    """Runs `trace`; an error in the user's code while tracing is one UserError naming `what`."""
+    """Runs `trace`; an error in the user's code while tracing is one UserError naming `what`, with the
+    user's own frames (a layer of theirs that raised) printed above it."""
+    from trainer.task.user_code import user_frames  # TensorFlow: imported where a trace runs
+
     try:
         return trace()
     except UserError:
@@ -40,10 +43,11 @@ def traced(what: str, name: str, trace: Callable[[], Any]) -> Any:
     except Exception as error:  # noqa: BLE001  (any failure of user code while tracing is theirs to fix)
         if merge_call_in_graph(error):
             raise update_in_graph_control_flow(what, name) from error
-        raise UserError(
+        raise UserCodeError(
             f"{what} {name} cannot run on the batches of train.input_fn ({error_line(error)}); fix the "
             "function or the model it calls (check the batch structure: "
-            "train batches are the examples batched, eval batches have the weight appended)"
+            "train batches are the examples batched, eval batches have the weight appended)",
+            user_frames(error),
         ) from error
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import tensorflow as tf
 
-from trainer.errors import RunFailure, UserCodeError, UserError
+from trainer.errors import RunFailure, UserCodeError, UserError, layer_call_cause
 from trainer.task import contract
 
 # Whose frames are not the user's: these packages' (also where not installed), any installed library's, Python's.
@@ -121,10 +121,12 @@ def raised_by(error: Exception, name: str, where: str, doing: str = "") -> UserC
     """The UserCodeError: the user's `name` (called as `where`) raised `error` (while `doing`)."""
     plain = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Keras bolds the message of a layer's error
     lines = [line.strip() for line in plain.splitlines() if line.strip()]
-    if len(lines) > 1 and lines[0].startswith("Exception encountered when calling"):
-        lines = lines[1:]  # Keras' wrapper of an error in a layer's call: the error's own message follows
-    text = lines[0][:300] if lines else ""
-    what = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    kind = type(error).__name__
+    if layer := layer_call_cause(lines):  # Keras' wrapper: the cause, and the call unless `name` is that call
+        call, cause = layer
+        what = f"{kind}: {cause[:300]}" if call.startswith(f"{name}(") else f"{kind} in {call}: {cause[:300]}"
+    else:
+        what = f"{kind}: {lines[0][:300]}" if lines else kind
     doing = f" {doing}" if doing else ""
     return UserCodeError(f"{where} raised {what}{doing}; fix {name} (its frames are printed above)", user_frames(error))
 
