@@ -43,6 +43,17 @@ def run_main(*args: str, timeout: float = 240, env: dict | None = None) -> subpr
     return run_module("trainer.main", *args, timeout=timeout, env=env)
 
 
+def launch_workers(
+    *main_args: str, num_workers: int = 2, timeout: float = 280, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m trainer.launch --num_workers=N -- main_args` from the repo root, killed at `timeout` like
+    run_module, and checked to have exited 0 after training on N worker processes."""
+    proc = run_module("trainer.launch", f"--num_workers={num_workers}", "--", *main_args, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"on {num_workers} replica(s) ({num_workers} worker(s))" in proc.stdout, proc.stdout[-3000:]
+    return proc
+
+
 def run_python(code: str, *, timeout: float = 240) -> dict:
     """Runs `code` in a fresh interpreter (so it can split the CPU into logical devices first).
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.support import REPO, read_jsonl, run_main, run_module, subprocess_env, tree_digest
+from tests.support import REPO, launch_workers, read_jsonl, run_main, subprocess_env, tree_digest
 from tests.test_multiworker import trainer_pids_for
 from tests.test_resume import kill_group, wait_for_step
 from trainer.extensions.early_stopping import EarlyStop
@@ -114,20 +114,14 @@ def test_bad_values_are_one_line_and_write_nothing(tmp_path, binding, needle):
 def test_two_multiworker_mirrored_workers_stop_at_the_same_step_and_keep_the_best(tmp_path):
     """Must-show 4: a real 2-worker launch; every worker prints its decision, from its own numbers."""
     model_dir = str(tmp_path / "run")
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
+    proc = launch_workers(
         "--gin_file=gin/mwms.gin",
         f"--model_dir={model_dir}",
         *SHORT,
         *NEVER_IMPROVES,
         *BEST_2,
         "--gin_bindings=early_stopping.patience=3",
-        timeout=280,
-        env=subprocess_env(),
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stops = re.findall(r"\[worker (\d)\] early stopping at step (\d+): (.*)", proc.stdout)
     assert sorted(w for w, _, _ in stops) == ["0", "1"], proc.stdout[-3000:]
     assert stops[0][1:] == stops[1][1:] and stops[0][1] == "80"  # same step, same numbers on both

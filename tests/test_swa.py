@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.support import REPO, read_jsonl, refused_run, run_main, run_module, subprocess_env
+from tests.support import REPO, launch_workers, read_jsonl, refused_run, run_main, subprocess_env
 from tests.test_multiworker import model_weights
 from tests.test_resume import kill_group, wait_for_step
 
@@ -63,18 +63,7 @@ def test_swa_trains_and_evaluates_beside_the_raw_weights(tmp_path, mode):
 @pytest.mark.timeout(500)
 def test_swa_under_two_multiworker_mirrored_workers(tmp_path):
     model_dir = str(tmp_path / "run")
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
-        "--gin_file=gin/mwms.gin",
-        SWA,
-        f"--model_dir={model_dir}",
-        *SHORT,
-        timeout=450,
-        env=subprocess_env(),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_workers("--gin_file=gin/mwms.gin", SWA, f"--model_dir={model_dir}", *SHORT, timeout=450)
     assert swa_evals(model_dir) == [40, 80, 120]
     assert averages(model_dir)
 

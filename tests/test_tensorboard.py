@@ -129,20 +129,10 @@ def test_summaries_inside_the_step_are_written_at_the_log_interval(tmp_path, mod
 def test_summaries_inside_the_step_are_the_chiefs_alone_under_multi_worker(tmp_path):
     """Two MultiWorkerMirrored processes: the chief writes the step's summaries (replica 0 is its
     own), the other worker traces none (a no-op writer) and writes no event file."""
-    from tests.support import run_module
+    from tests.support import launch_workers
 
     model_dir = tmp_path / "run"
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
-        "--gin_file=gin/mwms.gin",
-        *SUMMARY_STEP,
-        *SHORT_RUN,
-        f"--model_dir={model_dir}",
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_workers("--gin_file=gin/mwms.gin", *SUMMARY_STEP, *SHORT_RUN, f"--model_dir={model_dir}")
     _assert_step_summaries(model_dir)
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.support import REPO, run_main, run_module, subprocess_env
+from tests.support import REPO, launch_workers, run_main, run_module, subprocess_env
 from tests.test_resume import kill_group, per_step_losses, wait_for_step
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
@@ -47,16 +47,7 @@ def test_unbuilt_models_train_on_one_and_two_replicas(tmp_path, model, mode):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("model", MODELS)
 def test_unbuilt_models_train_on_two_multiworker_mirrored_workers(tmp_path, model):
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
-        *flags("gin/mwms.gin", model),
-        f"--model_dir={tmp_path / 'run'}",
-        timeout=350,
-        env=subprocess_env(),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = launch_workers(*flags("gin/mwms.gin", model), f"--model_dir={tmp_path / 'run'}", timeout=350)
     assert "[worker 0] eval at step 40" in proc.stdout
 
 
