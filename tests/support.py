@@ -148,6 +148,24 @@ def refused_run(tmp_path, *args: str, timeout: float = 150, before_cluster: bool
     return errors[0]
 
 
+def refused_in_one_process(tmp_path, cases: dict[str, list[str]], *, timeout: float = 300) -> dict[str, str]:
+    """refused_run's checks for each case (name -> arguments), each on an empty `tmp_path/name`, all in one
+    interpreter (main_in_one_process): exit 2, one `error:` line, last on stderr, no traceback, the
+    directory still empty. Returns each case's error line."""
+    for name in cases:
+        (tmp_path / name).mkdir()
+    outcomes = main_in_one_process({n: (args, str(tmp_path / n)) for n, args in cases.items()}, timeout=timeout)
+    lines = {}
+    for name, outcome in outcomes.items():
+        stderr = outcome["stderr"]
+        assert outcome["code"] == 2 and "Traceback" not in stderr, (name, stderr[-3000:])
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0] == stderr.strip().splitlines()[-1], (name, stderr[-3000:])
+        assert tree_digest(str(tmp_path / name)) == {}, name
+        lines[name] = errors[0]
+    return lines
+
+
 def write_idx(path, magic: int, array: np.ndarray) -> None:
     """A gzipped idx file as Fashion-MNIST ships them (magic 2051 images, 2049 labels)."""
     header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
