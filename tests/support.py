@@ -99,7 +99,7 @@ for name, (args, model_dir) in json.loads({cases!r}).items():
         except BaseException:
             code = "uncaught"
             traceback.print_exc(file=err)
-    results[name] = {{"code": code, "stderr": err.getvalue(), "stdout": out.getvalue()[-2000:],
+    results[name] = {{"code": code, "stderr": err.getvalue(), "stdout": out.getvalue()[-5000:],
                      "unchanged": tree_digest(model_dir) == before, "seconds": time.monotonic() - started}}
 print(json.dumps(results))
 """
