@@ -43,15 +43,17 @@ def test_single_run_writes_checkpoints_events_config_and_metrics(trained_single_
 def test_rerun_continues_from_checkpoint_and_never_trains_a_step_twice(trained_single_dir, tmp_path):
     model_dir = str(tmp_path / "run")
     shutil.copytree(trained_single_dir, model_dir)
-    done = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=60")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "already trained" in done.stdout and "step 60" in done.stdout
-
-    more = run_main(
-        "--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=90", *SHORT
-    )
-    assert more.returncode == 0, more.stderr[-3000:]
-    assert "continuing from step 60" in more.stdout
+    done, more = main_in_one_process(  # both in turn in one interpreter
+        {
+            "done": (["--gin_file=gin/single.gin", "--gin_bindings=train.total_steps=60"], model_dir),
+            "more": (["--gin_file=gin/single.gin", "--gin_bindings=train.total_steps=90", *SHORT], model_dir),
+        },
+        timeout=240,
+    ).values()
+    assert done["code"] == 0, done["stderr"][-3000:]
+    assert "already trained" in done["stdout"] and "step 60" in done["stdout"]
+    assert more["code"] == 0, more["stderr"][-3000:]
+    assert "continuing from step 60" in more["stdout"]
     steps = [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "train"]
     assert steps == [20, 40, 60, 80, 90]
     assert os.path.exists(os.path.join(model_dir, "ckpt-90.index"))
