@@ -43,6 +43,17 @@ def run_main(*args: str, timeout: float = 240, env: dict | None = None) -> subpr
     return run_module("trainer.main", *args, timeout=timeout, env=env)
 
 
+def launch_workers(
+    *main_args: str, num_workers: int = 2, timeout: float = 280, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m trainer.launch --num_workers=N -- main_args` from the repo root, killed at `timeout` like
+    run_module, and checked to have exited 0 after training on N worker processes."""
+    proc = run_module("trainer.launch", f"--num_workers={num_workers}", "--", *main_args, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"on {num_workers} replica(s) ({num_workers} worker(s))" in proc.stdout, proc.stdout[-3000:]
+    return proc
+
+
 def run_python(code: str, *, timeout: float = 240) -> dict:
     """Runs `code` in a fresh interpreter (so it can split the CPU into logical devices first).
 
@@ -58,6 +69,50 @@ def run_python(code: str, *, timeout: float = 240) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_MAIN_IN_ONE_PROCESS = """
+import contextlib, io, json, sys, time, traceback
+sys.argv = ["trainer.main"]
+import gin
+import keras
+from absl import flags
+from trainer import main as main_lib
+from tests.support import tree_digest
+{prelude}
+main_lib.define_flags()
+results = {{}}
+for name, (args, model_dir) in json.loads({cases!r}).items():
+    gin.clear_config()
+    # Layer names as a fresh process gives them (the run record holds them). No gc.collect() each
+    # time: it took 0.15 s a case.
+    keras.backend.clear_session(free_memory=False)
+    flags.FLAGS.unparse_flags()
+    before = tree_digest(model_dir)
+    err, out = io.StringIO(), io.StringIO()
+    code, started = 0, time.monotonic()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            main_lib.run(main_lib.parse_flags(["trainer.main", *args, "--model_dir=" + model_dir]))
+        except SystemExit as e:
+            code = e.code
+        except BaseException:
+            code = "uncaught"
+            traceback.print_exc(file=err)
+    results[name] = {{"code": code, "stderr": err.getvalue(), "stdout": out.getvalue()[-5000:],
+                     "unchanged": tree_digest(model_dir) == before, "seconds": time.monotonic() - started}}
+print(json.dumps(results))
+"""
+
+
+def main_in_one_process(
+    cases: dict[str, tuple[list[str], str]], *, prelude: str = "", timeout: float = 600
+) -> dict[str, dict]:
+    """trainer.main's own flag parsing and `run` for each case (name -> (arguments, model_dir)) in turn, in
+    one fresh interpreter: one TensorFlow start for many refusals. `prelude` is code run before the first.
+    Each case's outcome: its exit code ("uncaught" for an exception that escaped `run`), stderr, the tail
+    of stdout, whether model_dir's files are byte for byte unchanged, and its seconds."""
+    return run_python(_MAIN_IN_ONE_PROCESS.format(prelude=prelude, cases=json.dumps(cases)), timeout=timeout)
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -91,6 +146,24 @@ def refused_run(tmp_path, *args: str, timeout: float = 150, before_cluster: bool
     if before_cluster:  # a mistake in the settings alone starts no embedded cluster
         assert "local cluster:" not in proc.stdout, proc.stdout[-3000:]
     return errors[0]
+
+
+def refused_in_one_process(tmp_path, cases: dict[str, list[str]], *, timeout: float = 300) -> dict[str, str]:
+    """refused_run's checks for each case (name -> arguments), each on an empty `tmp_path/name`, all in one
+    interpreter (main_in_one_process): exit 2, one `error:` line, last on stderr, no traceback, the
+    directory still empty. Returns each case's error line."""
+    for name in cases:
+        (tmp_path / name).mkdir()
+    outcomes = main_in_one_process({n: (args, str(tmp_path / n)) for n, args in cases.items()}, timeout=timeout)
+    lines = {}
+    for name, outcome in outcomes.items():
+        stderr = outcome["stderr"]
+        assert outcome["code"] == 2 and "Traceback" not in stderr, (name, stderr[-3000:])
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0] == stderr.strip().splitlines()[-1], (name, stderr[-3000:])
+        assert tree_digest(str(tmp_path / name)) == {}, name
+        lines[name] = errors[0]
+    return lines
 
 
 def write_idx(path, magic: int, array: np.ndarray) -> None:

@@ -11,7 +11,7 @@ import os
 import pytest
 import tensorflow as tf
 
-from tests.support import read_jsonl, run_main, run_python
+from tests.support import main_in_one_process, read_jsonl, run_main, run_python
 from tests.update_runs import STEPS, max_difference
 from trainer.errors import UserError
 from trainer.update import accumulation
@@ -76,13 +76,17 @@ def test_accumulated_run_resumes_exactly(tmp_path):
         "--gin_bindings=train.steps_per_loop=5",
     ]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    for model_dir, totals in ((straight, (10,)), (resumed, (5, 10))):
-        for total in totals:
-            proc = run_main(
-                *common, f"--model_dir={model_dir}", f"--gin_bindings=train.total_steps={total}", timeout=120
-            )
-            assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "continuing from step 5" in proc.stdout
+    outcomes = main_in_one_process(  # the three runs in turn in one interpreter
+        {
+            f"{model_dir} to {total}": ([*common, f"--gin_bindings=train.total_steps={total}"], model_dir)
+            for model_dir, totals in ((straight, (10,)), (resumed, (5, 10)))
+            for total in totals
+        },
+        timeout=240,
+    )
+    for outcome in outcomes.values():
+        assert outcome["code"] == 0, outcome["stderr"][-3000:]
+    assert "continuing from step 5" in outcomes[f"{resumed} to 10"]["stdout"]
     finals = [
         [r for r in read_jsonl(os.path.join(d, "metrics.jsonl")) if r["split"] == "eval"][-1]
         for d in (straight, resumed)

@@ -1,4 +1,8 @@
-"""Bad input: exit 2 (or 1), one line naming the problem and the fix, nothing in model_dir lost."""
+"""Bad input: exit 2 (or 1), one line naming the problem and the fix, nothing in model_dir lost.
+
+The refusals of single-device runs go through trainer.main's flag parsing and `run` in one fresh
+interpreter (one TensorFlow start for them all); tests/test_mistakes.py does so for its table too and
+checks a few of its cases as real processes as well."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import shutil
 
 import pytest
 
-from tests.support import run_main, tree_digest
+from tests.support import main_in_one_process, run_main, tree_digest
 
 # The module-scoped fixture below is shared by this file's tests: one worker runs them all.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bad_input")]
@@ -27,6 +31,12 @@ def last_line(proc) -> str:
     return lines[-1]
 
 
+def refused(outcome: dict) -> str:
+    """The last stderr line of a case of `refusals` that exited 2, without a traceback."""
+    assert outcome["code"] == 2 and "Traceback" not in outcome["stderr"], outcome["stderr"][-3000:]
+    return outcome["stderr"].strip().splitlines()[-1]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> str:
     model_dir = str(tmp_path_factory.mktemp("bad") / "run")
@@ -42,50 +52,66 @@ def copy_of(trained, tmp_path) -> str:
     return target
 
 
-def test_model_dir_that_is_a_file_or_not_writable(tmp_path):
-    a_file = tmp_path / "file"
-    a_file.write_text("keep me")
-    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={a_file}", *SHORT)
-    assert proc.returncode == 2 and "is not a directory" in last_line(proc)
-    assert a_file.read_text() == "keep me"
-    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={a_file}/run", *SHORT)
-    assert proc.returncode == 2 and "cannot be created" in last_line(proc)
-    proc = run_main("--gin_file=gin/single.gin", "--model_dir=/proc/trainer-run", *SHORT)
-    assert proc.returncode == 2 and "/proc" in last_line(proc)
+SINGLE = ["--gin_file=gin/single.gin", *SHORT]
+RESUMED = [*SINGLE, "--gin_bindings=train.total_steps=30"]
 
 
-def test_resume_with_another_model_or_batch_is_refused_unless_allowed(copy_of):
-    before = tree_digest(copy_of)
-    wider = run_main(
-        "--gin_file=gin/single.gin",
-        f"--model_dir={copy_of}",
-        *SHORT,
-        "--gin_bindings=train.total_steps=30",
-        "--gin_bindings=cnn.dense_units=256",
-    )
-    assert wider.returncode == 2
-    line = last_line(wider)
+@pytest.fixture(scope="module")
+def refusals(trained, tmp_path_factory) -> tuple[str, dict, dict]:
+    """The single-device refusals below, in one interpreter; (their folder, the digests of the copies
+    of `trained` before, each case's outcome)."""
+    root = tmp_path_factory.mktemp("refusals")
+    (root / "file").write_text("keep me")
+    for copy in ("resumed", "misspelt"):
+        shutil.copytree(trained, root / copy)
+    before = {copy: tree_digest(str(root / copy)) for copy in ("resumed", "misspelt")}
+    synthetic = [*SINGLE, "--gin_bindings=train.data_source=@synthetic()"]
+    cases = {
+        "a_file": (SINGLE, f"{root}/file"),
+        "below_a_file": (SINGLE, f"{root}/file/run"),
+        "proc": (SINGLE, "/proc/trainer-run"),
+        # on the same copy, in this order
+        "wider": ([*RESUMED, "--gin_bindings=cnn.dense_units=256"], f"{root}/resumed"),
+        "batch": ([*RESUMED, "--gin_bindings=train.global_batch_size=32"], f"{root}/resumed"),
+        "forced": (
+            [*RESUMED, "--gin_bindings=cnn.dense_units=256", "--gin_bindings=train.allow_resume_changes=True"],
+            f"{root}/resumed",
+        ),
+        "empty": ([*synthetic, "--gin_bindings=synthetic.num_train=0"], f"{root}/a"),
+        "no_eval": ([*synthetic, "--gin_bindings=synthetic.num_eval=0"], f"{root}/b"),
+        "glob": (
+            [
+                *SINGLE,
+                "--gin_bindings=train.data_source=@tfrecord_files()",
+                f"--gin_bindings=tfrecord_files.train_pattern='{root}/none-*.tfrecord'",
+                f"--gin_bindings=tfrecord_files.eval_pattern='{root}/none-*.tfrecord'",
+                "--gin_bindings=tfrecord_files.input_shape=(8, 8, 1)",
+                "--gin_bindings=tfrecord_files.num_classes=10",
+            ],
+            f"{root}/c",
+        ),
+        "misspelt": (["--gin_file=gin/single.gin", "--gin_bindings=cnn.widht=3"], f"{root}/misspelt"),
+    }
+    return str(root), before, main_in_one_process(cases, timeout=300)
+
+
+def test_model_dir_that_is_a_file_or_not_writable(refusals):
+    root, _, outcomes = refusals
+    assert "is not a directory" in refused(outcomes["a_file"])
+    with open(os.path.join(root, "file")) as f:
+        assert f.read() == "keep me"
+    assert "cannot be created" in refused(outcomes["below_a_file"])
+    assert "/proc" in refused(outcomes["proc"])
+
+
+def test_resume_with_another_model_or_batch_is_refused_unless_allowed(refusals):
+    root, before, outcomes = refusals
+    line = refused(outcomes["wider"])
     assert "other settings" in line and "[64, 128] -> [64, 256]" in line and "allow_resume_changes" in line
-    batch = run_main(
-        "--gin_file=gin/single.gin",
-        f"--model_dir={copy_of}",
-        *SHORT,
-        "--gin_bindings=train.total_steps=30",
-        "--gin_bindings=train.global_batch_size=32",
-    )
-    assert batch.returncode == 2 and "global_batch_size 64 -> 32" in last_line(batch)
-    forced = run_main(
-        "--gin_file=gin/single.gin",
-        f"--model_dir={copy_of}",
-        *SHORT,
-        "--gin_bindings=train.total_steps=30",
-        "--gin_bindings=cnn.dense_units=256",
-        "--gin_bindings=train.allow_resume_changes=True",
-    )
-    assert forced.returncode == 2
-    line = last_line(forced)
+    assert "global_batch_size 64 -> 32" in refused(outcomes["batch"])
+    line = refused(outcomes["forced"])
     assert "does not match the model" in line and "ckpt-20" in line and "(64, 128)" in line
-    assert tree_digest(copy_of) == before
+    assert tree_digest(os.path.join(root, "resumed")) == before["resumed"]
 
 
 def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(copy_of):
@@ -113,39 +139,15 @@ def test_batch_not_divisible_by_replicas(tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
-def test_empty_data_and_globs_matching_nothing(tmp_path):
-    empty = run_main(
-        "--gin_file=gin/single.gin",
-        f"--model_dir={tmp_path / 'a'}",
-        *SHORT,
-        "--gin_bindings=train.data_source=@synthetic()",
-        "--gin_bindings=synthetic.num_train=0",
-    )
-    assert empty.returncode == 2 and "train split has 0 examples" in last_line(empty)
-    no_eval = run_main(
-        "--gin_file=gin/single.gin",
-        f"--model_dir={tmp_path / 'b'}",
-        *SHORT,
-        "--gin_bindings=train.data_source=@synthetic()",
-        "--gin_bindings=synthetic.num_eval=0",
-    )
-    assert no_eval.returncode == 2 and "eval split has no examples" in last_line(no_eval)
-    glob = run_main(
-        "--gin_file=gin/single.gin",
-        f"--model_dir={tmp_path / 'c'}",
-        *SHORT,
-        "--gin_bindings=train.data_source=@tfrecord_files()",
-        f"--gin_bindings=tfrecord_files.train_pattern='{tmp_path}/none-*.tfrecord'",
-        f"--gin_bindings=tfrecord_files.eval_pattern='{tmp_path}/none-*.tfrecord'",
-        "--gin_bindings=tfrecord_files.input_shape=(8, 8, 1)",
-        "--gin_bindings=tfrecord_files.num_classes=10",
-    )
-    assert glob.returncode == 2 and "no TFRecord files match" in last_line(glob)
-    assert not any(os.path.exists(tmp_path / d) for d in "abc")
+def test_empty_data_and_globs_matching_nothing(refusals):
+    root, _, outcomes = refusals
+    assert "train split has 0 examples" in refused(outcomes["empty"])
+    assert "eval split has no examples" in refused(outcomes["no_eval"])
+    assert "no TFRecord files match" in refused(outcomes["glob"])
+    assert not any(os.path.exists(os.path.join(root, d)) for d in "abc")
 
 
-def test_binding_a_parameter_that_does_not_exist(copy_of):
-    before = tree_digest(copy_of)
-    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={copy_of}", "--gin_bindings=cnn.widht=3")
-    assert proc.returncode == 2 and "widht" in last_line(proc)
-    assert tree_digest(copy_of) == before
+def test_binding_a_parameter_that_does_not_exist(refusals):
+    root, before, outcomes = refusals
+    assert "widht" in refused(outcomes["misspelt"])
+    assert tree_digest(os.path.join(root, "misspelt")) == before["misspelt"]

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.support import read_jsonl, run_main, run_module, run_python
+from tests.support import launch_workers, read_jsonl, run_main, run_python
 from tests.update_runs import CLIP, STEPS, max_difference
 from trainer.errors import UserError
 from trainer.extensions.registry import Registry
@@ -87,17 +87,7 @@ def test_two_multiworker_workers_clip_and_accumulate_like_one_device(tmp_path):
         )
     ]
     multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
-        "--gin_file=gin/mwms.gin",
-        f"--model_dir={multi}",
-        *bindings,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    assert "on 2 replica(s) (2 worker(s))" in proc.stdout
+    launch_workers("--gin_file=gin/mwms.gin", f"--model_dir={multi}", *bindings, timeout=240)
     proc = run_main("--gin_file=gin/single.gin", f"--model_dir={single}", *bindings, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import trainer
-from tests.support import read_jsonl, refused_run, run_main, run_module, subprocess_env
+from tests.support import launch_workers, read_jsonl, refused_in_one_process, run_main
 from trainer.errors import UserError
 
 pytestmark = pytest.mark.xdist_group("combine")
@@ -120,19 +120,7 @@ def test_diagnostics_read_the_same_under_parameter_server(expected, tmp_path):
 def test_diagnostics_read_the_same_on_two_multi_worker_processes(expected, tmp_path):
     # max and min of the other process's replica: gathered across processes
     model_dir = str(tmp_path / "mwms")
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
-        "--gin_file=gin/mwms.gin",
-        *COMMON,
-        *PER_3,
-        f"--model_dir={model_dir}",
-        timeout=250,
-        env=subprocess_env(),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "on 2 replica(s) (2 worker(s))" in proc.stdout
+    launch_workers("--gin_file=gin/mwms.gin", *COMMON, *PER_3, f"--model_dir={model_dir}", timeout=250)
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
     assert_records({r["step"]: r for r in records if r["split"] == "train"}, expected, "multi_worker_mirrored")
 
@@ -140,12 +128,20 @@ def test_diagnostics_read_the_same_on_two_multi_worker_processes(expected, tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_an_undeclared_max_is_refused_by_the_guard_and_a_misnamed_declaration_is_one_line(tmp_path):
-    error = refused_run(
-        tmp_path, "--gin_file=gin/mirrored.gin", *COMMON, "--gin_bindings=train.step_fn = @undeclared_max_step"
+    errors = refused_in_one_process(  # both in one interpreter, mirrored first: single leaves the CPU as it is
+        tmp_path,
+        {
+            "undeclared": [
+                "--gin_file=gin/mirrored.gin",
+                *COMMON,
+                "--gin_bindings=train.step_fn = @undeclared_max_step",
+            ],
+            "misnamed": ["--gin_file=gin/single.gin", *COMMON, "--gin_bindings=train.step_fn = @misnamed_step"],
+        },
     )
+    error = errors["undeclared"]
     assert error.startswith("error: loss scaling: step output 'max_logit' summed over 2 replicas is 2 times"), error
-    (tmp_path / "run").rmdir()
-    error = refused_run(tmp_path, "--gin_file=gin/single.gin", *COMMON, "--gin_bindings=train.step_fn = @misnamed_step")
+    error = errors["misnamed"]
     assert error.startswith(
         "error: train.step_fn declares how output 'max_logits' combines, but returns no such "
         "output (it returns loss, max_logit, min_logit, hidden_grad_norm, output_grad_norm)"

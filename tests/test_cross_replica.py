@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.support import read_jsonl, refused_run, run_main, run_module, subprocess_env, tree_digest
+from tests.support import launch_workers, read_jsonl, refused_run, run_main, tree_digest
 from tests.test_multiworker import model_weights
 
 # The module-scoped fixture below is shared by this file's tests: one worker runs them all.
@@ -59,19 +59,7 @@ def test_two_replicas_pass_the_guard_and_train_the_weights_of_one(one_replica, t
 @pytest.mark.timeout(400)
 def test_two_multiworker_mirrored_workers_train_the_weights_of_one(one_replica, tmp_path):
     model_dir = str(tmp_path / "mwms")
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
-        "--gin_file=gin/mwms.gin",
-        GIN,
-        f"--model_dir={model_dir}",
-        *SGD_30,
-        timeout=350,
-        env=subprocess_env(),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "on 2 replica(s) (2 worker(s))" in proc.stdout
+    launch_workers("--gin_file=gin/mwms.gin", GIN, f"--model_dir={model_dir}", *SGD_30, timeout=350)
     assert_same_weights(one_replica, model_dir)
 
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.support import REPO, read_jsonl, run_main, run_module, subprocess_env, tree_digest
+from tests.support import REPO, launch_workers, main_in_one_process, read_jsonl, run_main, subprocess_env
 from tests.test_multiworker import trainer_pids_for
 from tests.test_resume import kill_group, wait_for_step
 from trainer.extensions.early_stopping import EarlyStop
@@ -81,32 +81,36 @@ def test_a_stopped_run_ends_with_exit_0_a_checkpoint_there_and_a_rerun_trains_no
     assert max(r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl"))) == 60
 
 
+BAD_VALUES = {
+    "early_stopping.patience=0": "early_stopping.patience must be a positive integer",
+    "early_stopping.mode='up'": "unknown early_stopping.mode 'up'",
+    "train.keep_best=-1": "train.keep_best must be an integer >= 0",
+    "train.best_mode='best'": "unknown train.best_mode 'best'",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_value_outcomes(tmp_path_factory) -> dict[str, dict]:
+    """Each binding of BAD_VALUES in an empty model_dir, all in one interpreter."""
+    root = tmp_path_factory.mktemp("bad_values")
+    cases = {}
+    for i, binding in enumerate(BAD_VALUES):
+        (root / str(i)).mkdir()
+        args = ["--gin_file=gin/single.gin", *SHORT, "--gin_bindings=train.early_stopping=@early_stopping()"]
+        cases[binding] = ([*args, f"--gin_bindings={binding}"], str(root / str(i)))
+    return main_in_one_process(cases, timeout=100)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "binding,needle",
-    [
-        ("early_stopping.patience=0", "early_stopping.patience must be a positive integer"),
-        ("early_stopping.mode='up'", "unknown early_stopping.mode 'up'"),
-        ("train.keep_best=-1", "train.keep_best must be an integer >= 0"),
-        ("train.best_mode='best'", "unknown train.best_mode 'best'"),
-    ],
-)
-def test_bad_values_are_one_line_and_write_nothing(tmp_path, binding, needle):
-    model_dir = tmp_path / "run"
-    model_dir.mkdir()
-    proc = run_main(
-        "--gin_file=gin/single.gin",
-        f"--model_dir={model_dir}",
-        *SHORT,
-        "--gin_bindings=train.early_stopping=@early_stopping()",
-        f"--gin_bindings={binding}",
-        timeout=100,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("error: ") and needle in lines[-1], lines[-1]
-    assert tree_digest(str(model_dir)) == {}
+@pytest.mark.xdist_group("bad_value_outcomes")
+@pytest.mark.parametrize("binding", list(BAD_VALUES))
+def test_bad_values_are_one_line_and_write_nothing(bad_value_outcomes, binding):
+    outcome = bad_value_outcomes[binding]
+    assert outcome["code"] == 2, outcome["stderr"][-2000:]
+    lines = outcome["stderr"].strip().splitlines()
+    assert lines[-1].startswith("error: ") and BAD_VALUES[binding] in lines[-1], lines[-1]
+    assert outcome["unchanged"]  # still empty
 
 
 @pytest.mark.slow
@@ -114,20 +118,14 @@ def test_bad_values_are_one_line_and_write_nothing(tmp_path, binding, needle):
 def test_two_multiworker_mirrored_workers_stop_at_the_same_step_and_keep_the_best(tmp_path):
     """Must-show 4: a real 2-worker launch; every worker prints its decision, from its own numbers."""
     model_dir = str(tmp_path / "run")
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
+    proc = launch_workers(
         "--gin_file=gin/mwms.gin",
         f"--model_dir={model_dir}",
         *SHORT,
         *NEVER_IMPROVES,
         *BEST_2,
         "--gin_bindings=early_stopping.patience=3",
-        timeout=280,
-        env=subprocess_env(),
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stops = re.findall(r"\[worker (\d)\] early stopping at step (\d+): (.*)", proc.stdout)
     assert sorted(w for w, _, _ in stops) == ["0", "1"], proc.stdout[-3000:]
     assert stops[0][1:] == stops[1][1:] and stops[0][1] == "80"  # same step, same numbers on both

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from tests.support import run_main, run_module
+from tests.support import launch_workers, run_main
 from tests.test_multiworker import model_weights, trainer_pids_for
 from trainer.errors import UserError
 from trainer.files import model_dir, run_record
@@ -33,7 +33,9 @@ TINY_SGD = [
 def train_on(workers: int, model_dir: str, total_steps: int) -> str:
     """Trains `model_dir` to `total_steps` on 1 worker (trainer.main) or several (trainer.launch); its stdout."""
     args = [*TINY_SGD, f"--model_dir={model_dir}", f"--gin_bindings=train.total_steps={total_steps}"]
-    proc = run_main(*args) if workers == 1 else run_module("trainer.launch", f"--num_workers={workers}", "--", *args)
+    if workers > 1:
+        return launch_workers(*args, num_workers=workers, timeout=240).stdout
+    proc = run_main(*args)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     return proc.stdout
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.support import run_main, run_python
+from tests.support import main_in_one_process, run_main, run_python
 from trainer.errors import UserError
 from trainer.extensions import export
 from trainer.extensions.registry import Registry
@@ -95,22 +95,38 @@ def test_the_best_checkpoint_is_exported_too(tmp_path):
     assert best["max_diff"] <= 1e-6 and final["max_diff"] <= 1e-6
 
 
+REFUSED = {
+    "two_models": (
+        [
+            "--gin_file=gin/single.gin",
+            "--gin_file=experiments/gan/gan.gin",
+            "--gin_bindings=train.export_saved_model=True",
+        ],
+        "exports one model",
+    ),
+    "not_a_bool": (["--gin_file=gin/single.gin", "--gin_bindings=train.export_saved_model='yes'"], "True or False"),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> tuple[str, dict[str, dict]]:
+    """Each case of REFUSED with a new model_dir, both in one interpreter; (their folder, outcomes)."""
+    root = tmp_path_factory.mktemp("refusals")
+    cases = {name: (args, str(root / name)) for name, (args, _) in REFUSED.items()}
+    return str(root), main_in_one_process(cases, timeout=120)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "args,expected",
-    [
-        (["--gin_file=gin/single.gin", "--gin_file=experiments/gan/gan.gin"], "exports one model"),
-        (["--gin_file=gin/single.gin", "--gin_bindings=train.export_saved_model='yes'"], "True or False"),
-    ],
-)
-def test_refusals_are_one_line_and_write_nothing(tmp_path, args, expected):
-    model_dir = tmp_path / "run"
-    binding = [] if any("export_saved_model" in a for a in args) else ["--gin_bindings=train.export_saved_model=True"]
-    proc = run_main(*args, f"--model_dir={model_dir}", *binding, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+@pytest.mark.xdist_group("export_refusals")
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_refusals_are_one_line_and_write_nothing(refusals, name):
+    root, outcomes = refusals
+    outcome, expected = outcomes[name], REFUSED[name][1]
+    assert outcome["code"] == 2, outcome["stderr"][-2000:]
+    errors = [line for line in outcome["stderr"].splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expected in errors[0] and "train.export_saved_model" in errors[0], errors
-    assert not model_dir.exists() or not any(model_dir.iterdir())
+    model_dir = os.path.join(root, name)
+    assert not os.path.exists(model_dir) or not os.listdir(model_dir)
 
 
 def test_parameter_server_is_refused():

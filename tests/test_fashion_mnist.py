@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from sklearn.preprocessing import StandardScaler
 
-from tests.support import read_jsonl, run_main, tree_digest, write_idx
+from tests.support import main_in_one_process, read_jsonl, run_main, write_idx
 from trainer import data
 from trainer.data import fashion_mnist_files
 from trainer.task import models
@@ -155,31 +155,38 @@ def test_tutorial_config_trains_end_to_end_on_fashion_mnist_files(tmp_path):
     assert "(150 examples)" in proc.stdout
 
 
+OLD_FORMS = {
+    "fashion_mnist.standardize = True": "'global' (one mean and deviation over all training pixels",
+    "fashion_mnist.validation_size = 5000": "fashion_mnist.validation_from: 'front' holds out the first",
+}
+
+
+@pytest.fixture(scope="module")
+def old_form_outcomes(tmp_path_factory) -> dict[str, dict]:
+    """A gin file with each old form, run against a model_dir holding a user's file, in one interpreter."""
+    root = tmp_path_factory.mktemp("old_forms")
+    cases = {}
+    for i, old in enumerate(OLD_FORMS):
+        old_gin, model_dir = root / f"old{i}.gin", root / f"run{i}"
+        old_gin.write_text(f"include 'gin/base.gin'\ntrain.data_source = @fashion_mnist()\n{old}\n")
+        model_dir.mkdir()
+        (model_dir / "notes.txt").write_text("keep\n")
+        cases[old] = ([f"--gin_file={old_gin}", f"--gin_bindings=fashion_mnist.data_dir='{root}'"], str(model_dir))
+    return main_in_one_process(cases, timeout=120)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "old, new",
-    [
-        ("fashion_mnist.standardize = True", "'global' (one mean and deviation over all training pixels"),
-        ("fashion_mnist.validation_size = 5000", "fashion_mnist.validation_from: 'front' holds out the first"),
-    ],
-)
-def test_a_gin_file_with_an_old_option_form_is_refused_naming_the_new_one(tmp_path, old, new):
+@pytest.mark.xdist_group("old_form_outcomes")
+@pytest.mark.parametrize("old", list(OLD_FORMS))
+def test_a_gin_file_with_an_old_option_form_is_refused_naming_the_new_one(old_form_outcomes, old):
     """`standardize = True` scaled per pixel and `validation_size` alone held out the last images:
     both are refused in one line that names the new forms, before model_dir is written."""
-    old_gin = tmp_path / "old.gin"
-    old_gin.write_text(f"include 'gin/base.gin'\ntrain.data_source = @fashion_mnist()\n{old}\n")
-    model_dir = tmp_path / "run"
-    model_dir.mkdir()
-    (model_dir / "notes.txt").write_text("keep\n")
-    before = tree_digest(str(model_dir))
-    proc = run_main(
-        f"--gin_file={old_gin}", f"--model_dir={model_dir}", f"--gin_bindings=fashion_mnist.data_dir='{tmp_path}'"
-    )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
+    outcome = old_form_outcomes[old]
+    assert outcome["code"] == 2 and "Traceback" not in outcome["stderr"], outcome["stderr"][-3000:]
+    lines = outcome["stderr"].strip().splitlines()
     assert lines[-1].startswith("error: ") and [line for line in lines if line.startswith("error:")] == lines[-1:]
-    assert new in lines[-1], lines[-1]
-    assert tree_digest(str(model_dir)) == before
+    assert OLD_FORMS[old] in lines[-1], lines[-1]
+    assert outcome["unchanged"]
 
 
 @pytest.mark.slow

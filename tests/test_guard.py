@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.support import run_main, run_python
+from tests.support import main_in_one_process, run_main, run_python
 from trainer.safety import loss_scaling as guard
 
 SMALL = [
@@ -39,40 +39,49 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
+MIS_SCALED = {  # step -> phrases of its error line
+    "per_replica_mean_step": [
+        "per-replica mean instead of the global-batch share (gradients 2 times too large)",
+        "tf.nn.compute_average_loss(per_example, global_batch_size=...)",
+    ],
+    "keras_loss_scaled_by_hand_step": [
+        "a Keras 3 loss at its default reduction already divides by the replica count",
+        "2 times too small",
+        "reduction=None and compute_average_loss",
+    ],
+    "unscaled_regularization_step": ["model.losses added without tf.nn.scale_regularization_loss"],
+}
+
+
+@pytest.fixture(scope="module")
+def mis_scaled(tmp_path_factory) -> tuple[str, dict[str, dict]]:
+    """Each step of MIS_SCALED under mirrored, all in one interpreter; (their folder, outcomes)."""
+    root = tmp_path_factory.mktemp("mis_scaled")
+    args = [
+        "--gin_file=gin/mirrored.gin",
+        "--gin_bindings=import tests.guard_steps",
+        "--gin_bindings=cnn.l2=1e-3",
+        *SMALL,
+    ]
+    cases = {step: ([*args, f"--gin_bindings=train.step_fn=@{step}"], str(root / step)) for step in MIS_SCALED}
+    return str(root), main_in_one_process(cases, timeout=150)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(160)
-@pytest.mark.parametrize(
-    "step, expected",
-    [
-        (
-            "per_replica_mean_step",
-            [
-                "per-replica mean instead of the global-batch share (gradients 2 times too large)",
-                "tf.nn.compute_average_loss(per_example, global_batch_size=...)",
-            ],
-        ),
-        (
-            "keras_loss_scaled_by_hand_step",
-            [
-                "a Keras 3 loss at its default reduction already divides by the replica count",
-                "2 times too small",
-                "reduction=None and compute_average_loss",
-            ],
-        ),
-        ("unscaled_regularization_step", ["model.losses added without tf.nn.scale_regularization_loss"]),
-    ],
-)
-def test_mis_scaled_step_is_stopped_before_training(tmp_path, step, expected):
-    model_dir = tmp_path / "run"
-    proc = run_mirrored(model_dir, f"train.step_fn=@{step}")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = error_lines(proc.stderr)
-    assert len(errors) == 1, proc.stderr[-3000:]
+@pytest.mark.xdist_group("mis_scaled")
+@pytest.mark.parametrize("step", list(MIS_SCALED))
+def test_mis_scaled_step_is_stopped_before_training(mis_scaled, step):
+    root, outcomes = mis_scaled
+    outcome, model_dir = outcomes[step], os.path.join(root, step)
+    assert outcome["code"] == 2, outcome["stderr"][-3000:]
+    errors = error_lines(outcome["stderr"])
+    assert len(errors) == 1, outcome["stderr"][-3000:]
     assert errors[0].startswith("error: loss scaling: step output 'loss' summed over 2 replicas")
-    for phrase in expected:
+    for phrase in MIS_SCALED[step]:
         assert phrase in errors[0]
-    assert "training " not in proc.stdout and "step 1/" not in proc.stdout, proc.stdout
-    assert not model_dir.exists() or not any(model_dir.iterdir()), "the run wrote to model_dir"
+    assert "training " not in outcome["stdout"] and "step 1/" not in outcome["stdout"], outcome["stdout"]
+    assert not os.path.exists(model_dir) or not os.listdir(model_dir), "the run wrote to model_dir"
 
 
 @pytest.mark.slow

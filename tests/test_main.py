@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.support import REPO, read_jsonl, run_main, subprocess_env, tree_digest
+from tests.support import REPO, main_in_one_process, read_jsonl, run_main, subprocess_env, tree_digest
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
 
@@ -43,15 +43,17 @@ def test_single_run_writes_checkpoints_events_config_and_metrics(trained_single_
 def test_rerun_continues_from_checkpoint_and_never_trains_a_step_twice(trained_single_dir, tmp_path):
     model_dir = str(tmp_path / "run")
     shutil.copytree(trained_single_dir, model_dir)
-    done = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=60")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "already trained" in done.stdout and "step 60" in done.stdout
-
-    more = run_main(
-        "--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.total_steps=90", *SHORT
-    )
-    assert more.returncode == 0, more.stderr[-3000:]
-    assert "continuing from step 60" in more.stdout
+    done, more = main_in_one_process(  # both in turn in one interpreter
+        {
+            "done": (["--gin_file=gin/single.gin", "--gin_bindings=train.total_steps=60"], model_dir),
+            "more": (["--gin_file=gin/single.gin", "--gin_bindings=train.total_steps=90", *SHORT], model_dir),
+        },
+        timeout=240,
+    ).values()
+    assert done["code"] == 0, done["stderr"][-3000:]
+    assert "already trained" in done["stdout"] and "step 60" in done["stdout"]
+    assert more["code"] == 0, more["stderr"][-3000:]
+    assert "continuing from step 60" in more["stdout"]
     steps = [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "train"]
     assert steps == [20, 40, 60, 80, 90]
     assert os.path.exists(os.path.join(model_dir, "ckpt-90.index"))
@@ -133,11 +135,11 @@ def test_user_step_function_bound_by_gin_reaches_metrics(tmp_path):
         assert "my_step.label_smoothing = 0.2" in f.read()
 
 
-def _assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
-    lines = proc.stderr.strip().splitlines()
-    assert lines and lines[-1].startswith("error: "), proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+def _assert_user_error(code: int, stderr: str, *needles: str) -> None:
+    assert code == 2, (code, stderr[-3000:])
+    lines = stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), stderr[-3000:]
+    assert "Traceback" not in stderr
     for needle in needles:
         assert needle in lines[-1], lines[-1]
 
@@ -149,22 +151,31 @@ def test_user_mistakes_exit_2_with_one_line_and_leave_model_dir_alone(trained_si
     bad_gin = tmp_path / "bad.gin"
     bad_gin.write_text("include 'gin/single.gin'\ntrain.total_steps = = 3\n")
 
-    missing_data = run_main(
-        "--gin_file=experiments/fashion_mnist/fashion_mnist.gin",
-        f"--model_dir={model_dir}",
-        f"--gin_bindings=fashion_mnist.data_dir='{tmp_path / 'nowhere'}'",
+    # trainer.main's parsing and run in one interpreter (a real process below, for the flag)
+    outcomes = main_in_one_process(
+        {
+            "missing_data": (
+                [
+                    "--gin_file=experiments/fashion_mnist/fashion_mnist.gin",
+                    f"--gin_bindings=fashion_mnist.data_dir='{tmp_path / 'nowhere'}'",
+                ],
+                model_dir,
+            ),
+            "syntax": ([f"--gin_file={bad_gin}"], model_dir),
+            "unknown": (["--gin_file=gin/single.gin", "--gin_bindings=train.totl_steps=5"], model_dir),
+            "no_configurable": (["--gin_file=gin/single.gin", "--gin_bindings=trian.total_steps=5"], model_dir),
+        },
+        timeout=240,
     )
-    _assert_user_error(missing_data, str(tmp_path / "nowhere"))
-    syntax = run_main(f"--gin_file={bad_gin}", f"--model_dir={model_dir}")
-    _assert_user_error(syntax, "bad.gin", ":2")
-    unknown = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=train.totl_steps=5")
-    _assert_user_error(unknown, "totl_steps")
-    no_configurable = run_main(
-        "--gin_file=gin/single.gin", f"--model_dir={model_dir}", "--gin_bindings=trian.total_steps=5"
-    )
-    _assert_user_error(no_configurable, "trian")
+    for name, needles in (
+        ("missing_data", [str(tmp_path / "nowhere")]),
+        ("syntax", ["bad.gin", ":2"]),
+        ("unknown", ["totl_steps"]),
+        ("no_configurable", ["trian"]),
+    ):
+        _assert_user_error(outcomes[name]["code"], outcomes[name]["stderr"], *needles)
     bad_flag = run_main("--gin_file=gin/single.gin", "--no_such_flag=1")
-    _assert_user_error(bad_flag, "no_such_flag")
+    _assert_user_error(bad_flag.returncode, bad_flag.stderr, "no_such_flag")
     assert tree_digest(model_dir) == before
 
 
@@ -229,9 +240,13 @@ def test_a_gin_include_loop_is_one_error_line_naming_the_loop(tmp_path):
     (tmp_path / "b.gin").write_text(f"\n\ninclude '{tmp_path / 'a.gin'}'\n")
     model_dir = tmp_path / "run"
     itself = run_main(f"--gin_file={tmp_path / 'self.gin'}", f"--model_dir={model_dir}", timeout=120)
-    _assert_user_error(itself, f"{tmp_path / 'self.gin'}:1 -> {tmp_path / 'self.gin'}", "remove the include")
+    _assert_user_error(
+        itself.returncode, itself.stderr, f"{tmp_path / 'self.gin'}:1 -> {tmp_path / 'self.gin'}", "remove the include"
+    )
     loop = run_main(f"--gin_file={tmp_path / 'a.gin'}", f"--model_dir={model_dir}", timeout=120)
-    _assert_user_error(loop, f"{tmp_path / 'a.gin'}:2 -> {tmp_path / 'b.gin'}:3 -> {tmp_path / 'a.gin'})")
+    _assert_user_error(
+        loop.returncode, loop.stderr, f"{tmp_path / 'a.gin'}:2 -> {tmp_path / 'b.gin'}:3 -> {tmp_path / 'a.gin'})"
+    )
     assert len(itself.stderr.strip().splitlines()) == len(loop.stderr.strip().splitlines()) == 1
     assert "recursion" not in itself.stderr + loop.stderr
     assert not model_dir.exists()

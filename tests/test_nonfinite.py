@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import read_jsonl, run_main, run_python
+from tests.support import main_in_one_process, read_jsonl, run_python
 from trainer import data
 from trainer.write_tfrecords import serialize
 
@@ -59,56 +59,72 @@ def poisoned(tmp_path_factory) -> list[str]:
     ]
 
 
-def test_stop_mode_exits_naming_the_step_and_the_last_good_checkpoint(poisoned, tmp_path):
-    model_dir = str(tmp_path / "run")
-    proc = run_main(*poisoned, f"--model_dir={model_dir}", "--gin_bindings=train.nonfinite='stop'")
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
+@pytest.fixture(scope="module")
+def runs(poisoned, tmp_path_factory) -> tuple[str, dict[str, dict]]:
+    """The runs of the tests below, in turn in one interpreter (main_in_one_process): (their folder, outcomes)."""
+    root = tmp_path_factory.mktemp("runs")
+    rollback = "--gin_bindings=train.nonfinite='rollback'"
+    plain = ["--gin_file=gin/single.gin", *poisoned[1:]]  # the classification step: the loss stays finite
+    weight_poisoning = [
+        "--gin_file=gin/single.gin",
+        "--gin_bindings=import tests.nan_steps",
+        "--gin_bindings=train.step_fn=@weight_poisoning_step",
+        "--gin_bindings=train.total_steps=10",
+        "--gin_bindings=train.checkpoint_every_steps=5",
+        "--gin_bindings=train.steps_per_loop=5",
+    ]
+    cases = {
+        "stop": ([*poisoned, "--gin_bindings=train.nonfinite='stop'"], "stop"),
+        "rollback": ([*poisoned, rollback, "--gin_bindings=train.max_rollbacks=2"], "rollback"),
+        # stopped after its roll-back, then resumed
+        "resumed_to_20": ([*poisoned, rollback, "--gin_bindings=train.total_steps=20"], "resumed"),
+        "resumed_to_30": ([*poisoned, rollback, "--gin_bindings=train.total_steps=30"], "resumed"),
+        "pixels_stop": (plain, "pixels_stop"),
+        "pixels_rollback": ([*plain, rollback], "pixels_rollback"),
+        "no_rollbacks_left": ([*poisoned, rollback, "--gin_bindings=train.max_rollbacks=0"], "no_rollbacks_left"),
+        "weights": (weight_poisoning, "weights"),
+    }
+    return str(root), main_in_one_process({name: (args, f"{root}/{d}") for name, (args, d) in cases.items()})
+
+
+def test_stop_mode_exits_naming_the_step_and_the_last_good_checkpoint(runs):
+    root, outcomes = runs
+    model_dir, outcome = f"{root}/stop", outcomes["stop"]
+    assert outcome["code"] == 1, outcome["stderr"][-3000:]
+    last = outcome["stderr"].strip().splitlines()[-1]
     assert last.startswith(f"error: step {BAD_STEP} gave a non-finite output or gradient (loss nan"), last
     assert last.endswith(f"the last good checkpoint is {model_dir}/ckpt-5"), last
     checkpoints = sorted(n for n in os.listdir(model_dir) if n.endswith(".index"))
     assert checkpoints == ["ckpt-5.index"]  # nothing saved after the NaN
 
 
-def test_rollback_mode_skips_the_batch_and_finishes(poisoned, tmp_path):
-    model_dir = str(tmp_path / "run")
-    proc = run_main(
-        *poisoned,
-        f"--model_dir={model_dir}",
-        "--gin_bindings=train.nonfinite='rollback'",
-        "--gin_bindings=train.max_rollbacks=2",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"step {BAD_STEP} gave a non-finite output or gradient" in proc.stdout
-    assert f"rolled back to {model_dir}/ckpt-5 (step 5) and skipping batch {BAD_STEP - 1}" in proc.stdout
+def test_rollback_mode_skips_the_batch_and_finishes(runs):
+    root, outcomes = runs
+    model_dir, outcome = f"{root}/rollback", outcomes["rollback"]
+    assert outcome["code"] == 0, outcome["stderr"][-3000:]
+    assert f"step {BAD_STEP} gave a non-finite output or gradient" in outcome["stdout"]
+    assert f"rolled back to {model_dir}/ckpt-5 (step 5) and skipping batch {BAD_STEP - 1}" in outcome["stdout"]
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
     assert records[-1]["split"] == "eval" and records[-1]["step"] == 30
     assert all(np.isfinite(r["loss"]) for r in records if r["split"] != "resumed")
     # The skipped batch is kept in the checkpoint: a run stopped after its roll-back and resumed
     # leaves it out again (Setup.skip_batches) and ends with the weights of this uninterrupted one.
-    resumed = str(tmp_path / "resumed")
-    for steps in (20, 30):
-        proc = run_main(
-            *poisoned,
-            f"--model_dir={resumed}",
-            "--gin_bindings=train.nonfinite='rollback'",
-            f"--gin_bindings=train.total_steps={steps}",
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    last = read_jsonl(os.path.join(resumed, "metrics.jsonl"))[-1]
+    for name in ("resumed_to_20", "resumed_to_30"):
+        assert outcomes[name]["code"] == 0, outcomes[name]["stderr"][-3000:]
+    last = read_jsonl(os.path.join(root, "resumed", "metrics.jsonl"))[-1]
     assert (last["step"], last["loss"], last["accuracy"]) == (30, records[-1]["loss"], records[-1]["accuracy"])
 
 
-def test_nan_pixels_that_leave_the_loss_finite_stop_at_their_step_by_their_gradient(poisoned, tmp_path):
+def test_nan_pixels_that_leave_the_loss_finite_stop_at_their_step_by_their_gradient(runs):
     # The plain classification step: the loss of the NaN batch stays finite, its kernel gradients do not.
-    model_dir = tmp_path / "run"
-    proc = run_main("--gin_file=gin/single.gin", *poisoned[1:], f"--model_dir={model_dir}")
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
+    root, outcomes = runs
+    model_dir, outcome = f"{root}/pixels_stop", outcomes["pixels_stop"]
+    assert outcome["code"] == 1, outcome["stderr"][-3000:]
+    last = outcome["stderr"].strip().splitlines()[-1]
     assert last.startswith(f"error: step {BAD_STEP} gave a non-finite output or gradient (loss nan"), last
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in outcome["stderr"]
     assert sorted(n for n in os.listdir(model_dir) if n.endswith(".index")) == ["ckpt-5.index"]
-    reader = tf.train.load_checkpoint(str(model_dir / "ckpt-5"))
+    reader = tf.train.load_checkpoint(f"{model_dir}/ckpt-5")
     assert all(
         np.all(np.isfinite(reader.get_tensor(k)))
         for k in reader.get_variable_to_shape_map()
@@ -116,29 +132,19 @@ def test_nan_pixels_that_leave_the_loss_finite_stop_at_their_step_by_their_gradi
     )
 
 
-def test_nan_pixels_that_leave_the_loss_finite_are_skipped_by_rollback(poisoned, tmp_path):
-    model_dir = tmp_path / "run"
-    proc = run_main(
-        "--gin_file=gin/single.gin",
-        *poisoned[1:],
-        f"--model_dir={model_dir}",
-        "--gin_bindings=train.nonfinite='rollback'",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"skipping batch {BAD_STEP - 1}" in proc.stdout
-    accuracy = read_jsonl(str(model_dir / "metrics.jsonl"))[-1]["accuracy"]
+def test_nan_pixels_that_leave_the_loss_finite_are_skipped_by_rollback(runs):
+    root, outcomes = runs
+    outcome = outcomes["pixels_rollback"]
+    assert outcome["code"] == 0, outcome["stderr"][-3000:]
+    assert f"skipping batch {BAD_STEP - 1}" in outcome["stdout"]
+    accuracy = read_jsonl(f"{root}/pixels_rollback/metrics.jsonl")[-1]["accuracy"]
     assert accuracy > 0.2  # trained on: NaN kernels would leave chance (0.098 measured)
 
 
-def test_rollback_mode_gives_up_after_max_rollbacks(poisoned, tmp_path):
-    proc = run_main(
-        *poisoned,
-        f"--model_dir={tmp_path / 'run'}",
-        "--gin_bindings=train.nonfinite='rollback'",
-        "--gin_bindings=train.max_rollbacks=0",
-    )
-    assert proc.returncode == 1
-    assert "more than train.max_rollbacks 0" in proc.stderr.strip().splitlines()[-1]
+def test_rollback_mode_gives_up_after_max_rollbacks(runs):
+    outcome = runs[1]["no_rollbacks_left"]
+    assert outcome["code"] == 1
+    assert "more than train.max_rollbacks 0" in outcome["stderr"].strip().splitlines()[-1]
 
 
 TOTALS_SCRIPT = """
@@ -183,20 +189,12 @@ def test_the_first_nonfinite_step_of_a_call_is_found_on_any_replica(replicas):
     assert result["step"] == 12 and result["traces"] == 1
 
 
-def test_weights_that_go_non_finite_behind_finite_outputs_are_never_saved(tmp_path):
+def test_weights_that_go_non_finite_behind_finite_outputs_are_never_saved(runs):
     # The step sets the first kernel to NaN after step 7; the fused conv+ReLU keeps the outputs finite.
-    model_dir = tmp_path / "run"
-    proc = run_main(
-        "--gin_file=gin/single.gin",
-        "--gin_bindings=import tests.nan_steps",
-        "--gin_bindings=train.step_fn=@weight_poisoning_step",
-        "--gin_bindings=train.total_steps=10",
-        "--gin_bindings=train.checkpoint_every_steps=5",
-        "--gin_bindings=train.steps_per_loop=5",
-        f"--model_dir={model_dir}",
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
+    root, outcomes = runs
+    model_dir, outcome = f"{root}/weights", outcomes["weights"]
+    assert outcome["code"] == 1, outcome["stderr"][-3000:]
+    last = outcome["stderr"].strip().splitlines()[-1]
     assert last.startswith("error: the weights are non-finite (cnn/conv2d/kernel) after steps 6-10"), last
     assert last.endswith(f"the last good checkpoint is {model_dir}/ckpt-5"), last
     assert sorted(n for n in os.listdir(model_dir) if n.endswith(".index")) == ["ckpt-5.index"]

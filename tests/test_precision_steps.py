@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support import REPO, refused_run, run_python
+from tests.support import REPO, refused_in_one_process, run_python
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
 
@@ -24,17 +24,23 @@ def readme_step_module() -> str:
     return block
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("mode", ["single", "mirrored"])
-def test_a_step_that_never_scales_its_loss_is_refused_under_mixed_float16(tmp_path, mode):
-    line = refused_run(
-        tmp_path,
-        f"--gin_file=gin/{mode}.gin",
+@pytest.fixture(scope="module")
+def unscaled_refusals(tmp_path_factory) -> dict[str, str]:
+    """Both modes in one interpreter, mirrored first: it splits the CPU, which single leaves alone."""
+    args = [
         "--gin_bindings=import tests.precision_steps",
         "--gin_bindings=train.step_fn=@unscaled_step",
         "--gin_bindings=train.mixed_precision='mixed_float16'",
-        timeout=180,
-    )
+    ]
+    cases = {mode: [f"--gin_file=gin/{mode}.gin", *args] for mode in ("mirrored", "single")}
+    return refused_in_one_process(tmp_path_factory.mktemp("unscaled"), cases, timeout=180)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.xdist_group("unscaled_refusals")
+@pytest.mark.parametrize("mode", ["single", "mirrored"])
+def test_a_step_that_never_scales_its_loss_is_refused_under_mixed_float16(unscaled_refusals, mode):
+    line = unscaled_refusals[mode]
     assert line.startswith(
         "error: train.mixed_precision = 'mixed_float16': the step applies gradients of a loss "
         "it never passed through optimizer.scale_loss"

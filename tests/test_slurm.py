@@ -25,7 +25,7 @@ import time
 import pytest
 
 from tests.listening import listening
-from tests.support import REPO, read_jsonl, run_module, subprocess_env
+from tests.support import REPO, launch_workers, read_jsonl, subprocess_env
 from tests.test_resume import per_step_losses
 
 SCRIPT = os.path.join(REPO, "experiments", "cluster", "slurm", "local_slurm.py")
@@ -307,16 +307,12 @@ def test_mwms_job_trains_on_both_tasks_only_task_0_writes_and_matches_trainer_la
     assert not os.listdir(os.path.join(job.dir, "tmp"))
 
     launched_dir = str(tmp_path / "launched")
-    launched = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
+    launch_workers(
         "--gin_file=gin/mwms.gin",
         f"--model_dir={launched_dir}",
         *(f"--gin_bindings={b}" for b in MWMS_BINDINGS),
         timeout=300,
     )
-    assert launched.returncode == 0, launched.stderr[-3000:]
     expected = [r for r in read_jsonl(os.path.join(launched_dir, "metrics.jsonl")) if r["split"] == "eval"][-1]
     got = job.records("eval")[-1]
     assert got["step"] == expected["step"] == STEPS

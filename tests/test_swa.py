@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.support import REPO, read_jsonl, refused_run, run_main, run_module, subprocess_env
+from tests.support import REPO, launch_workers, read_jsonl, refused_run, run_main, subprocess_env
 from tests.test_multiworker import model_weights
 from tests.test_resume import kill_group, wait_for_step
 
@@ -48,12 +48,44 @@ def swa_evals(model_dir: str) -> list[int]:
     return [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "eval_swa"]
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", ["single", "mirrored"])
-def test_swa_trains_and_evaluates_beside_the_raw_weights(tmp_path, mode):
-    model_dir = str(tmp_path / "run")
-    proc = run_main(f"--gin_file=gin/{mode}.gin", SWA, f"--model_dir={model_dir}", *SHORT, timeout=300)
+def mirrored_command(model_dir: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "trainer.main",
+        "--gin_file=gin/mirrored.gin",
+        SWA,
+        f"--model_dir={model_dir}",
+        *SHORT,
+    ]
+
+
+@pytest.fixture(scope="module")
+def mirrored_run(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
+    """One uninterrupted mirrored run, checked like the single-device one and the killed run's reference."""
+    model_dir = str(tmp_path_factory.mktemp("swa") / "mirrored")
+    proc = subprocess.run(
+        mirrored_command(model_dir),
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return model_dir, proc
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.xdist_group("swa_mirrored_run")
+@pytest.mark.parametrize("mode", ["single", "mirrored"])
+def test_swa_trains_and_evaluates_beside_the_raw_weights(request, tmp_path, mode):
+    if mode == "mirrored":
+        model_dir, proc = request.getfixturevalue("mirrored_run")
+    else:
+        model_dir = str(tmp_path / "run")
+        proc = run_main(f"--gin_file=gin/{mode}.gin", SWA, f"--model_dir={model_dir}", *SHORT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     assert swa_evals(model_dir) == [40, 80, 120]  # after every raw eval once it holds a snapshot
     assert "eval (SWA) at step 120" in proc.stdout
     means, raw = averages(model_dir), model_weights(model_dir)
@@ -63,43 +95,18 @@ def test_swa_trains_and_evaluates_beside_the_raw_weights(tmp_path, mode):
 @pytest.mark.timeout(500)
 def test_swa_under_two_multiworker_mirrored_workers(tmp_path):
     model_dir = str(tmp_path / "run")
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
-        "--gin_file=gin/mwms.gin",
-        SWA,
-        f"--model_dir={model_dir}",
-        *SHORT,
-        timeout=450,
-        env=subprocess_env(),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_workers("--gin_file=gin/mwms.gin", SWA, f"--model_dir={model_dir}", *SHORT, timeout=450)
     assert swa_evals(model_dir) == [40, 80, 120]
     assert averages(model_dir)
 
 
 @pytest.mark.timeout(600)
-def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bit(tmp_path):
-    def command(model_dir: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "trainer.main",
-            "--gin_file=gin/mirrored.gin",
-            SWA,
-            f"--model_dir={model_dir}",
-            *SHORT,
-        ]
-
-    reference_dir, resumed_dir = str(tmp_path / "reference"), str(tmp_path / "resumed")
-    reference = subprocess.run(
-        command(reference_dir), cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=280
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
+@pytest.mark.xdist_group("swa_mirrored_run")
+def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bit(mirrored_run, tmp_path):
+    reference_dir, resumed_dir = mirrored_run[0], str(tmp_path / "resumed")
     kill_at = random.Random().randint(41, 110)  # after the first checkpoint (40), before the end
     first = subprocess.Popen(
-        command(resumed_dir),
+        mirrored_command(resumed_dir),
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
@@ -111,7 +118,12 @@ def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bi
     finally:
         kill_group(first)
     restart = subprocess.run(
-        command(resumed_dir), cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=280
+        mirrored_command(resumed_dir),
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert restart.returncode == 0, restart.stderr[-3000:]
     assert "continuing from step" in restart.stdout, (kill_at, restart.stdout[-2000:])

@@ -129,20 +129,10 @@ def test_summaries_inside_the_step_are_written_at_the_log_interval(tmp_path, mod
 def test_summaries_inside_the_step_are_the_chiefs_alone_under_multi_worker(tmp_path):
     """Two MultiWorkerMirrored processes: the chief writes the step's summaries (replica 0 is its
     own), the other worker traces none (a no-op writer) and writes no event file."""
-    from tests.support import run_module
+    from tests.support import launch_workers
 
     model_dir = tmp_path / "run"
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
-        "--gin_file=gin/mwms.gin",
-        *SUMMARY_STEP,
-        *SHORT_RUN,
-        f"--model_dir={model_dir}",
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_workers("--gin_file=gin/mwms.gin", *SUMMARY_STEP, *SHORT_RUN, f"--model_dir={model_dir}")
     _assert_step_summaries(model_dir)
 
 
@@ -152,27 +142,28 @@ def test_summaries_inside_the_step_are_one_line_under_parameter_servers_and_xla(
     parameter_server (the step runs on the workers) and under train.jit_compile (XLA compiles no
     summary op). A run refused after the loop was traced (a broken eval step) leaves model_dir
     empty although the traced loop holds the train event writer: its file is made at the first call."""
-    from tests.support import refused_run
+    from tests.support import refused_in_one_process, refused_run
 
-    for name in ("ps", "xla", "eval"):
-        (tmp_path / name).mkdir()
+    (tmp_path / "ps").mkdir()
     line = refused_run(
         tmp_path / "ps", "--gin_file=gin/ps.gin", *SUMMARY_STEP, "--gin_bindings=local_cluster.num_workers=1"
     )
     assert "summary_step writes tf.summary inside the step, which parameter_server cannot record" in line
     assert "return the value from the step" in line
-    line = refused_run(
-        tmp_path / "xla", "--gin_file=gin/single.gin", *SUMMARY_STEP, "--gin_bindings=train.jit_compile=True"
+    lines = refused_in_one_process(  # both in one interpreter
+        tmp_path,
+        {
+            "xla": ["--gin_file=gin/single.gin", *SUMMARY_STEP, "--gin_bindings=train.jit_compile=True"],
+            "eval": [
+                "--gin_file=gin/single.gin",
+                *SUMMARY_STEP,
+                "--gin_bindings=import tests.broken_functions",
+                "--gin_bindings=train.eval_step_fn=@no_count_eval_step",
+            ],
+        },
     )
-    assert "which XLA cannot compile (train.jit_compile)" in line
-    line = refused_run(
-        tmp_path / "eval",
-        "--gin_file=gin/single.gin",
-        *SUMMARY_STEP,
-        "--gin_bindings=import tests.broken_functions",
-        "--gin_bindings=train.eval_step_fn=@no_count_eval_step",
-    )
-    assert "no_count_eval_step" in line
+    assert "which XLA cannot compile (train.jit_compile)" in lines["xla"]
+    assert "no_count_eval_step" in lines["eval"]
 
 
 def test_one_record_reaches_the_json_line_the_event_files_and_every_sink(tmp_path):

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.support import read_jsonl, run_module, run_python
+from tests.support import launch_workers, read_jsonl, run_python
 from tests.test_multiworker import model_weights, trainer_pids_for
 from trainer.errors import UserError
 from trainer.extensions import built_in
@@ -95,15 +95,13 @@ def test_two_workers_stop_together_when_one_budget_runs_out_and_the_rerun_contin
     model_dir, reference = str(tmp_path / "run"), os.path.join(single_runs[0], "reference")
     common = [f"--gin_bindings={binding}" for binding in COMMON]
     budget = ["--gin_bindings=import tests.chief_budget", "--gin_bindings=train.max_time_secs=@chief_budget()"]
-    launch = ("trainer.launch", "--num_workers=2", "--", "--gin_file=gin/mwms.gin", f"--model_dir={model_dir}")
-    stopped = run_module(*launch, *common, *budget, timeout=280)
-    assert stopped.returncode == 0, stopped.stdout[-4000:] + stopped.stderr[-3000:]
+    launch = ("--gin_file=gin/mwms.gin", f"--model_dir={model_dir}")
+    stopped = launch_workers(*launch, *common, *budget)
     said = [line for line in stopped.stdout.splitlines() if "time budget:" in line]
     assert len(said) == 1 and said[0].startswith("[worker 0] time budget:"), stopped.stdout[-4000:]
     assert "at step 2; saved ckpt-2; rerun the same command" in said[0]
     assert sorted(n for n in os.listdir(model_dir) if n.endswith(".index")) == ["ckpt-2.index"]
-    rerun = run_module(*launch, *common, timeout=280)
-    assert rerun.returncode == 0, rerun.stdout[-4000:] + rerun.stderr[-3000:]
+    rerun = launch_workers(*launch, *common)
     assert f"restored {model_dir}/ckpt-2; continuing from step 2" in rerun.stdout
     assert not trainer_pids_for(model_dir)
     expected, got = model_weights(reference), model_weights(model_dir)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.support import REPO, run_main, run_module, subprocess_env
+from tests.support import REPO, launch_workers, run_main, run_module, subprocess_env
 from tests.test_resume import kill_group, per_step_losses, wait_for_step
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
@@ -34,12 +34,25 @@ def flags(gin_file: str, model: str) -> list[str]:
     return [f"--gin_file={gin_file}", IMPORT, f"--gin_bindings=train.model_fn=@{model}", *SHORT]
 
 
+@pytest.fixture(scope="module")
+def mirrored_residual_mlp(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
+    """One uninterrupted mirrored run of residual_mlp, checked like the others and the killed run's reference."""
+    model_dir = str(tmp_path_factory.mktemp("unbuilt") / "mirrored")
+    proc = run_main(*flags("gin/mirrored.gin", "residual_mlp"), f"--model_dir={model_dir}", timeout=250)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return model_dir, proc
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("mirrored_residual_mlp")
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("mode", ["single", "mirrored"])
-def test_unbuilt_models_train_on_one_and_two_replicas(tmp_path, model, mode):
-    proc = run_main(*flags(f"gin/{mode}.gin", model), f"--model_dir={tmp_path / 'run'}", timeout=250)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_unbuilt_models_train_on_one_and_two_replicas(request, tmp_path, model, mode):
+    if (mode, model) == ("mirrored", "residual_mlp"):
+        _, proc = request.getfixturevalue("mirrored_residual_mlp")
+    else:
+        proc = run_main(*flags(f"gin/{mode}.gin", model), f"--model_dir={tmp_path / 'run'}", timeout=250)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     eval_line = [line for line in proc.stdout.splitlines() if line.startswith("eval at step 40")]
     assert eval_line and float(eval_line[0].split("accuracy ")[1].split()[0]) > 0.5, proc.stdout[-2000:]
 
@@ -47,31 +60,14 @@ def test_unbuilt_models_train_on_one_and_two_replicas(tmp_path, model, mode):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("model", MODELS)
 def test_unbuilt_models_train_on_two_multiworker_mirrored_workers(tmp_path, model):
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
-        *flags("gin/mwms.gin", model),
-        f"--model_dir={tmp_path / 'run'}",
-        timeout=350,
-        env=subprocess_env(),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = launch_workers(*flags("gin/mwms.gin", model), f"--model_dir={tmp_path / 'run'}", timeout=350)
     assert "[worker 0] eval at step 40" in proc.stdout
 
 
 @pytest.mark.timeout(500)
-def test_a_killed_run_of_an_unbuilt_model_resumes_bit_for_bit(tmp_path):
+@pytest.mark.xdist_group("mirrored_residual_mlp")
+def test_a_killed_run_of_an_unbuilt_model_resumes_bit_for_bit(mirrored_residual_mlp, tmp_path):
     command = [sys.executable, "-m", "trainer.main", *flags("gin/mirrored.gin", "residual_mlp")]
-    reference = subprocess.run(
-        [*command, f"--model_dir={tmp_path / 'reference'}"],
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=250,
-    )
-    assert reference.returncode == 0, reference.stderr[-3000:]
     resumed = str(tmp_path / "resumed")
     first = subprocess.Popen(
         [*command, f"--model_dir={resumed}"],
@@ -94,7 +90,7 @@ def test_a_killed_run_of_an_unbuilt_model_resumes_bit_for_bit(tmp_path):
         timeout=250,
     )
     assert restart.returncode == 0 and "continuing from step 20" in restart.stdout, restart.stderr[-3000:]
-    expected, got = per_step_losses(str(tmp_path / "reference")), per_step_losses(resumed)
+    expected, got = per_step_losses(mirrored_residual_mlp[0]), per_step_losses(resumed)
     assert [got[s] for s in range(21, 41)] == [expected[s] for s in range(21, 41)]  # bit for bit, dropout included
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import run_main, tree_digest
+from tests.support import main_in_one_process, run_main
 from trainer.errors import UserError
 from trainer.extensions import warm_start
 from trainer.extensions.registry import Registry
@@ -90,31 +90,32 @@ def test_shape_mismatch_and_bad_paths_are_user_errors(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_run_warm_starts_fresh_only_and_a_mismatch_exits_2(tmp_path):
+    """The four runs in turn in one interpreter (main_in_one_process)."""
     source, target, wrong = str(tmp_path / "source"), str(tmp_path / "target"), str(tmp_path / "wrong")
-    proc = run_main(*SMALL, f"--model_dir={source}", "--gin_bindings=train.total_steps=30")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = [*SMALL, f"--model_dir={target}", f"--gin_bindings=train.warm_start='{source}'"]
-    proc = run_main(*run, "--gin_bindings=train.total_steps=10")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"warm start from {source}/ckpt-30: restored 8 of the model's 8 variables" in proc.stdout
-    first_loss = float(proc.stdout.split("eval at step 10: loss ")[1].split()[0])
-    assert first_loss < 1.0  # from the 30 steps of the source run, not from scratch
-    proc = run_main(*run, "--gin_bindings=train.total_steps=20")  # has its own checkpoint: resumes
-    assert proc.returncode == 0 and "warm start" not in proc.stdout and "restored" in proc.stdout
-
     os.makedirs(wrong)
-    before = tree_digest(wrong)
-    proc = run_main(
-        *SMALL,
-        f"--model_dir={wrong}",
-        f"--gin_bindings=train.warm_start='{source}'",
-        "--gin_bindings=cnn.dense_units=32",
-        timeout=120,
+    warm = f"--gin_bindings=train.warm_start='{source}'"
+    outcomes = main_in_one_process(
+        {
+            "source": ([*SMALL, "--gin_bindings=train.total_steps=30"], source),
+            "warm": ([*SMALL, warm, "--gin_bindings=train.total_steps=10"], target),
+            "resumed": ([*SMALL, warm, "--gin_bindings=train.total_steps=20"], target),  # has its own checkpoint
+            "mismatch": ([*SMALL, warm, "--gin_bindings=cnn.dense_units=32"], wrong),
+        },
+        timeout=180,
     )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    for name in ("source", "warm", "resumed"):
+        assert outcomes[name]["code"] == 0, outcomes[name]["stderr"][-3000:]
+    stdout = outcomes["warm"]["stdout"]
+    assert f"warm start from {source}/ckpt-30: restored 8 of the model's 8 variables" in stdout
+    first_loss = float(stdout.split("eval at step 10: loss ")[1].split()[0])
+    assert first_loss < 1.0  # from the 30 steps of the source run, not from scratch
+    assert "warm start" not in outcomes["resumed"]["stdout"] and "restored" in outcomes["resumed"]["stdout"]
+
+    mismatch = outcomes["mismatch"]
+    assert mismatch["code"] == 2, mismatch["stderr"][-2000:]
+    errors = [line for line in mismatch["stderr"].splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "has shape" in errors[0], errors
-    assert tree_digest(wrong) == before
+    assert mismatch["unchanged"]
 
 
 def gan():
