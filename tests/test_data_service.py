@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests import id_counting
-from tests.support import REPO, run_main, run_module, subprocess_env
+from tests.support import REPO, launch_workers, run_main, run_module, subprocess_env
 from tests.test_ps import assert_all_gone, server_pids
 from trainer.data import service
 from trainer.distribution import early_isolation, local_cluster
@@ -61,17 +61,7 @@ def test_multi_worker_mirrored_under_the_launcher_reads_from_one_service(tmp_pat
     """trainer.launch reads the config's 'local' service and starts a dispatcher and 2 data workers
     beside the 2 workers, which share one pass."""
     model_dir = tmp_path / "run"
-    proc = run_module(
-        "trainer.launch",
-        "--num_workers=2",
-        "--",
-        "--gin_file=gin/mwms.gin",
-        *COUNTING,
-        f"--model_dir={model_dir}",
-        timeout=380,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "strategy 'multi_worker_mirrored' on 2 replica(s) (2 worker(s))" in proc.stdout
+    proc = launch_workers("--gin_file=gin/mwms.gin", *COUNTING, f"--model_dir={model_dir}", timeout=380)
     assert_every_id_at_most_once(model_dir)
     pids = server_pids(proc.stdout)
     assert sorted(name.rsplit(" pid", 1)[0] for name in pids) == sorted(SERVICE)
