@@ -48,30 +48,15 @@ def swa_evals(model_dir: str) -> list[int]:
     return [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "eval_swa"]
 
 
-def mirrored_command(model_dir: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "trainer.main",
-        "--gin_file=gin/mirrored.gin",
-        SWA,
-        f"--model_dir={model_dir}",
-        *SHORT,
-    ]
+def mirrored_args(model_dir: str) -> list[str]:
+    return ["--gin_file=gin/mirrored.gin", SWA, f"--model_dir={model_dir}", *SHORT]
 
 
 @pytest.fixture(scope="module")
 def mirrored_run(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
     """One uninterrupted mirrored run, checked like the single-device one and the killed run's reference."""
     model_dir = str(tmp_path_factory.mktemp("swa") / "mirrored")
-    proc = subprocess.run(
-        mirrored_command(model_dir),
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_main(*mirrored_args(model_dir), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return model_dir, proc
 
@@ -106,7 +91,7 @@ def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bi
     reference_dir, resumed_dir = mirrored_run[0], str(tmp_path / "resumed")
     kill_at = random.Random().randint(41, 110)  # after the first checkpoint (40), before the end
     first = subprocess.Popen(
-        mirrored_command(resumed_dir),
+        [sys.executable, "-m", "trainer.main", *mirrored_args(resumed_dir)],
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
@@ -117,14 +102,7 @@ def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bi
         wait_for_step(resumed_dir, kill_at, first)
     finally:
         kill_group(first)
-    restart = subprocess.run(
-        mirrored_command(resumed_dir),
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    restart = run_main(*mirrored_args(resumed_dir), timeout=280)
     assert restart.returncode == 0, restart.stderr[-3000:]
     assert "continuing from step" in restart.stdout, (kill_at, restart.stdout[-2000:])
     expected, got = averages(reference_dir), averages(resumed_dir)
