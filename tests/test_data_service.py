@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests import id_counting
-from tests.support import REPO, launch_workers, run_main, run_module, subprocess_env
+from tests.support import REPO, launch_workers, refused_run, run_main, run_module, subprocess_env
 from tests.test_ps import assert_all_gone, server_pids
 from trainer.data import service
 from trainer.distribution import early_isolation, local_cluster
@@ -95,6 +95,27 @@ def test_entry_points_find_a_local_service_in_the_gin_text(tmp_path):
         "dispatcher": ["localhost:7000"],
         "data_worker": ["localhost:7001", "localhost:7002"],
     }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("config", ["gin/single.gin", "gin/ps.gin"])
+def test_a_pipeline_that_calls_python_is_one_line_before_the_service_reads_it(tmp_path, config):
+    """The service's data workers are other processes: a from_generator source cannot run there (TensorFlow
+    says only that a callback key is missing, at the first batch). Under parameter servers the pipeline is
+    built inside each worker's dataset function, so the check runs before it, eagerly."""
+    line = refused_run(
+        tmp_path,
+        f"--gin_file={config}",
+        "--gin_bindings=import tests.broken_functions",
+        "--gin_bindings=train.input_fn=@generator_input",
+        "--gin_bindings=cnn.num_classes=10",
+        "--gin_bindings=train.data_service='local'",
+    )
+    assert line.startswith(
+        "error: train.data_service: the train dataset of train.input_fn tests.broken_functions.generator_input "
+        "calls Python (PyFunc: tf.data.Dataset.from_generator"
+    ) and line.endswith("or leave train.data_service unset"), line
 
 
 def test_server_runs_dispatcher_and_data_worker_tasks_and_checks_their_cluster():

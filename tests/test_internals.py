@@ -189,6 +189,14 @@ def test_the_sleep_transformation_waits_before_each_element():
     assert time.monotonic() - started >= 0.1
 
 
+def test_a_datasets_ops_include_those_of_its_functions():
+    plain = tf.data.Dataset.range(4).map(lambda i: i * 2).batch(2)
+    python = tf.data.Dataset.range(4).map(lambda i: tf.py_function(lambda j: j, [i], tf.int64))
+    generated = tf.data.Dataset.from_generator(lambda: iter([1, 2]), output_signature=tf.TensorSpec([], tf.int32))
+    assert {"RangeDataset", "MapDataset", "BatchDatasetV2", "Mul"} <= internals.dataset_ops(plain)
+    assert "EagerPyFunc" in internals.dataset_ops(python) and "PyFunc" in internals.dataset_ops(generated)
+
+
 def test_the_coordinators_per_worker_run_exists_and_its_values_are_held_in_order():
     # Driven for real by tests/test_worker_watch.py's parameter-server run (the warning names the
     # throttled worker only if the values come in task order); here the names are tried.

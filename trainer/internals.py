@@ -180,6 +180,18 @@ def sleep_each(microseconds: int) -> Callable[[Any], Any]:
     return testing.sleep(microseconds)
 
 
+def dataset_ops(dataset: Any) -> set[str]:
+    """The op types of `dataset`'s graph and of the functions in it (`Dataset._as_serialized_graph`, what
+    tf.data serializes to send a pipeline to the tf.data service). Without it a pipeline that calls Python
+    (which the service's data workers cannot run) is found only by its first batch failing there."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph().numpy())  # noqa: SLF001
+    return {node.op for node in graph.node} | {
+        node.op for function in graph.library.function for node in function.node_def
+    }
+
+
 def run_on_every_worker(coordinator: Any, fn: Callable[[], Any]) -> list:
     """`fn()` scheduled once on each parameter-server worker: its `RemoteValue`s in task order
     (`ClusterCoordinator._create_per_worker_resources`, how TF builds per-worker datasets): the public

@@ -95,6 +95,7 @@ def distribute_train(
     `service`, read from it (`served_train`: no skip, no dropped batches)."""
     inp = as_input(inp)
     if service is not None:
+        data_service.check_servable(inp)
         return served_train(strategy, inp, global_batch_size, seed, service, model_dir=model_dir)
     _check(strategy, inp, "train", method, shard_policy)
     global_batches = functools.partial(
@@ -132,7 +133,8 @@ def served_train(
 ) -> tf.distribute.DistributedDataset:
     """Per-replica train batches from the tf.data service, every input pipeline a reader of the run's one job.
     The service hands out its stream as it comes (no position to skip to): a resumed run reads on from
-    where the job is, or from a fresh job's start (docs/parameter-servers.md)."""
+    where the job is, or from a fresh job's start (docs/parameter-servers.md). Called eagerly or, under
+    parameter servers, inside each worker's dataset function: `check_servable` before either."""
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         batches = data_service.train_batches(

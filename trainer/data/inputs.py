@@ -89,6 +89,7 @@ class Input:
             raise UserError(f"the input function must be a callable input_fn(split), got {input_fn!r}")
         signature = _checked_signature(input_fn)
         self.input_fn = input_fn
+        self.name = _name(input_fn)  # how a refusal names the user's function
         self.eval_splits = tuple(eval_splits)
         self.num_classes: int | None = getattr(input_fn, "num_classes", None)
         # An input function that cannot give the same examples in the same order twice says so

@@ -135,6 +135,28 @@ def serve(task_type: str, cluster: dict[str, list[str]], task_id: int):
     )
 
 
+PYTHON_OPS = ("PyFunc", "PyFuncStateless", "EagerPyFunc")  # from_generator, py_function, numpy_function
+
+
+def check_servable(inp: Any) -> None:
+    """Refuses, in one line, a train pipeline that calls Python: the service's data workers are other
+    processes, which have none of this process's Python functions (TensorFlow's own error there names a
+    missing callback key)."""
+    from trainer import internals
+    from trainer.data.inputs import as_input
+
+    inp = as_input(inp)
+    if inp.train_arrays(None) is not None:
+        return  # the service reads the arrays, not the user's dataset (train_batches)
+    if found := sorted(set(PYTHON_OPS) & internals.dataset_ops(inp.examples("train", None))):
+        raise UserError(
+            f"train.data_service: the train dataset of train.input_fn {inp.name} calls Python ({found[0]}: "
+            "tf.data.Dataset.from_generator, tf.py_function or tf.numpy_function), which the service's data "
+            "workers, processes of their own, cannot run; build it from TensorFlow ops (from_tensor_slices, "
+            "TFRecordDataset, map of graph code) or leave train.data_service unset"
+        )
+
+
 def train_batches(inp, batch_size: int, shuffle_buffer: int, seed: int):
     """Endless shuffled batches of the train split for the data workers to make. Unlike the loop's own
     pipeline, nothing carries state from one part of the source to the next, so the dispatcher can split

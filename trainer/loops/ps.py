@@ -297,6 +297,7 @@ def per_worker_train_data(
     """Per-worker datasets, each built on its worker inside the dataset function (see module doc); with a
     tf.data `service`, each worker a reader of the run's one job."""
     if service is not None:
+        data_service.check_servable(inp)
         served = lambda: data.served_train(strategy, inp, global_batch_size, seed, service, model_dir=model_dir)  # noqa: E731
         return coordinator.create_per_worker_dataset(served)
     workers = data.num_workers(strategy)
