@@ -88,15 +88,16 @@ def predict(
 
     if registry is None:
         runtime = make_runtime(settings, standalone=settings.mode.coordinates_workers)
+        run_input = settings.make_input()  # what the model is built from
+        run_input.validate()
     else:  # the run's task and extensions, restored as --mode=evaluate restores them: the averages with the model
         runtime, task, _ = restored_run(settings, registry, path)
+        run_input = task.input  # built and checked by the restored run (its counts and data cached)
     if batch_size % runtime.num_replicas:
         raise UserError(
             f"predict.batch_size {batch_size} is not divisible by the {runtime.num_replicas} replicas; "
             f"use a multiple of {runtime.num_replicas}"
         )
-    run_input = settings.make_input()  # what the model is built from
-    run_input.validate()
     inp = (
         run_input if input_fn is None else data.as_input(contract.adapt(input_fn, contract.INPUT), eval_splits=(split,))
     )
@@ -125,9 +126,11 @@ def predict(
     dataset = data.distribute_eval(runtime.strategy, inp, batch_size, split=split, shard_policy=settings.shard_policy)
     num_batches = -(-count // batch_size)
     names = "+".join(type(m).__name__ for m in flat(models))
-    where = f"strategy '{settings.strategy}' on {runtime.num_replicas} replica(s) ({runtime.num_workers} worker(s))"
-    if settings.mode.coordinates_workers:
-        where = f"this process's device (a {settings.strategy} run's variables, restored without its cluster)"
+    where = (
+        f"this process's device (a {settings.strategy} run's variables, restored without its cluster)"
+        if settings.mode.coordinates_workers
+        else f"strategy '{settings.strategy}' on {runtime.num_replicas} replica(s) ({runtime.num_workers} worker(s))"
+    )
     if kind != MODEL:
         names += f" with the {kind} weights"
     if runtime.is_chief:
