@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -46,6 +47,31 @@ def run_launcher(flags: list[str], passthrough: list[str], pid_dir: Path):
         text=True,
         timeout=60,
     )
+
+
+def launcher_acting_once_started(
+    flags: list[str], passthrough: list[str], pid_dir: Path, tasks: int, act: Callable[[subprocess.Popen], None]
+) -> tuple[int, str]:
+    """Starts the launcher, calls `act(launcher)` once `tasks` fake tasks have started (or after 30 s), and
+    returns (its exit code, its stderr); the launcher is killed if it has not ended 30 s later."""
+    process = subprocess.Popen(
+        launcher_command(flags, passthrough, pid_dir),
+        cwd=ROOT,
+        env=launcher_env(pid_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(started_pids(pid_dir)) < tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        act(process)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+        process.wait()
+    return process.returncode, stderr
 
 
 def started_pids(pid_dir: Path) -> dict[int, str]:
@@ -117,24 +143,10 @@ def is_running(pid: int) -> bool:
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_to_the_launcher_reaches_every_task(tmp_path, signum, code):
-    process = subprocess.Popen(
-        launcher_command(["--num_workers=2"], ["--sleep=60"], tmp_path),
-        cwd=ROOT,
-        env=launcher_env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    returncode, stderr = launcher_acting_once_started(
+        ["--num_workers=2"], ["--sleep=60"], tmp_path, 2, lambda launcher: launcher.send_signal(signum)
     )
-    try:
-        deadline = time.monotonic() + 30
-        while len(started_pids(tmp_path)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        process.send_signal(signum)
-        _, stderr = process.communicate(timeout=30)
-    finally:
-        process.kill()
-        process.wait()
-    assert process.returncode == code, stderr
+    assert returncode == code, stderr
     assert_none_alive(tmp_path)
 
 
@@ -177,24 +189,13 @@ def test_parameter_server_mode_ends_the_servers_when_the_chief_is_done(tmp_path)
 
 def test_a_server_stopped_while_the_chief_runs_restarts_the_group(tmp_path):
     """A ps-mode worker stopped by SIGTERM exits 0; the chief would wait on it, so the group restarts."""
-    process = subprocess.Popen(
-        launcher_command(["--num_workers=2", "--num_ps=1", "--max_restarts=1"], ["--sleep=3"], tmp_path),
-        cwd=ROOT,
-        env=launcher_env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while len(started_pids(tmp_path)) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+
+    def stop_worker_1(_) -> None:
         os.kill(next(pid for pid, task in started_pids(tmp_path).items() if task == "worker:1"), signal.SIGTERM)
-        _, stderr = process.communicate(timeout=30)
-    finally:
-        process.kill()
-        process.wait()
-    assert process.returncode == 0, stderr
+
+    flags = ["--num_workers=2", "--num_ps=1", "--max_restarts=1"]
+    returncode, stderr = launcher_acting_once_started(flags, ["--sleep=3"], tmp_path, 4, stop_worker_1)
+    assert returncode == 0, stderr
     assert "worker 1 stopped while the chief runs; stopping the other tasks" in stderr
     assert "restarting group (1/1)" in stderr and len(started_pids(tmp_path)) == 8
     assert_none_alive(tmp_path)
