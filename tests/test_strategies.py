@@ -22,6 +22,8 @@ for name in ("default", "one_device", "mirrored", "central_storage", "multi_work
         v = tf.Variable(1.0)
     result[name] = {"replicas": strategy.num_replicas_in_sync, "type": type(strategy).__name__,
                     "value": float(strategy.reduce("SUM", strategy.run(lambda: v * 2.0), axis=None))}
+devices.configure_devices(devices.DeviceConfig(logical_cpus_without_gpu=2))  # the same again: a second run's
+result["again"] = len(tf.config.list_logical_devices("CPU"))
 try:
     devices.configure_devices(devices.DeviceConfig(logical_cpus=3))
 except Exception as e:
@@ -39,7 +41,8 @@ def test_strategies_on_two_logical_cpus():
     assert r["mirrored"] == {"replicas": 2, "type": "MirroredStrategy", "value": 4.0}
     assert r["central_storage"]["replicas"] == 2 and r["central_storage"]["value"] == 4.0
     assert r["multi_worker_mirrored"]["type"] == "CollectiveAllReduceStrategy"
-    assert r["late"].startswith("UserError: device setup failed")
+    assert r["again"] == 2
+    assert r["late"].startswith("UserError: device setup failed") and "trainer.configure_devices(" in r["late"]
 
 
 def test_unknown_strategy_names_the_choices():

@@ -34,10 +34,16 @@ class DeviceConfig:
 
 
 def configure_devices(config: DeviceConfig) -> None:
+    """Applies `config`, leaving alone what is already so: a second run in one process (a notebook's) with
+    the same devices works; asking for others once TensorFlow has initialised them is one UserError line."""
     try:
         _configure(config)
     except RuntimeError as e:
-        raise UserError(f"device setup failed ({e}); devices must be configured before any TensorFlow op runs") from e
+        raise UserError(
+            f"device setup failed ({e}); TensorFlow fixes its devices when it runs its first op, so configure "
+            "them before that: from Python call trainer.configure_devices(...) before the first run, or use a "
+            "fresh process"
+        ) from e
 
 
 def _configure(config: DeviceConfig) -> None:
@@ -49,22 +55,31 @@ def _configure(config: DeviceConfig) -> None:
                 f"{len(gpus)} GPU(s); pick indices in 0..{len(gpus) - 1} or leave visible_gpus unset"
             )
         gpus = [gpus[i] for i in config.visible_gpus]
-        tf.config.set_visible_devices(gpus, "GPU")
+        if tf.config.get_visible_devices("GPU") != gpus:
+            tf.config.set_visible_devices(gpus, "GPU")
     if config.logical_gpus_per_gpu > 0 and gpus:
         if not config.logical_gpu_memory_mb:
             raise UserError("logical_gpus_per_gpu needs logical_gpu_memory_mb (memory per logical GPU in MB)")
         logical = tf.config.LogicalDeviceConfiguration(memory_limit=config.logical_gpu_memory_mb)
         for gpu in gpus:
-            tf.config.set_logical_device_configuration(gpu, [logical] * config.logical_gpus_per_gpu)
+            _split(gpu, [logical] * config.logical_gpus_per_gpu)
     elif config.gpu_memory_growth:
         for gpu in gpus:
-            tf.config.experimental.set_memory_growth(gpu, True)
+            if not tf.config.experimental.get_memory_growth(gpu):
+                tf.config.experimental.set_memory_growth(gpu, True)
     num_cpus = config.logical_cpus or (config.logical_cpus_without_gpu if not gpus else 0)
     if num_cpus > 1:
         cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpus)
+        _split(cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpus)
     tf.debugging.set_log_device_placement(config.log_device_placement)
     tf.config.set_soft_device_placement(config.soft_placement)
+
+
+def _split(device: tf.config.PhysicalDevice, logical: list[tf.config.LogicalDeviceConfiguration]) -> None:
+    """Splits `device` into `logical` unless it is split so already (TensorFlow refuses any change, even
+    to the same split, once its devices are initialised)."""
+    if tf.config.get_logical_device_configuration(device) != logical:
+        tf.config.set_logical_device_configuration(device, logical)
 
 
 def compute_devices() -> list[str]:

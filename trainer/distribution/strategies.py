@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+from typing import Any
 
 import tensorflow as tf
 
@@ -29,9 +31,10 @@ def make_strategy(
     builders = {
         "default": tf.distribute.get_strategy,
         "one_device": lambda: tf.distribute.OneDeviceStrategy(devices.compute_devices()[0]),
-        "mirrored": lambda: tf.distribute.MirroredStrategy(devices.compute_devices()),
+        "mirrored": lambda: with_own_collective_keys(tf.distribute.MirroredStrategy, devices.compute_devices()),
         "central_storage": lambda: tf.distribute.experimental.CentralStorageStrategy(devices.compute_devices()),
-        "multi_worker_mirrored": lambda: tf.distribute.MultiWorkerMirroredStrategy(
+        "multi_worker_mirrored": lambda: with_own_collective_keys(
+            tf.distribute.MultiWorkerMirroredStrategy,
             cluster_resolver=cluster_resolver,
             communication_options=tf.distribute.experimental.CommunicationOptions(
                 timeout_seconds=collective_timeout_secs
@@ -41,6 +44,23 @@ def make_strategy(
         "tpu": lambda: _tpu_strategy(tpu),
     }
     return builders[mode.name]()
+
+
+# TensorFlow remembers every collective a process ran by its group and instance keys, and each
+# MirroredStrategy or MultiWorkerMirroredStrategy numbers its collectives from the same base: a second one
+# in the process (the next run in a notebook) reran the first one's keys for other collectives and failed
+# ("Collective instance 100 expected type 0 ... but got type 2"). Each gets a range of group keys of its
+# own; the first of a process keeps base 0, so every worker of a cluster numbers its collectives alike.
+COLLECTIVE_KEY_SPACING = 100_000
+_collective_strategies_made = itertools.count()
+
+
+def with_own_collective_keys(cls: type, *args: Any, **kwargs: Any) -> tf.distribute.Strategy:
+    """`cls(*args, **kwargs)`, numbering its collectives from a base no earlier strategy of this process used."""
+    strategy = cls.__new__(cls)
+    strategy._collective_key_base = next(_collective_strategies_made) * COLLECTIVE_KEY_SPACING
+    strategy.__init__(*args, **kwargs)
+    return strategy
 
 
 def _parameter_server_strategy(resolver, variable_partitioner) -> tf.distribute.Strategy:
