@@ -50,6 +50,19 @@ def parse_gin(gin_files: list[str], bindings: list[str]) -> None:
         raise UserError(retired_binding(e) or gin_error_line(e, source)) from e
 
 
+def missing_arguments_line(error: TypeError) -> str | None:
+    """The line for gin calling a configurable written `@name()` without the arguments it needs (None for
+    any other TypeError)."""
+    if "No values supplied by Gin or caller" not in str(error):
+        return None
+    configurable = re.findall(r"In call to configurable '(\w+)'", str(error))
+    name = configurable[0] if configurable else "a configurable"
+    return (
+        f"gin called {name} with missing arguments ({str(error).splitlines()[0]}): bind them "
+        f"({name}.<parameter> = ...), or write @{name} without parentheses where the loop calls it itself"
+    )
+
+
 def include_cycle_line(error: RecursionError) -> str | None:
     """The line naming a cycle of gin includes, read from the `In file "F", line N` that gin adds
     to the error on its way out of each include (innermost first); None if no include repeats."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 import sys
 
 from absl import app, flags, logging
@@ -22,7 +21,7 @@ from trainer.cli import (  # absl only: importing this module loads no TensorFlo
 )
 from trainer.distribution import early_isolation, local_cluster, modes  # no TensorFlow either
 from trainer.errors import RunFailure, UserError
-from trainer.gin_flags import REPO_ROOT, define_config_flags, parse_gin
+from trainer.gin_flags import REPO_ROOT, define_config_flags, missing_arguments_line, parse_gin
 
 FLAGS = flags.FLAGS
 
@@ -170,14 +169,9 @@ def run(argv: list[str]) -> None:
         print(e.details, end="", file=sys.stderr)  # the user's own frames, where their code raised
         fail(str(e))
     except TypeError as e:  # gin calling `@name()` without the arguments it needs
-        if "No values supplied by Gin or caller" not in str(e):
+        if not (line := missing_arguments_line(e)):
             raise
-        configurable = re.findall(r"In call to configurable '(\w+)'", str(e))
-        name = configurable[0] if configurable else "a configurable"
-        fail(
-            f"gin called {name} with missing arguments ({str(e).splitlines()[0]}): bind them "
-            f"({name}.<parameter> = ...), or write @{name} without parentheses where the loop calls it itself"
-        )
+        fail(line)
     except RunFailure as e:
         fail(str(e), exit_code=1)
     except KeyboardInterrupt:  # Ctrl-C while no loop runs; in training it saves (trainer/extensions/preemption.py)
