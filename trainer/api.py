@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from trainer import configurables  # noqa: E402
+from trainer.cli import INTERRUPTED_EXIT_CODE  # noqa: E402
 from trainer.distribution import devices  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.files.metrics_log import read_history  # noqa: E402
@@ -108,14 +109,23 @@ def train(*, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (), **
         run_settings = configurables.settings_from_gin(**arguments) if gin_used else Settings.of(arguments)
         _check_in_process(run_settings)
         _say_replicas(run_settings)
-        if gin_used:
-            configurables.train(
-                **arguments,
-                describe_config=gin.operative_config_str,
-                hparams=gin_config.hparams(list(gin_files), list(gin_bindings), [REPO_ROOT]),
-            )
-        else:
-            train_lib.train(**arguments)
+        _fresh_keras_names()
+        try:
+            if gin_used:
+                configurables.train(
+                    **arguments,
+                    describe_config=gin.operative_config_str,
+                    hparams=gin_config.hparams(list(gin_files), list(gin_bindings), [REPO_ROOT]),
+                )
+            else:
+                train_lib.train(**arguments)
+        except SystemExit as e:  # Ctrl-C, a kernel's interrupt: the run saved the step reached and exits 130
+            if e.code != INTERRUPTED_EXIT_CODE:
+                raise
+            raise KeyboardInterrupt(
+                f"training interrupted; the same trainer.train call continues from {run_settings.model_dir}'s "
+                "newest checkpoint"
+            ) from None
     return result_of(run_settings)
 
 
@@ -269,6 +279,15 @@ def _say_replicas(settings: Settings) -> None:
             f"note: strategy '{settings.strategy}' runs 1 replica on this unsplit CPU; for 2, call "
             "trainer.configure_devices(logical_cpus=2) before the first run"
         )
+
+
+def _fresh_keras_names() -> None:
+    """Keras' layer names counted from the start, as in a fresh process: the run record holds them, so a run
+    resumed in a process that built other models first (`conv2d_10` for `conv2d`) was refused as another
+    run. The global dtype policy, which the same reset clears, is kept."""
+    policy = keras.mixed_precision.global_policy()
+    keras.backend.clear_session(free_memory=False)
+    keras.mixed_precision.set_global_policy(policy)
 
 
 def _fresh_model_dir() -> str:
