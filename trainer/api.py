@@ -34,7 +34,7 @@ from trainer import configurables  # noqa: E402
 from trainer.cli import INTERRUPTED_EXIT_CODE  # noqa: E402
 from trainer.distribution import devices  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
-from trainer.files.metrics_log import read_history  # noqa: E402
+from trainer.files.metrics_log import METRICS_FILE, read_history  # noqa: E402
 from trainer.gin_flags import REPO_ROOT, gin_error_line, missing_arguments_line, parse_gin  # noqa: E402
 from trainer.loops.sidecar import checkpoints_in  # noqa: E402
 from trainer.run import evaluate as evaluate_lib  # noqa: E402
@@ -191,7 +191,7 @@ def configure_devices(**options: Any) -> None:
 def result_of(settings: Settings) -> TrainResult:
     """The `TrainResult` of the run in `settings.model_dir`, read from what the chief wrote there."""
     model_dir = settings.model_dir
-    history = read_history(model_dir) if os.path.isfile(os.path.join(model_dir, "metrics.jsonl")) else []
+    history = read_history(model_dir) if os.path.isfile(os.path.join(model_dir, METRICS_FILE)) else []
     metrics: dict[str, dict[str, float]] = {}
     for record in history:
         if record["split"] in settings.eval_split_names:
