@@ -270,6 +270,17 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tensorflow_imported_first_then_trainer_adds_no_notice():
+    """A notebook whose earlier cell imported TensorFlow (its own notices went out then): the first call's
+    listing of the devices, where a machine without a GPU driver logs the failed cuInit, stays quiet."""
+    code = "import sys, tensorflow\nprint('MARK', file=sys.stderr, flush=True)\nimport trainer\n"
+    code += "trainer.configure_devices(logical_cpus=2)\nprint('{}')\n"
+    _, stderr = run_script(code)
+    assert stderr.split("MARK\n", 1)[1] == ""
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_readme_python_example_runs_as_written(tmp_path):
     readme = open(os.path.join(REPO, "README.md")).read().split("## Quickstart", 1)[1].split("\n## ", 1)[0]

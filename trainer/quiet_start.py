@@ -15,6 +15,7 @@ lines, a traceback) is written to stderr as it came. TF_ENABLE_ONEDNN_OPTS is le
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import sys
@@ -25,13 +26,15 @@ _ABSL_LINE = re.compile(r"^([IWEF])\d{4} ")
 _ABSL_HEADER = "All log messages before absl::InitializeLog() is called are written to STDERR"
 _NO_DRIVER = "Could not find cuda drivers"
 _CUINIT_FAILED = "failed call to cuInit"
+_listed: list[bool] = []  # [True] once this process listed its devices here
 
 
-def kept_lines(lines: list[str], min_level: int) -> list[str]:
-    """The captured lines TF_CPP_MIN_LOG_LEVEL=`min_level` means to show."""
+def kept_lines(lines: list[str], min_level: int, *, no_driver: bool = False) -> list[str]:
+    """The captured lines TF_CPP_MIN_LOG_LEVEL=`min_level` means to show; `no_driver`: known to have no CUDA
+    driver where the lines cannot say so (TensorFlow was loaded before they were captured)."""
     if min_level <= 0:
         return list(lines)  # asked for everything
-    no_driver = any(_NO_DRIVER in line for line in lines)
+    no_driver = no_driver or any(_NO_DRIVER in line for line in lines)
     kept = []
     for line in lines:
         match = _ABSL_LINE.match(line)
@@ -46,9 +49,12 @@ def kept_lines(lines: list[str], min_level: int) -> list[str]:
 
 
 def import_tensorflow() -> None:
-    """Imports TensorFlow and lists its devices with stderr filtered (see the module doc)."""
-    if "tensorflow" in sys.modules:
+    """Imports TensorFlow and lists its devices with stderr filtered (see the module doc). Where the caller
+    imported TensorFlow already (a notebook's earlier cell), its devices are still listed here: the
+    `cuInit` failure comes with the first listing, not the import."""
+    if _listed:
         return
+    loaded_before = "tensorflow" in sys.modules  # its load-time lines, the driver's among them, went out then
     min_level = int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") or 0)
     with tempfile.TemporaryFile() as captured:
         sys.stderr.flush()
@@ -58,11 +64,22 @@ def import_tensorflow() -> None:
             import tensorflow as tf
 
             tf.config.list_physical_devices()
+            _listed.append(True)
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
             lines = captured.read().decode(errors="replace").splitlines(keepends=True)
-            sys.stderr.write("".join(kept_lines(lines, min_level)))
+            sys.stderr.write("".join(kept_lines(lines, min_level, no_driver=loaded_before and not _has_driver())))
             sys.stderr.flush()
+
+
+def _has_driver() -> bool:
+    """Whether the CUDA driver library loads, as TensorFlow's CUDA stub looks for it ("Could not find cuda
+    drivers" where it does not)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
