@@ -93,6 +93,7 @@ class Settings:
     best_mode: str = "min"
     early_stopping: Any = None  # trainer.extensions.early_stopping.EarlyStoppingOptions
     keras_callbacks: Sequence[Any] = ()
+    train_metrics_reset: str | None = "log"  # Keras metrics the model holds: reset each 'log' interval or 'epoch'
     extensions: Sequence[Extension] = ()
     describe_config: Callable[[], str] | None = None
     hparams: Mapping[str, bool | int | float | str] | None = None
