@@ -128,3 +128,22 @@ def accumulating_step(model, optimizer, batch, global_batch_size):
     for buffer in buffers:
         buffer.assign(tf.zeros_like(buffer))
     return {"loss": loss}
+
+
+@gin.configurable
+def listed_buffer_model(input_shape, num_classes):
+    """stateful_model with a Python list of variables set on the Keras model: no checkpoint holds it."""
+    model = stateful_model(input_shape, num_classes)
+    model.buffers = [tf.Variable(0.0, trainable=False)]
+    return model
+
+
+@gin.configurable
+def listed_buffer_step(model, optimizer, batch, global_batch_size):
+    """Counts its steps in `model.buffers[0]`."""
+    images, labels = batch
+    with tf.GradientTape() as tape:
+        loss, _ = _loss(model, images, labels, global_batch_size)
+    _update(model, optimizer, tape, loss)
+    model.buffers[0].assign_add(1.0)
+    return {"loss": loss}

@@ -33,6 +33,7 @@ from trainer.extensions.progress import ProgressLogger
 from trainer.extensions.protocol import Extension
 from trainer.extensions.time_budget import TimeBudget
 from trainer.extensions.train_metrics import TrainMetrics
+from trainer.extensions.unsaved_state import UnsavedState
 from trainer.extensions.update_path import UpdatePath
 from trainer.extensions.warm_start import WarmStart
 from trainer.extensions.worker_watch import WorkerWatch
@@ -136,7 +137,10 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn(Export, _turned_on("export_saved_model", Export)),
     BuiltIn(MlflowTracking, gin={"mlflow_hook": MlflowTracking}),
     BuiltIn(Profiler, gin={"profiler_hook": Profiler}),
-    BuiltIn(WorkerWatch, worker_watch),  # on under the multi-worker strategies; gin: trainer/configurables.py
+    BuiltIn(WorkerWatch, worker_watch),
+    BuiltIn(
+        UnsavedState, lambda s: UnsavedState()
+    ),  # at the first loop call: written state no checkpoint holds  # on under the multi-worker strategies; gin: trainer/configurables.py
     BuiltIn(PeriodicCheckpoints, lambda s: PeriodicCheckpoints(s.checkpoint_every_steps), last=True),
 )
 
