@@ -51,7 +51,8 @@ def final_variables(model_dir: str) -> dict[str, np.ndarray]:
     import tensorflow as tf
 
     reader = tf.train.load_checkpoint(model_dir)
-    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map() if "save_counter" not in name}
+    skip = ("save_counter", "_CHECKPOINTABLE_OBJECT_GRAPH")
+    return {n: reader.get_tensor(n) for n in reader.get_variable_to_shape_map() if not n.startswith(skip)}
 
 
 def assert_same_run(straight: str, other: str, *, resumed_at_3: bool = False) -> None:
