@@ -244,3 +244,18 @@ def test_an_output_off_by_the_replica_count_while_the_gradients_match_is_no_shar
     findings = scaling_findings.compare(({"loss": 1.0}, [2 * g]), ({"loss": 0.5}, [g]), ({"loss": 0.5}, [g]), 2, 0.0)
     assert findings[0].mistake == "per_replica_mean"
     assert "compute_average_loss" in scaling_findings.message(findings[0], 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_on_two_multiworker_processes_per_replica_buffers_are_skipped_in_one_line_and_train(tmp_path):
+    accumulating = [
+        "--gin_bindings=train.model_fn = @accumulating_model",
+        "--gin_bindings=train.step_fn = @accumulating_step",
+    ]
+    proc = launch_workers(
+        "--gin_file=gin/mwms.gin", *STATEFUL, *steps(2), *accumulating, f"--model_dir={tmp_path / 'run'}", timeout=250
+    )
+    skipped = [line for line in proc.stdout.splitlines() if "loss scaling not checked" in line]
+    assert skipped and all("per-replica variable (synchronization=ON_READ" in line for line in skipped), proc.stdout
+    assert "Traceback" not in proc.stderr
