@@ -35,10 +35,11 @@ PS_FIX = (
 
 
 def train_metrics(models: Any) -> dict[str, keras.metrics.Metric]:
-    """The Keras metrics the models hold (attributes of a Keras model or of its layers), by name."""
+    """The Keras metrics the models hold (attributes of a Keras model or of its layers), by name; not those of
+    `compile` (its loss tracker and compiled metrics, which `fit` alone updates)."""
     found: dict[str, keras.metrics.Metric] = {}
     for model in flat(models):
-        for metric in getattr(model, "metrics", []) if isinstance(model, keras.Model) else []:
+        for metric in keras.layers.Layer.metrics.fget(model) if isinstance(model, keras.layers.Layer) else []:
             if found.setdefault(metric.name, metric) is not metric:
                 raise UserError(
                     f"the model holds two train metrics named {metric.name!r}; give each its own name "
@@ -63,7 +64,9 @@ class TrainMetrics(Extension):
 
     def __init__(self, reset: str, log_every_steps: int):
         if reset not in RESETS:
-            raise UserError(f"train.train_metrics_reset must be one of {', '.join(map(repr, RESETS))}, got {reset!r}")
+            raise UserError(
+                f"train.train_metrics_reset must be one of {', '.join(map(repr, RESETS))} or None, got {reset!r}"
+            )
         self.reset = reset
         self._log_every = log_every_steps
         self._reset_every = log_every_steps

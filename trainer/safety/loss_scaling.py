@@ -14,10 +14,19 @@ The probe, exact and free of side effects:
 - A stand-in optimizer only records the gradients (summed over replicas: what would be applied).
 - The one-replica reference runs eagerly outside `strategy.scope()` (`num_replicas_in_sync == 1`).
 - It runs twice, so a step whose randomness the seed does not fix shows its own noise, which
-  is tolerated; every variable's local copy is saved first and written back after each probe.
+  is tolerated.
+- No trace: every variable the traced step reads or writes (a traced function knows them all: Keras
+  metrics, a `tf.random.Generator`'s state, `tf.Module` variables, beside the model's and optimizer's) has
+  each local copy saved first and written back after each probe.
+- Randomness keyed by the replica id differs between replicas on the same slice; N times replica 0's
+  outputs (the replica a one-replica run is) are then compared instead of the sum.
+- A step the probe cannot run (per-replica ON_READ variables take no update outside a replica context,
+  where the one-replica reference runs) is skipped with one `warning:` line saying why: the loop traced
+  it, so it trains.
 
 Only outputs declared shares (the default; trainer/task/combine.py) are compared: a "mean", "max"
-or "min" diagnostic's sum over replicas means nothing. Gradients are always compared.
+or "min" diagnostic's sum over replicas means nothing. Gradients are always compared; an undeclared
+output that is off while the gradients match is no share, and is told to declare itself.
 
 A step may depend on other replicas' examples (all_gather'ed negatives, rule 15). So when the
 equal-slice probe does not match, the step runs with each replica on its own slice; if the
