@@ -5,6 +5,8 @@ noise keyed by the replica id, an undeclared running accuracy and Keras variable
 
 from __future__ import annotations
 
+import functools
+
 import gin
 import keras
 import tensorflow as tf
@@ -146,4 +148,23 @@ def listed_buffer_step(model, optimizer, batch, global_batch_size):
         loss, _ = _loss(model, images, labels, global_batch_size)
     _update(model, optimizer, tape, loss)
     model.buffers[0].assign_add(1.0)
+    return {"loss": loss}
+
+
+@gin.configurable
+@functools.cache
+def bound_metrics():
+    """Train metrics made by a function the user binds (train.train_metrics_fn), the same objects on each call."""
+    return {"bound_accuracy": keras.metrics.SparseCategoricalAccuracy(name="bound_accuracy")}
+
+
+@gin.configurable
+def bound_metric_step(model, optimizer, batch, global_batch_size):
+    """Updates the model's metric and the bound one alike: their results must be equal."""
+    images, labels = batch
+    with tf.GradientTape() as tape:
+        loss, logits = _loss(model, images, labels, global_batch_size)
+    _update(model, optimizer, tape, loss)
+    model.train_accuracy.update_state(labels, logits)
+    bound_metrics()["bound_accuracy"].update_state(labels, logits)
     return {"loss": loss}

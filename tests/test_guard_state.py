@@ -97,6 +97,11 @@ def mirrored_runs(tmp_path_factory) -> tuple[str, dict[str, dict]]:
         ],
         "iterations": [*MIRRORED, *steps(2), *bind("train.step_fn = @iterations_step")],
         "text_output": [*MIRRORED, *steps(2), *bind("train.step_fn = @text_output_step")],
+        "bound_metric": [
+            *MIRRORED,
+            *steps(4),
+            *bind("train.step_fn = @bound_metric_step", "train.train_metrics_fn = @bound_metrics"),
+        ],
         "listed_buffer": [
             *MIRRORED,
             *steps(2),
@@ -259,3 +264,14 @@ def test_on_two_multiworker_processes_per_replica_buffers_are_skipped_in_one_lin
     skipped = [line for line in proc.stdout.splitlines() if "loss scaling not checked" in line]
     assert skipped and all("per-replica variable (synchronization=ON_READ" in line for line in skipped), proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_metric_made_by_a_bound_function_is_read_and_reset_as_the_model_s(mirrored_runs):
+    root, outcomes = mirrored_runs
+    assert outcomes["bound_metric"]["code"] == 0, outcomes["bound_metric"]["stderr"][-3000:]
+    records = [r for r in read_jsonl(os.path.join(root, "bound_metric", "metrics.jsonl")) if r["split"] == "train"]
+    assert [r["step"] for r in records] == [2, 4]
+    assert all(r["bound_accuracy"] == r["train_accuracy"] for r in records), records
+    assert records[0]["train_accuracy"] != records[1]["train_accuracy"]

@@ -91,7 +91,11 @@ def _turned_on(setting: str, cls: type[Extension], **kwargs: Any) -> Callable[["
 def _train_metrics(settings: "Settings") -> TrainMetrics | None:
     """Before the progress logger, which shows the metrics' results it adds at each log interval."""
     reset = settings.train_metrics_reset
-    return TrainMetrics(reset, settings.log_every_steps) if reset is not None else None
+    if reset is None and settings.train_metrics_fn is not None:
+        raise UserError(
+            "train.train_metrics_fn is set but train.train_metrics_reset is None; set it to 'log' or 'epoch'"
+        )
+    return TrainMetrics(reset, settings.log_every_steps, settings.train_metrics_fn) if reset is not None else None
 
 
 def _train_metrics_row() -> list[Extension]:

@@ -1,6 +1,9 @@
 """`train.train_metrics_reset`: Keras metrics the train step updates, as TensorFlow's custom-training
 tutorials use them: created with the model (`model.train_accuracy = keras.metrics.SparseCategoricalAccuracy()`),
-updated in the step (`model.train_accuracy.update_state(labels, predictions)`), read and reset by the loop.
+or by a function bound as `train.train_metrics_fn` that returns `{name: metric}` and the same objects on every
+call (`functools.cache`: the loop calls it first, under the scope; the step calls it to reach them, as the
+tutorial reaches its globals), updated in the step (`train_accuracy.update_state(labels, predictions)`), read
+and reset by the loop.
 
 At each log interval the loop reads every such metric's `result()` and puts it beside the step's outputs, so
 metrics.jsonl, TensorBoard and the console show the value at that boundary (not a mean of running values).
@@ -15,7 +18,7 @@ model holding metrics is refused there: return the metric's share from the step 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import keras
 import tensorflow as tf
@@ -24,6 +27,7 @@ from trainer.distribution import modes
 from trainer.errors import UserError
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension, Outputs
+from trainer.task.contract import function_name
 from trainer.task.structure import flat
 
 RESETS = ("log", "epoch")
@@ -48,6 +52,27 @@ def train_metrics(models: Any) -> dict[str, keras.metrics.Metric]:
     return found
 
 
+def bound_metrics(metrics_fn: Callable[[], Mapping[str, Any]]) -> dict[str, keras.metrics.Metric]:
+    """`metrics_fn()`, checked to be a dict of names to Keras metrics that a second call returns again (the step
+    reaches them by calling it)."""
+    shown = function_name(metrics_fn)
+    metrics = metrics_fn()
+    if not isinstance(metrics, Mapping) or not all(
+        isinstance(k, str) and isinstance(m, keras.metrics.Metric) for k, m in metrics.items()
+    ):
+        raise UserError(
+            f"train.train_metrics_fn {shown} returned {type(metrics).__name__}; return a dict of names to Keras "
+            "metrics, e.g. {'train_accuracy': keras.metrics.SparseCategoricalAccuracy()}"
+        )
+    again = metrics_fn()
+    if not isinstance(again, Mapping) or any(again.get(k) is not m for k, m in metrics.items()):
+        raise UserError(
+            f"train.train_metrics_fn {shown} returns new metrics on each call, so the step could not reach the ones "
+            "the loop reads; decorate it with @functools.cache"
+        )
+    return dict(metrics)
+
+
 class MetricState(tf.Module):
     """The metrics' variables, for the checkpoint (a Keras 3 model does not save its metrics)."""
 
@@ -62,7 +87,7 @@ class TrainMetrics(Extension):
     name = "train_metrics"
     setting = "train.train_metrics_reset"
 
-    def __init__(self, reset: str, log_every_steps: int):
+    def __init__(self, reset: str, log_every_steps: int, metrics_fn: Callable[[], Mapping[str, Any]] | None = None):
         if reset not in RESETS:
             raise UserError(
                 f"train.train_metrics_reset must be one of {', '.join(map(repr, RESETS))} or None, got {reset!r}"
@@ -70,10 +95,19 @@ class TrainMetrics(Extension):
         self.reset = reset
         self._log_every = log_every_steps
         self._reset_every = log_every_steps
+        self._metrics_fn = metrics_fn
         self._metrics: dict[str, keras.metrics.Metric] = {}
 
     def attach(self, context: Context) -> None:
         self._metrics = train_metrics(context.task.models)
+        if self._metrics_fn is not None:
+            with context.scope():  # per-replica sums, added over every replica and worker when read
+                bound = bound_metrics(self._metrics_fn)
+            if clash := sorted(set(bound) & set(self._metrics)):
+                raise UserError(
+                    f"train.train_metrics_fn returns {clash[0]!r}, the name of a metric the model holds; rename one"
+                )
+            self._metrics.update(bound)
         if not self._metrics:
             return
         shown = ", ".join(self._metrics)
