@@ -27,11 +27,12 @@ from trainer.distribution import modes
 from trainer.errors import UserError
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension, Outputs
+from trainer.loops.evaluator import metric_results
 from trainer.task.contract import function_name
 from trainer.task.structure import flat
 
 RESETS = ("log", "epoch")
-LATEST = "latest_train_values"  # names whose value at a log boundary is shown as is (trainer/extensions/progress.py)
+LATEST = "latest_train_values"  # names whose value at a log boundary is shown as is (progress, Keras callbacks)
 PS_FIX = (
     "return the metric's share from the step instead, e.g. {'accuracy': tf.reduce_sum(correct) / "
     "global_batch_size}: a share is summed over every worker"
@@ -97,6 +98,7 @@ class TrainMetrics(Extension):
         self._reset_every = log_every_steps
         self._metrics_fn = metrics_fn
         self._metrics: dict[str, keras.metrics.Metric] = {}
+        self._shown: set[str] = set()  # the names their results are logged under (`name/key` for a dict result)
 
     def attach(self, context: Context) -> None:
         self._metrics = train_metrics(context.task.models)
@@ -121,7 +123,7 @@ class TrainMetrics(Extension):
         if self.reset == "epoch":
             self._reset_every = max(1, context.task.input.num_examples("train") // context.settings.global_batch_size)
         context.add_checkpoint_item("train_metrics", MetricState(self._metrics))
-        context.provide(LATEST, frozenset(self._metrics))
+        context.provide(LATEST, self._shown)
         context.print(
             f"train metrics {shown}: result() logged every {self._log_every} steps, reset every "
             f"{self._reset_every} steps ({'each log interval' if self.reset == 'log' else 'each epoch'})"
@@ -145,7 +147,9 @@ class TrainMetrics(Extension):
         last = step >= context.settings.total_steps
         with context.scope():  # read in cross-replica context: the sum over every replica and worker
             if last or (self._log_every > 0 and step % self._log_every == 0):
-                metrics.update({name: float(m.result()) for name, m in self._metrics.items()})
+                results = metric_results(self._metrics)
+                self._shown.update(results)
+                metrics.update(results)
             if step % self._reset_every == 0:
                 for metric in self._metrics.values():
                     metric.reset_state()
