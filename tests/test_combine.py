@@ -141,6 +141,7 @@ def test_an_undeclared_max_is_refused_by_the_guard_and_a_misnamed_declaration_is
     )
     error = errors["undeclared"]
     assert error.startswith("error: loss scaling: step output 'max_logit' summed over 2 replicas is 2 times"), error
+    assert '@trainer.combine(max_logit="mean")' in error and "compute_average_loss" not in error, error
     error = errors["misnamed"]
     assert error.startswith(
         "error: train.step_fn declares how output 'max_logits' combines, but returns no such "

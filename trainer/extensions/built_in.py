@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import keras
 
+from trainer.distribution import modes
 from trainer.errors import UserError
 from trainer.extensions.best_checkpoints import BestCheckpoints
 from trainer.extensions.checkpointing import PeriodicCheckpoints
@@ -31,6 +32,8 @@ from trainer.extensions.profiler import Profiler
 from trainer.extensions.progress import ProgressLogger
 from trainer.extensions.protocol import Extension
 from trainer.extensions.time_budget import TimeBudget
+from trainer.extensions.train_metrics import TrainMetrics
+from trainer.extensions.unsaved_state import UnsavedState
 from trainer.extensions.update_path import UpdatePath
 from trainer.extensions.warm_start import WarmStart
 from trainer.extensions.worker_watch import WorkerWatch
@@ -85,7 +88,25 @@ def _turned_on(setting: str, cls: type[Extension], **kwargs: Any) -> Callable[["
     return make
 
 
+def _train_metrics(settings: "Settings") -> TrainMetrics | None:
+    """Before the progress logger, which shows the metrics' results it adds at each log interval."""
+    reset = settings.train_metrics_reset
+    if reset is None and settings.train_metrics_fn is not None:
+        raise UserError(
+            "train.train_metrics_fn is set but train.train_metrics_reset is None; set it to 'log' or 'epoch'"
+        )
+    return TrainMetrics(reset, settings.log_every_steps, settings.train_metrics_fn) if reset is not None else None
+
+
+def _train_metrics_row() -> list[Extension]:
+    """Its row in the capability table: refused under parameter_server where the model holds metrics."""
+    row = TrainMetrics("log", 1)
+    row.supports = modes.SYNCHRONOUS
+    return [row]
+
+
 BUILT_IN: tuple[BuiltIn, ...] = (
+    BuiltIn(TrainMetrics, _train_metrics, shown_as=_train_metrics_row),
     BuiltIn(ProgressLogger, lambda s: ProgressLogger(s.log_every_steps)),
     BuiltIn(PeriodicEval, lambda s: PeriodicEval(s.eval_every_steps)),
     BuiltIn(ConfigWriter, lambda s: ConfigWriter(s.describe_config) if s.describe_config is not None else None),
@@ -120,7 +141,10 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn(Export, _turned_on("export_saved_model", Export)),
     BuiltIn(MlflowTracking, gin={"mlflow_hook": MlflowTracking}),
     BuiltIn(Profiler, gin={"profiler_hook": Profiler}),
-    BuiltIn(WorkerWatch, worker_watch),  # on under the multi-worker strategies; gin: trainer/configurables.py
+    BuiltIn(WorkerWatch, worker_watch),
+    BuiltIn(
+        UnsavedState, lambda s: UnsavedState()
+    ),  # at the first loop call: written state no checkpoint holds  # on under the multi-worker strategies; gin: trainer/configurables.py
     BuiltIn(PeriodicCheckpoints, lambda s: PeriodicCheckpoints(s.checkpoint_every_steps), last=True),
 )
 

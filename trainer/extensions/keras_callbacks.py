@@ -25,6 +25,7 @@ from trainer.errors import RunFailure, UserError
 from trainer.extensions.context import Context
 from trainer.extensions.monitoring import AnyWorker
 from trainer.extensions.protocol import Extension
+from trainer.extensions.train_metrics import LATEST
 from trainer.task.user_code import raised_by
 
 REFUSED = {
@@ -80,6 +81,7 @@ class KerasCallbacks(Extension):
         self._list: keras.callbacks.CallbackList | None = None
         self._temp_dirs: list[str] = []
         self._sums: dict[str, float] = {}  # step-weighted train outputs of this epoch's steps so far
+        self._latest: dict[str, float] = {}  # train metrics' results at their latest log boundary
         self._count = 0  # those steps
         self._epoch_start = 0  # the step the current epoch started after
         self._last_step = 0
@@ -140,8 +142,12 @@ class KerasCallbacks(Extension):
     def after_loop(self, context: Context, step: int, metrics: dict[str, float]) -> None:
         steps, self._last_step = step - self._last_step, step
         self._count += steps
+        latest = context.values.get(LATEST, frozenset())  # a train metric's result(), as read at a log boundary
         for key, value in metrics.items():
-            self._sums[key] = self._sums.get(key, 0.0) + value * steps
+            if key in latest:
+                self._latest[key] = value
+            else:
+                self._sums[key] = self._sums.get(key, 0.0) + value * steps
         logs = self._train_logs()
         self._list.on_train_batch_end(step - self._epoch_start - 1, logs)
         if context.evaluations.at(step) is not None:
@@ -161,7 +167,7 @@ class KerasCallbacks(Extension):
         self._sums, self._count, self._epoch_start = {}, 0, step
 
     def _train_logs(self) -> dict[str, float]:
-        return {k: v / self._count for k, v in self._sums.items()} if self._count else {}
+        return ({k: v / self._count for k, v in self._sums.items()} if self._count else {}) | self._latest
 
     @_calling_callbacks
     def end(self, context: Context, step: int) -> None:

@@ -14,6 +14,7 @@ import keras
 from trainer.extensions.console import LiveBar, is_terminal
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
+from trainer.extensions.train_metrics import LATEST
 from trainer.task import combine
 from trainer.validation import check_bool, check_number
 
@@ -99,13 +100,16 @@ class ProgressLogger(Extension):
         extremes = {
             k: kind for k, kind in getattr(context.loop, "rule", {}).items() if kind in (combine.MAX, combine.MIN)
         }
+        latest = context.values.get(LATEST, frozenset())  # a train metric's result(): shown as it is at the boundary
         for k, v in metrics.items():
-            if k in extremes:  # declared max/min: over the whole interval (trainer/task/combine.py)
+            if k in latest:
+                self._sums[k] = v
+            elif k in extremes:  # declared max/min: over the whole interval (trainer/task/combine.py)
                 pick = max if extremes[k] == combine.MAX else min
                 self._sums[k] = pick(self._sums[k], v) if k in self._sums else v
             else:
                 self._sums[k] = self._sums.get(k, 0.0) + v * steps
-        self._extremes = set(extremes)
+        self._extremes = set(extremes) | set(latest)
         if self._bar is not None:
             self._update_bar(context, step)
         if self.at_boundary(step) or step >= context.settings.total_steps:

@@ -17,21 +17,33 @@ from trainer.task import combine
 SUM = tf.distribute.ReduceOp.SUM
 
 
-def check_outputs(outputs, what: str = "train.step_fn") -> Mapping[str, tf.Tensor]:
-    """`outputs` if it is a dict of scalar numbers (one replica's local values); else UserError."""
+def check_outputs(outputs, what: str = "train.step_fn") -> dict[str, tf.Tensor]:
+    """`outputs` as tensors if it is a dict of scalar numbers (one replica's local values: tensors, Keras or TF
+    variables such as `metric.count`, Python or NumPy numbers); else UserError naming the output."""
     if not isinstance(outputs, Mapping):
         raise UserError(
             f"{what} returned {type(outputs).__name__}; return a dict of scalar tensors, e.g. {{'loss': loss}}"
         )
+    checked = {}
     for name, value in outputs.items():
-        scalar = isinstance(name, str) and hasattr(value, "shape") and value.shape.rank == 0
-        if not (scalar and (value.dtype.is_floating or value.dtype.is_integer)):
-            shown = getattr(value, "shape", type(value).__name__)
+        tensor = _as_tensor(value)
+        number = tensor is not None and (tensor.dtype.is_floating or tensor.dtype.is_integer)
+        if not (isinstance(name, str) and number and tensor.shape.rank == 0):
+            shown = f"{tensor.shape} of {tensor.dtype.name}" if tensor is not None else f"a {type(value).__name__}"
             raise UserError(
-                f"{what} output {name!r} is {shown} of {getattr(value, 'dtype', '?')}; each output must "
-                "be a scalar number (reduce a per-example vector with a sum or mean first)"
+                f"{what} output {name!r} is {shown}; each output must be a scalar number (a tensor, a variable "
+                "or a Python number; reduce a per-example vector with a sum or mean first)"
             )
-    return outputs
+        checked[name] = tensor
+    return checked
+
+
+def _as_tensor(value) -> tf.Tensor | None:
+    """`value` as a tensor (a Keras 3 variable, whose `dtype` is a string, converts too), None if it is none."""
+    try:
+        return tf.convert_to_tensor(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def reduce_outputs(

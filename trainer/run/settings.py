@@ -93,18 +93,20 @@ class Settings:
     best_mode: str = "min"
     early_stopping: Any = None  # trainer.extensions.early_stopping.EarlyStoppingOptions
     keras_callbacks: Sequence[Any] = ()
+    train_metrics_reset: str | None = "log"  # Keras metrics the step updates: reset each 'log' interval or 'epoch'
+    train_metrics_fn: Callable[[], Mapping[str, Any]] | None = None  # more of them, made under the scope
     extensions: Sequence[Extension] = ()
     describe_config: Callable[[], str] | None = None
     hparams: Mapping[str, bool | int | float | str] | None = None
     print_fn: Callable[[str], None] = print
 
     def __post_init__(self) -> None:
-        for name in ("step_fn", "eval_step_fn", "model_fn", "optimizer_fn", "eval_metrics_fn"):
+        for name in ("step_fn", "eval_step_fn", "model_fn", "optimizer_fn", "eval_metrics_fn", "train_metrics_fn"):
             check_callable(
                 f"train.{name}",
                 getattr(self, name),
                 what="a function (bind it as @name, without parentheses)",
-                optional=name == "eval_metrics_fn",
+                optional=name in ("eval_metrics_fn", "train_metrics_fn"),
             )
         for name, rule in (("step_fn", contract.STEP), ("eval_step_fn", contract.EVAL_STEP)):
             object.__setattr__(self, name, contract.adapt(getattr(self, name), rule))  # by name, else position

@@ -14,10 +14,19 @@ The probe, exact and free of side effects:
 - A stand-in optimizer only records the gradients (summed over replicas: what would be applied).
 - The one-replica reference runs eagerly outside `strategy.scope()` (`num_replicas_in_sync == 1`).
 - It runs twice, so a step whose randomness the seed does not fix shows its own noise, which
-  is tolerated; every variable's local copy is saved first and written back after each probe.
+  is tolerated.
+- No trace: every variable the traced step reads or writes (a traced function knows them all: Keras
+  metrics, a `tf.random.Generator`'s state, `tf.Module` variables, beside the model's and optimizer's) has
+  each local copy saved first and written back after each probe.
+- Randomness keyed by the replica id differs between replicas on the same slice; N times replica 0's
+  outputs (the replica a one-replica run is) are then compared instead of the sum.
+- A step the probe cannot run (per-replica ON_READ variables take no update outside a replica context,
+  where the one-replica reference runs) is skipped with one `warning:` line saying why: the loop traced
+  it, so it trains.
 
 Only outputs declared shares (the default; trainer/task/combine.py) are compared: a "mean", "max"
-or "min" diagnostic's sum over replicas means nothing. Gradients are always compared.
+or "min" diagnostic's sum over replicas means nothing. Gradients are always compared; an undeclared
+output that is off while the gradients match is no share, and is told to declare itself.
 
 A step may depend on other replicas' examples (all_gather'ed negatives, rule 15). So when the
 equal-slice probe does not match, the step runs with each replica on its own slice; if the
@@ -36,12 +45,15 @@ import tensorflow as tf
 
 from trainer import data
 from trainer.distribution import modes
-from trainer.errors import UserError
+from trainer.errors import UserError, error_line
+from trainer.loops.totals import check_outputs
 from trainer.safety.scaling_findings import EXACT_RTOL, LOW_PRECISION_RTOL, SKIP_HINT, compare, message
 from trainer.task import combine
 from trainer.task.structure import all_variables, flat
 from trainer.task.user_code import call_step
 from trainer.update.recorder import GradientRecorder
+
+ON_READ = tf.VariableSynchronization.ON_READ
 
 
 def check_loss_scaling(
@@ -67,8 +79,6 @@ def check_loss_scaling(
     slices = [
         tf.nest.map_structure(lambda t, i=i: t[i * per_replica : (i + 1) * per_replica], first) for i in range(replicas)
     ]
-    saved = _Snapshot(strategy, [*all_variables(model), *all_variables(optimizer)])
-
     rule = combine.rule_of(step_fn)  # only the outputs that are shares are compared (trainer/task/combine.py)
 
     def probe(batch, batch_size):
@@ -77,14 +87,16 @@ def check_loss_scaling(
             if isinstance(optimizer, Mapping)
             else GradientRecorder(optimizer, once=False)
         )
-        outputs = combine.shares(rule, call_step(step_fn, model, catchers, batch, batch_size))
+        outputs = check_outputs(combine.shares(rule, call_step(step_fn, model, catchers, batch, batch_size)))
         return {k: tf.cast(v, tf.float32) for k, v in outputs.items()}, [g for c in flat(catchers) for g in c.gradients]
 
     full_precision = all(getattr(m, "compute_dtype", "float32") in ("float32", "float64") for m in flat(model))
     rtol = EXACT_RTOL if full_precision else LOW_PRECISION_RTOL
-    distributed_probe = lambda batch: probe(batch, global_batch_size)  # noqa: E731
+    distributed = _DistributedProbe(strategy, lambda batch: probe(batch, global_batch_size))
+    touched = distributed.variables(lambda _: slices[0])  # traced, not run: every variable the step reads or writes
+    saved = _Snapshot(strategy, [*all_variables(model), *all_variables(optimizer), *touched])
     try:
-        equal, equal_others = _run_distributed(strategy, distributed_probe, lambda _: slices[0])
+        equal, equal_others, first_replica = distributed.run(lambda _: slices[0])
         saved.restore()
         single = _numpy(probe(slices[0], per_replica))
         regularization = _regularization(model)
@@ -93,12 +105,25 @@ def check_loss_scaling(
         if not findings:
             print_fn(f"loss-scaling check passed: step outputs summed over {replicas} replicas match one replica")
             return
+        if not any(f.mistake for f in findings) and not compare(
+            first_replica, single, again, replicas, regularization, rtol=rtol
+        ):
+            print_fn(
+                f"loss-scaling check passed: the step's outputs differ between replicas on the same examples "
+                f"(randomness keyed by the replica id); {replicas} times replica 0's match one replica"
+            )
+            return
         saved.restore()  # each replica its own slice: does a replica's output depend on the others' examples?
-        varied, varied_others = _run_distributed(strategy, distributed_probe, lambda i: slices[i])
+        varied, varied_others, _ = distributed.run(lambda i: slices[i])
         if _close(equal_others, varied_others, rtol):
             raise UserError(message(findings[0], replicas))
         saved.restore()  # it does (a gather across replicas): compare with one replica over the whole batch
         whole = [_numpy(probe(first, global_batch_size)) for _ in range(2)]
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001  (the loop traced this step: what the probe cannot run is no refusal)
+        print_fn(f"warning: loss scaling not checked: {_why_not(error, touched, replicas)} {SKIP_HINT}")
+        return
     finally:
         saved.restore()
     whole_findings = compare(varied, whole[0], whole[1], replicas, regularization, rtol=rtol)
@@ -119,27 +144,63 @@ def check_loss_scaling(
     )
 
 
-def _run_distributed(strategy, probe, slice_of: Callable[[int], object]):
-    """The step on every replica, replica i on `slice_of(i)`: outputs and gradients SUM-reduced, and the
-    sum of every replica's outputs but the last's (do they move when only the last one's slice does?)."""
-    SUM = tf.distribute.ReduceOp.SUM
-    last = strategy.num_replicas_in_sync - 1
+class _DistributedProbe:
+    """The step on every replica, replica i on `slice_of(i)`: its outputs and gradients SUM-reduced; the sum
+    of every replica's outputs but the last's (do they move when only the last one's slice does?); and
+    N times replica 0's outputs and gradients (replica 0 is what a one-replica run is: the same replica
+    id, so the same noise where the step keys its randomness by it)."""
 
-    def replica(batch):
-        outputs, gradients = probe(batch)
-        keep = tf.cast(tf.not_equal(tf.distribute.get_replica_context().replica_id_in_sync_group, last), tf.float32)
-        return outputs, gradients, {k: v * keep for k, v in outputs.items()}
+    def __init__(self, strategy, probe):
+        self._strategy = strategy
+        replicas = strategy.num_replicas_in_sync
 
-    @tf.function(autograph=False)  # the step itself is converted by `call_step`
-    def run(values):
-        outputs, gradients, others = strategy.run(replica, args=(values,))
-        outputs = {k: strategy.reduce(SUM, v, axis=None) for k, v in outputs.items()}
-        gradients = [None if g is None else strategy.reduce(SUM, g, axis=None) for g in gradients]
-        return outputs, gradients, {k: strategy.reduce(SUM, v, axis=None) for k, v in others.items()}
+        def replica(batch):
+            outputs, gradients = probe(batch)
+            replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
+            keep = tf.cast(tf.not_equal(replica_id, replicas - 1), tf.float32)
+            times = tf.cast(tf.equal(replica_id, 0), tf.float32) * replicas
+            first = (
+                {k: v * times for k, v in outputs.items()},
+                [None if g is None else g * tf.cast(times, g.dtype) for g in gradients],
+            )
+            return (outputs, gradients), {k: v * keep for k, v in outputs.items()}, first
 
-    values = strategy.experimental_distribute_values_from_function(lambda ctx: slice_of(ctx.replica_id_in_sync_group))
-    outputs, gradients, others = run(values)
-    return _numpy((outputs, gradients)), {k: float(v) for k, v in others.items()}
+        def reduced(values):
+            return tf.nest.map_structure(lambda v: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None), values)
+
+        @tf.function(autograph=False)  # the step itself is converted by `call_step`
+        def run(values):
+            return reduced(strategy.run(replica, args=(values,)))
+
+        self._run = run
+
+    def _values(self, slice_of: Callable[[int], object]):
+        return self._strategy.experimental_distribute_values_from_function(
+            lambda ctx: slice_of(ctx.replica_id_in_sync_group)
+        )
+
+    def variables(self, slice_of: Callable[[int], object]) -> list:
+        """Every variable the traced step reads or writes (each device's copy), traced without running it."""
+        return list(self._run.get_concrete_function(self._values(slice_of)).graph.variables)
+
+    def run(self, slice_of: Callable[[int], object]):
+        summed, others, first = self._run(self._values(slice_of))
+        return _numpy(summed), {k: float(v) for k, v in others.items()}, _numpy(first)
+
+
+def _why_not(error: Exception, touched, replicas: int) -> str:
+    """Why the probe could not run the step: a per-replica variable (synchronization=ON_READ, a buffer the step
+    accumulates into) takes no update outside a replica context, where the one-replica reference runs."""
+    per_replica = [v.name for v in touched if getattr(v, "synchronization", None) == ON_READ]
+    if per_replica and "SyncOnReadVariable" in str(error):
+        return (
+            f"the step updates a per-replica variable (synchronization=ON_READ, e.g. '{per_replica[0]}'), which "
+            "the one-replica reference, run outside any replica context, cannot update"
+        )
+    return (
+        f"the step could not run as the check runs it, on {replicas} replicas and as one replica outside "
+        f"the strategy ({error_line(error)})"
+    )
 
 
 def _close(a: Mapping[str, float], b: Mapping[str, float], rtol: float) -> bool:
@@ -161,18 +222,18 @@ def _regularization(models) -> float:
 
 
 class _Snapshot:
-    """The value of every local copy of some variables, to write back exactly."""
+    """The value of every local copy of some variables, to write back exactly (a random generator's state is
+    a variable too)."""
 
     def __init__(self, strategy, variables):
         seen, self._saved = set(), []
         for variable in variables:
             if isinstance(variable, getattr(keras, "Variable", ())):
                 variable = variable.value  # the tf.Variable (or distributed variable) it wraps
-            if id(variable) in seen:
-                continue
-            seen.add(id(variable))
             for local in strategy.experimental_local_results(variable):
-                self._saved.append((local, tf.identity(local.read_value())))
+                if id(local) not in seen:
+                    seen.add(id(local))
+                    self._saved.append((local, tf.identity(local.read_value())))
 
     def restore(self) -> None:
         for local, value in self._saved:

@@ -114,9 +114,9 @@ def checking_gradients(step_fn: Callable) -> Callable:
         if not flags or not isinstance(outputs, Mapping):
             return outputs
         finite = tf.reduce_all(tf.stack(flags))
-        return {
-            name: tf.where(finite, value, tf.constant(np.nan, value.dtype))
-            if tf.is_tensor(value) and value.dtype.is_floating
+        return {  # tf.as_dtype: a Keras 3 variable (an output such as `metric.count`) has a string dtype
+            name: tf.where(finite, value, tf.constant(np.nan, tf.as_dtype(value.dtype)))
+            if tf.is_tensor(value) and tf.as_dtype(value.dtype).is_floating
             else value
             for name, value in outputs.items()
         }

@@ -27,6 +27,11 @@ FIXES = {
         "compute_average_loss"
     ),
     "unscaled_regularization": "model.losses added without tf.nn.scale_regularization_loss",
+    "not_a_share": (
+        "the gradients match, so '{name}' is no share of a global-batch mean (an accuracy, a metric's running "
+        'value): declare how it combines across replicas on the step, @trainer.combine({name}="mean") '
+        '(or "max", "min")'
+    ),
 }
 
 
@@ -74,9 +79,14 @@ def compare(
             findings.append(Finding(name, d, s, mistake))
         elif abs(d - s) > NOISE_FACTOR * abs(s - a):
             findings.append(Finding(name, d, s, None))
-    if findings:
-        return findings
-    return _compare_gradients(d_grads, s_grads, a_grads, replicas, rtol)
+    gradients = _compare_gradients(d_grads, s_grads, a_grads, replicas, rtol)
+    if findings and not gradients and _any_gradients(d_grads, s_grads):  # the loss behind them is scaled right
+        return [dataclasses.replace(f, mistake="not_a_share") for f in findings]
+    return findings or gradients
+
+
+def _any_gradients(d_grads, s_grads) -> bool:
+    return any(d is not None and s is not None for d, s in zip(d_grads, s_grads))
 
 
 def _explain(d: float, s: float, n: int, reg: float) -> tuple[str, float]:
@@ -126,7 +136,7 @@ def message(finding: Finding, replicas: int) -> str:
     )
     head = f"loss scaling: {what} ({finding.distributed:.6g} vs {finding.single:.6g})"
     if finding.mistake:
-        return f"{head}: {FIXES[finding.mistake].format(n=replicas)} {SKIP_HINT}"
+        return f"{head}: {FIXES[finding.mistake].format(n=replicas, name=finding.name)} {SKIP_HINT}"
     return (
         f"{head}; the step contract wants each replica's share of the global-batch mean (per-example "
         f"losses through tf.nn.compute_average_loss(per_example, global_batch_size=...), regularisation "
