@@ -57,7 +57,7 @@ print(json.dumps([len(names), [n for n in names if a.get_tensor(n).tobytes() != 
     return count, differing
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_killed_async_run_resumes_bit_for_bit_like_an_uninterrupted_sync_one(tmp_path):
     reference_dir, resumed_dir = str(tmp_path / "sync"), str(tmp_path / "async")
     reference = run_main(*SMALL, f"--model_dir={reference_dir}")

@@ -143,7 +143,7 @@ def test_ctrl_c_before_training_is_one_line_and_exit_130(tmp_path):
     assert not model_dir.exists()
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(400)
 def test_ctrl_c_to_an_embedded_parameter_server_run_saves_then_ends_the_servers(tmp_path):
     """As from a terminal, to the whole process group: the servers (a group of their own) keep the
     variables until the coordinator has saved them, then the coordinator ends them."""

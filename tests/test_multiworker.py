@@ -164,7 +164,7 @@ def test_sigterm_to_one_worker_saves_on_all_and_the_restart_finishes(tmp_path):
     assert not trainer_pids_for(model_dir)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(500)
 def test_a_killed_worker_makes_its_peer_fail_with_the_step_and_the_launcher_exit(tmp_path):
     model_dir = str(tmp_path / "run")
     cluster = {"worker": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(2)]}
