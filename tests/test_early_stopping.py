@@ -14,7 +14,7 @@ import pytest
 
 from tests.support import REPO, launch_workers, main_in_one_process, read_jsonl, run_main, subprocess_env
 from tests.test_multiworker import trainer_pids_for
-from tests.test_resume import kill_group, wait_for_step
+from tests.test_resume import held_at, kill_group, wait_for_step
 from trainer.extensions.early_stopping import EarlyStop
 from trainer.extensions.monitoring import monitored
 
@@ -157,10 +157,10 @@ KILLABLE = [
 
 
 def killed_and_restarted(flags: list[str], model_dir: str, kill_at: int) -> subprocess.CompletedProcess:
-    """`trainer.main flags` SIGKILLed once step `kill_at` is logged, then run again to its end."""
+    """`trainer.main flags` SIGKILLed once step `kill_at` is logged (held there), then run again to its end."""
     command = [sys.executable, "-m", "trainer.main", *flags, f"--model_dir={model_dir}"]
     first = subprocess.Popen(
-        command,
+        [*command, *held_at(kill_at)],
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,

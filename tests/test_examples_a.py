@@ -18,7 +18,7 @@ import pytest
 
 from tests.support import REPO, read_jsonl, subprocess_env
 from tests.test_ps import assert_all_gone, server_pids
-from tests.test_resume import kill_group, per_step_losses, wait_for_step
+from tests.test_resume import held_at, kill_group, per_step_losses, wait_for_step
 
 # The module-scoped fixture below is shared by this file's tests: one worker runs them all.
 pytestmark = pytest.mark.xdist_group("examples_a")
@@ -155,7 +155,7 @@ def test_killed_dict_model_resumes_exactly_mirrored(tmp_path, mirrored_dirs):
     args = ["-m", "trainer.main", *main_flags("mirrored", "two_inputs", model_dir, PER_STEP)]
     kill_at = random.Random("two_inputs").randint(21, STEPS - 8)
     first = subprocess.Popen(
-        [sys.executable, *args],
+        [sys.executable, *args, *held_at(kill_at)],
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
@@ -169,7 +169,7 @@ def test_killed_dict_model_resumes_exactly_mirrored(tmp_path, mirrored_dirs):
     code, output = run_in_group(args, 120)
     assert code == 0, output[-3000:]
     restored = int(output.split("continuing from step ")[1].split()[0])
-    assert restored >= 20  # the first checkpoint, or a later one the run reached before the kill landed
+    assert 20 <= restored < kill_at  # the first checkpoint, or a later one before the step it was held at
 
     expected, got = per_step_losses(mirrored_dirs["two_inputs"]), per_step_losses(model_dir)
     assert sorted(expected) == list(range(1, STEPS + 1)) and sorted(got) == sorted(expected)

@@ -30,12 +30,11 @@ SHORT_CALLS = [
 ]
 
 
-def ctrl_c(main: Main) -> tuple[int, float]:
-    """Sends `main` a Ctrl-C; its exit code and the seconds from the signal to its exit."""
+def ctrl_c(main: Main) -> int:
+    """Sends `main` a Ctrl-C; its exit code. The timeout is a hard bound only: the runs below would
+    train for minutes (100000 steps, or a 5000-step loop call) if the Ctrl-C were not acted on."""
     main.proc.send_signal(signal.SIGINT)
-    sent = time.monotonic()
-    code = main.finish(timeout=30)
-    return code, time.monotonic() - sent
+    return main.finish(timeout=60)
 
 
 @pytest.mark.timeout(150)
@@ -45,11 +44,10 @@ def test_ctrl_c_saves_the_step_reached_says_so_in_one_line_and_exits_130(tmp_pat
     main = Main(f"--gin_file={gin}", f"--model_dir={model_dir}", *SHORT_CALLS)
     try:
         main.wait_for(r"^step 20/", timeout=120)
-        code, took = ctrl_c(main)
+        code = ctrl_c(main)
     finally:
         main.kill()
     assert code == 130, main.tail()
-    assert took < 10, took
     match = INTERRUPTED.match(main.out[-1])
     assert match and match.group(2) == match.group(3), main.tail()
     step = int(match.group(2))
@@ -69,17 +67,19 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path):
         *SHORT_CALLS,
         "--gin_bindings=train.steps_per_loop=5000",
         "--gin_bindings=train.log_every_steps=5000",
+        "--gin_bindings=import tests.holding",
+        "--gin_bindings=train.extensions=[@SayBegun()]",
     )
     try:
-        main.wait_for(r"^training ", timeout=120)
-        time.sleep(1)  # into the first call
+        main.wait_for(r"^begun$", timeout=120)  # the Ctrl-C handler is installed; the first call follows
         main.proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         assert main.proc.poll() is None
-        code, took = ctrl_c(main)
+        code = ctrl_c(main)
     finally:
         main.kill()
-    assert code == 130 and took < 3, (code, took, main.tail())
+    assert code == 130, (code, main.tail())
+    assert "step 5000/" not in main.stdout, main.tail()  # it left inside the first call, not at its end
     assert main.out[-1] == (
         "interrupted again: exiting at once without saving; a rerun continues from the newest checkpoint"
     ), main.tail()
@@ -116,9 +116,7 @@ def test_ctrl_c_in_front_of_the_launcher_saves_on_both_workers_in_one_line(tmp_p
                 break
         assert len(trainer_pids_for(model_dir)) == 3, lines[-10:]  # the launcher and its workers
         launcher.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        rest, _ = launcher.communicate(timeout=60)
-        took = time.monotonic() - sent
+        rest, _ = launcher.communicate(timeout=90)  # a hard bound only: 100000 steps would take minutes
     finally:
         launcher.kill()
         launcher.wait()
@@ -127,7 +125,6 @@ def test_ctrl_c_in_front_of_the_launcher_saves_on_both_workers_in_one_line(tmp_p
     assert len(after) == 1 and (match := INTERRUPTED.match(after[0])), rest[-4000:]
     step = int(match.group(2))
     assert step >= 20 and os.path.exists(os.path.join(model_dir, f"ckpt-{step}.index"))
-    assert took < 10, took
     wait_for(lambda: not trainer_pids_for(model_dir), 15, "the workers to end")
 
 
@@ -146,7 +143,7 @@ def test_ctrl_c_before_training_is_one_line_and_exit_130(tmp_path):
     assert not model_dir.exists()
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(400)
 def test_ctrl_c_to_an_embedded_parameter_server_run_saves_then_ends_the_servers(tmp_path):
     """As from a terminal, to the whole process group: the servers (a group of their own) keep the
     variables until the coordinator has saved them, then the coordinator ends them."""

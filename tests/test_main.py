@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.support import REPO, main_in_one_process, read_jsonl, run_main, subprocess_env, tree_digest
+from tests.test_resume import held_at
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
 
@@ -68,8 +69,8 @@ def test_killed_run_finishes_when_rerun(tmp_path):
         "--gin_bindings=train.checkpoint_every_steps=50",
         *SHORT,
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.main", *args],
+    proc = subprocess.Popen(  # held after ckpt-100 (tests/holding.py): killed before ckpt-400 on any machine
+        [sys.executable, "-m", "trainer.main", *args, *held_at(101)],
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
@@ -89,7 +90,7 @@ def test_killed_run_finishes_when_rerun(tmp_path):
     rerun = run_main(*args, "--gin_bindings=train.total_steps=400")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     restored = int(rerun.stdout.split("continuing from step ")[1].split()[0])
-    assert restored >= 100
+    assert restored == 100
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
     assert records[-1]["split"] == "eval" and records[-1]["step"] == 400
     assert os.path.exists(os.path.join(model_dir, "ckpt-400.index"))

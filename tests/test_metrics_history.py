@@ -12,7 +12,7 @@ import pytest
 
 from tests.support import REPO, read_jsonl, run_main, subprocess_env
 from tests.test_nonfinite import BAD_STEP, poisoned  # noqa: F401  (poisoned: a fixture)
-from tests.test_resume import kill_group, wait_for_step
+from tests.test_resume import held_at, kill_group, wait_for_step
 from trainer.files.metrics_log import read_history
 
 
@@ -83,7 +83,7 @@ def test_a_run_resumed_from_an_older_checkpoint_draws_each_step_once(tmp_path):
         "--gin_bindings=train.eval_every_steps=50",
     ]
     first = subprocess.Popen(
-        [sys.executable, "-m", "trainer.main", *flags, "--gin_bindings=train.total_steps=100000"],
+        [sys.executable, "-m", "trainer.main", *flags, "--gin_bindings=train.total_steps=100000", *held_at(55)],
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
@@ -96,7 +96,7 @@ def test_a_run_resumed_from_an_older_checkpoint_draws_each_step_once(tmp_path):
         kill_group(first)
     written = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
     killed_at = max(r["step"] for r in written)
-    assert 55 <= killed_at < 100 and os.path.exists(os.path.join(model_dir, "ckpt-50.index"))
+    assert killed_at == 55 and os.path.exists(os.path.join(model_dir, "ckpt-50.index"))  # held at 55
 
     rerun = run_main(*flags, "--gin_bindings=train.total_steps=100", timeout=200)
     assert rerun.returncode == 0 and "continuing from step 50" in rerun.stdout, rerun.stderr[-3000:]

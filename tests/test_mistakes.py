@@ -317,6 +317,7 @@ def outcomes(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first case's covers the fixture: every case in one process, 80 s on 2 idle cores
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mistake_is_one_line_exit_2_and_model_dir_unchanged(outcomes, name):
     outcome, expected = outcomes[name], CASES[name][1]

@@ -1,6 +1,7 @@
 """A NaN in the data at a known step: 'stop' exits naming that step, 'rollback' skips it and finishes;
-also where the loss stays finite (the CNN's fused conv+ReLU drops NaN pixels) and only the
-gradients are not, and where only the weights are."""
+also the plain classification step, whose loss stays finite where a CPU's fused conv+ReLU drops NaN
+pixels (oneDNN's) and only the gradients are not, and is NaN elsewhere: the same line either way;
+and where only the weights are."""
 
 from __future__ import annotations
 
@@ -116,7 +117,9 @@ def test_rollback_mode_skips_the_batch_and_finishes(runs):
 
 
 def test_nan_pixels_that_leave_the_loss_finite_stop_at_their_step_by_their_gradient(runs):
-    # The plain classification step: the loss of the NaN batch stays finite, its kernel gradients do not.
+    # The plain classification step: with oneDNN's fused conv+ReLU the loss of the NaN batch stays
+    # finite and its kernel gradients do not (the gradient check finds it); without (TF_ENABLE_ONEDNN_OPTS=0)
+    # the loss is NaN too. The guard's stand-in optimizer reports either as this one line.
     root, outcomes = runs
     model_dir, outcome = f"{root}/pixels_stop", outcomes["pixels_stop"]
     assert outcome["code"] == 1, outcome["stderr"][-3000:]
@@ -190,7 +193,8 @@ def test_the_first_nonfinite_step_of_a_call_is_found_on_any_replica(replicas):
 
 
 def test_weights_that_go_non_finite_behind_finite_outputs_are_never_saved(runs):
-    # The step sets the first kernel to NaN after step 7; the fused conv+ReLU keeps the outputs finite.
+    # The step sets the first kernel to NaN in step 10, the last of the call 6-10, after its update:
+    # no step of the call computes with it, so its outputs and gradients are finite on any CPU.
     root, outcomes = runs
     model_dir, outcome = f"{root}/weights", outcomes["weights"]
     assert outcome["code"] == 1, outcome["stderr"][-3000:]

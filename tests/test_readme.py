@@ -31,6 +31,7 @@ NOT_RUN = {
     "pip install -e .": "installs the project: done once before the suite runs",
     "pip install -e '.[test]'": "installs the test extra: done once before the suite runs",
     "python -m pytest -q": "the suite this test is part of",
+    "python -m pytest -q --durations=20": "the suite this test is part of, listing its slowest tests",
     'python -m pytest -q -m "not slow"': "the suite's fast tier, a part of the suite this test is part of",
     "ruff format trainer tests experiments": "formats the code: .ci/run checks the format (tests/test_docs.py)",
     "ruff check trainer tests experiments": "the style check .ci/run runs first (tests/test_docs.py)",

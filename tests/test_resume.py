@@ -32,6 +32,16 @@ def per_step_losses(model_dir: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "train"}
 
 
+def held_at(step: int, *extensions: str) -> list[str]:
+    """Bindings that hold a run still once it has logged `step` (tests/holding.py), beside the run's
+    own `extensions` (gin references): a run killed on seeing `step` logged is killed there."""
+    return [
+        "--gin_bindings=import tests.holding",
+        f"--gin_bindings=train.extensions=[{', '.join([*extensions, '@HoldAt()'])}]",
+        f"--gin_bindings=HoldAt.step={step}",
+    ]
+
+
 def wait_for_step(model_dir: str, step: int, proc: subprocess.Popen, timeout: float = 150) -> None:
     path = os.path.join(model_dir, "metrics.jsonl")
     deadline = time.monotonic() + timeout
@@ -73,8 +83,8 @@ def kill_while_writing(command: list[str], model_dir: str, timeout: float = 200)
     raise AssertionError(f"never caught the save of ckpt-40 in progress (exit {proc.returncode})")
 
 
-def command(launch_workers: int, gin_file: str, model_dir: str) -> list[str]:
-    main_flags = [f"--gin_file={gin_file}", f"--model_dir={model_dir}", *PER_STEP]
+def command(launch_workers: int, gin_file: str, model_dir: str, *extra: str) -> list[str]:
+    main_flags = [f"--gin_file={gin_file}", f"--model_dir={model_dir}", *PER_STEP, *extra]
     if launch_workers:
         return [sys.executable, "-m", "trainer.launch", f"--num_workers={launch_workers}", "--", *main_flags]
     return [sys.executable, "-m", "trainer.main", *main_flags]
@@ -103,7 +113,7 @@ def test_killed_and_restarted_run_matches_an_uninterrupted_one(tmp_path, gin_fil
 
     kill_at = random.Random(gin_file).randint(21, TOTAL - 8)
     first = subprocess.Popen(
-        command(workers, gin_file, resumed_dir),
+        command(workers, gin_file, resumed_dir, *held_at(kill_at)),
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
@@ -124,7 +134,7 @@ def test_killed_and_restarted_run_matches_an_uninterrupted_one(tmp_path, gin_fil
     )
     assert restart.returncode == 0, restart.stderr[-3000:] + restart.stdout[-3000:]
     restored = int(restart.stdout.split("continuing from step ")[1].split()[0])
-    assert 20 <= restored <= kill_at
+    assert 20 <= restored < kill_at  # held at kill_at before its own checkpoint
 
     expected, got = per_step_losses(reference_dir), per_step_losses(resumed_dir)
     assert sorted(expected) == list(range(1, TOTAL + 1)) and sorted(got) == sorted(expected)

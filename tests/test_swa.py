@@ -15,7 +15,7 @@ import pytest
 
 from tests.support import REPO, launch_workers, read_jsonl, refused_run, run_main, subprocess_env
 from tests.test_multiworker import model_weights
-from tests.test_resume import kill_group, wait_for_step
+from tests.test_resume import held_at, kill_group, wait_for_step
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
 
@@ -91,7 +91,7 @@ def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bi
     reference_dir, resumed_dir = mirrored_run[0], str(tmp_path / "resumed")
     kill_at = random.Random().randint(41, 110)  # after the first checkpoint (40), before the end
     first = subprocess.Popen(
-        [sys.executable, "-m", "trainer.main", *mirrored_args(resumed_dir)],
+        [sys.executable, "-m", "trainer.main", *mirrored_args(resumed_dir), *held_at(kill_at, "@swa()")],
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.support import REPO, launch_workers, run_main, run_module, subprocess_env
-from tests.test_resume import kill_group, per_step_losses, wait_for_step
+from tests.test_resume import held_at, kill_group, per_step_losses, wait_for_step
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
 
@@ -69,8 +69,9 @@ def test_unbuilt_models_train_on_two_multiworker_mirrored_workers(tmp_path, mode
 def test_a_killed_run_of_an_unbuilt_model_resumes_bit_for_bit(mirrored_residual_mlp, tmp_path):
     command = [sys.executable, "-m", "trainer.main", *flags("gin/mirrored.gin", "residual_mlp")]
     resumed = str(tmp_path / "resumed")
+    kill_at = random.Random().randint(21, 36)
     first = subprocess.Popen(
-        [*command, f"--model_dir={resumed}"],
+        [*command, f"--model_dir={resumed}", *held_at(kill_at)],
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
@@ -78,7 +79,7 @@ def test_a_killed_run_of_an_unbuilt_model_resumes_bit_for_bit(mirrored_residual_
         start_new_session=True,
     )
     try:
-        wait_for_step(resumed, random.Random().randint(21, 36), first)
+        wait_for_step(resumed, kill_at, first)
     finally:
         kill_group(first)
     restart = subprocess.run(
