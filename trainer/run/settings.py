@@ -222,8 +222,9 @@ def retired_binding(gin_error: Exception) -> str | None:
 
 def absolute_model_dir(model_dir: str) -> str:
     """`model_dir` as an absolute path (a URL as it is), resolved once where a run is configured, so
-    every reader and writer sees the same directory."""
-    return model_dir if "://" in model_dir else os.path.abspath(model_dir)
+    every reader and writer sees the same directory. A leading `~` is the user's home, as the shell would
+    have made it had it not followed `=` (`--model_dir=~/run`), not a directory named `~`."""
+    return model_dir if "://" in model_dir else os.path.abspath(os.path.expanduser(model_dir))
 
 
 def signature() -> inspect.Signature:
