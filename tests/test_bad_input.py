@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import subprocess
 
 import pytest
 
 from tests.support import main_in_one_process, run_main, tree_digest
+from trainer.files import run_lock
 
 # The module-scoped fixture below is shared by this file's tests: one worker runs them all.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bad_input")]
@@ -125,6 +128,16 @@ def _cut_short(path: str) -> None:
     os.truncate(path, 800000 if path.endswith("00001") else 100)
 
 
+def _held(path: str, pid: int | None = None) -> None:
+    """The lock of a run on this host: this test's process (alive), or one that is gone."""
+    if pid is None:
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+    holder = {"host": socket.gethostname(), "pid": pid or gone.pid, "since": "2026-01-02 03:04:05 UTC"}
+    with open(path, "w") as f:
+        json.dump({**holder, "process_start": run_lock._process_start(holder["pid"])}, f)
+
+
 def _garbled(path: str) -> None:
     with open(path, "w") as f:
         f.write('{"trunc' if path.endswith(".json") else "garbage {{{\n")
@@ -144,7 +157,10 @@ DAMAGES = {
         20,
     ),
     "run_record_garbled": ("run_record.json", _garbled, "run_record.json cannot be read (", 20),
+    "lock_of_a_gone_run": (".trainer.lock", _held, "is gone (no such process on this host); taking it over", 20),
 }
+# Readers of a model_dir a live run holds: they never claim it.
+ALONGSIDE = {"evaluate": ["--gin_file=gin/single.gin", "--mode=evaluate"], "predict": ["--mode=predict", *SINGLE]}
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +171,10 @@ def resumed_after_damage(trained, tmp_path_factory) -> tuple[str, dict]:
         shutil.copytree(trained, root / name)
         damage(str(root / name / file))
     cases = {name: ([*SINGLE, "--gin_bindings=train.total_steps=30"], str(root / name)) for name in DAMAGES}
+    shutil.copytree(trained, root / "held")
+    _held(str(root / "held" / ".trainer.lock"), os.getpid())
+    cases.update({f"{mode}_while_held": (args, str(root / "held")) for mode, args in ALONGSIDE.items()})
+    cases["train_while_held"] = ([*SINGLE, "--gin_bindings=train.total_steps=30"], str(root / "held"))
     return str(root), main_in_one_process(cases, timeout=400)
 
 
@@ -169,6 +189,19 @@ def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one_in_one_warning
     assert "Traceback" not in outcome["stderr"] and "Checkpoint ignored" not in outcome["stderr"]
     assert os.path.exists(os.path.join(root, name, "ckpt-30.index"))
     assert json.load(open(os.path.join(root, name, "run_record.json")))["global_batch_size"] == 64
+
+
+def test_a_model_dir_in_use_refuses_a_second_training_run_and_lets_readers_in(resumed_after_damage):
+    root, outcomes = resumed_after_damage
+    for mode in ALONGSIDE:
+        assert outcomes[f"{mode}_while_held"]["code"] == 0, outcomes[f"{mode}_while_held"]["stderr"][-3000:]
+    line = refused(outcomes["train_while_held"])
+    assert line == (
+        f"error: model_dir {root}/held is in use by another training run (host {socket.gethostname()}, pid "
+        f"{os.getpid()}, since 2026-01-02 03:04:05 UTC; {root}/held/.trainer.lock); wait for it to end, stop it, "
+        "or train into another --model_dir (evaluate, predict and the sidecar evaluator may read it meanwhile)"
+    )
+    assert not os.path.exists(os.path.join(root, "held", "ckpt-30.index"))
 
 
 def test_batch_not_divisible_by_replicas(tmp_path):

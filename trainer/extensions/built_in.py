@@ -30,6 +30,7 @@ from trainer.extensions.preemption import Preemption
 from trainer.extensions.profiler import Profiler
 from trainer.extensions.progress import ProgressLogger
 from trainer.extensions.protocol import Extension
+from trainer.extensions.run_lock import ModelDirClaim
 from trainer.extensions.time_budget import TimeBudget
 from trainer.extensions.update_path import UpdatePath
 from trainer.extensions.warm_start import WarmStart
@@ -86,6 +87,7 @@ def _turned_on(setting: str, cls: type[Extension], **kwargs: Any) -> Callable[["
 
 
 BUILT_IN: tuple[BuiltIn, ...] = (
+    BuiltIn(ModelDirClaim, lambda s: ModelDirClaim()),  # first: the claim comes before every other write
     BuiltIn(ProgressLogger, lambda s: ProgressLogger(s.log_every_steps)),
     BuiltIn(PeriodicEval, lambda s: PeriodicEval(s.eval_every_steps)),
     BuiltIn(ConfigWriter, lambda s: ConfigWriter(s.describe_config) if s.describe_config is not None else None),

@@ -20,7 +20,7 @@ from trainer.extensions.context import Context
 from trainer.extensions.protocol import Outputs, check_method_names
 from trainer.extensions.registry import Registry
 from trainer.files import model_dir as model_dir_lib
-from trainer.files import run_record
+from trainer.files import run_lock, run_record
 from trainer.files.checkpoints import CheckpointSaver
 from trainer.files.metrics_log import MetricsLog
 from trainer.files.run_checkpoint import RunCheckpoint
@@ -40,6 +40,7 @@ DATA_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)
 
 
 @precision.keeps_global_policy
+@run_lock.released_at_exit  # model_dir's claim, however the run ends (trainer/extensions/run_lock.py)
 def train(**arguments: Any) -> dict[str, float]:
     """Trains until `total_steps`, resuming from the newest checkpoint in `model_dir`; the arguments
     are `Settings`' fields. Returns the first eval split's final results ({} if nothing was left)."""
