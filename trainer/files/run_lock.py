@@ -49,8 +49,8 @@ class Claim:
                 return  # the file is gone (moved away by hand): nothing left to renew
 
     def release(self) -> None:
-        if self._stop.is_set():
-            return
+        """Idempotent: called at the run's end and again when `train` returns (a model_dir put back as it was
+        after a refusal may hold the lock again)."""
         self._stop.set()
         if _read(self.path) == self._holder:  # still ours (not taken over after an expired lease)
             os.remove(self.path)

@@ -181,6 +181,16 @@ class Settings:
             raise UserError(f"train.input_fn must be a function fn(split) -> tf.data.Dataset, got {fn!r}")
         return contract.adapt(fn, contract.INPUT)
 
+    @property
+    def input_named(self) -> str:
+        """The input as the user's config names it, for messages (the default is bound by no gin name)."""
+        if self.input_fn is None and self.data_source is None:
+            return "the default input (the embedded digits: train.input_fn is unset)"
+        fn = self.input_fn if self.input_fn is not None else self.data_source
+        fn = getattr(fn, "func", fn)  # functools.partial
+        name = getattr(fn, "__name__", None)
+        return f"train.input_fn = @{name}" if name else f"train.input_fn = @{type(fn).__name__}()"
+
     @functools.cached_property
     def eval_split_names(self) -> tuple[str, ...]:
         """The splits evaluated, in order (see the class docstring)."""
