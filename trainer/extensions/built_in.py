@@ -32,6 +32,7 @@ from trainer.extensions.progress import ProgressLogger
 from trainer.extensions.protocol import Extension
 from trainer.extensions.run_lock import ModelDirClaim
 from trainer.extensions.time_budget import TimeBudget
+from trainer.extensions.update_check import UpdateCheck
 from trainer.extensions.update_path import UpdatePath
 from trainer.extensions.warm_start import WarmStart
 from trainer.extensions.worker_watch import WorkerWatch
@@ -98,6 +99,7 @@ BUILT_IN: tuple[BuiltIn, ...] = (
         shown_as=lambda: [*(NonFiniteHandling(mode) for mode in MODES), NonFiniteHandling(loss_upper_bound=1.0)],
     ),
     BuiltIn(UpdatePath, lambda s: UpdatePath(s.grad_accum_steps, s.clip_global_norm)),
+    BuiltIn(UpdateCheck, lambda s: UpdateCheck()),
     BuiltIn(WarmStart, lambda s: WarmStart(s.warm_start) if s.warm_start is not None else None),
     BuiltIn(Ema, lambda s: Ema(s.ema_decay) if s.ema_decay is not None else None),
     BuiltIn(BestCheckpoints, _best_checkpoints),
