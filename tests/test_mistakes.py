@@ -118,6 +118,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "train_eval_splits_text": (bind("train.eval_splits = 'eval'"), "train.eval_splits"),
     "train_eval_splits_unknown": (bind("train.eval_splits = ['test']"), "test"),
+    "train_eval_splits_twice": (
+        bind("train.eval_splits = ['eval', 'test', 'eval', 'test', 'x']"),
+        "train.eval_splits names 'eval', 'test' more than once",
+    ),
     # other configurables
     "devices_logical_cpus_negative": (bind("devices.logical_cpus = -1"), "devices.logical_cpus"),
     "devices_visible_gpus_text": (bind("devices.visible_gpus = 'all'"), "devices.visible_gpus"),

@@ -7,6 +7,7 @@ optional feature's options by its extension, each in one UserError line before a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -203,6 +204,15 @@ class Settings:
             or not all(isinstance(s, str) for s in self.eval_splits)
         ):
             raise UserError(f"train.eval_splits must be a non-empty list of split names, got {self.eval_splits!r}")
+        counts = collections.Counter(self.eval_splits)  # linear: a list of thousands of names is checked at once
+        if twice := [name for name, count in counts.items() if count > 1]:
+            shown = ", ".join(repr(name) for name in twice[:5]) + (
+                f" and {len(twice) - 5} more" if len(twice) > 5 else ""
+            )
+            raise UserError(
+                f"train.eval_splits names {shown} more than once; each split is evaluated once and its results "
+                "logged under its name: list each once"
+            )
         return tuple(self.eval_splits)
 
     def make_input(self) -> data.Input:
