@@ -207,7 +207,7 @@ class Settings:
         counts = collections.Counter(self.eval_splits)  # linear: a list of thousands of names is checked at once
         if twice := [name for name, count in counts.items() if count > 1]:
             shown = ", ".join(repr(name) for name in twice[:5]) + (
-                f" and {len(twice) - 5} more" if len(twice) > 5 else ""
+                f" and {len(twice) - 5} other names" if len(twice) > 5 else ""
             )
             raise UserError(
                 f"train.eval_splits names {shown} more than once; each split is evaluated once and its results "
