@@ -72,8 +72,10 @@ def _early_stop(settings: "Settings") -> EarlyStop | None:
 
 
 def _preemption(settings: "Settings") -> Preemption:
-    """Ctrl-C saves in every run; SIGTERM where `train.preemption_checkpointing` asks."""
-    check_bool("train.preemption_checkpointing", settings.preemption_checkpointing)
+    """Ctrl-C saves in every run; SIGTERM where `train.preemption_checkpointing` asks (True: exit 42 for a
+    restart), and by default (None) in a run of one process, as Ctrl-C does; False: SIGTERM as the system has it."""
+    if settings.preemption_checkpointing is not None:
+        check_bool("train.preemption_checkpointing", settings.preemption_checkpointing)
     return Preemption(on_sigterm=settings.preemption_checkpointing)
 
 

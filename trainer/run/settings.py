@@ -83,7 +83,7 @@ class Settings:
     loss_upper_bound: float | None = None
     max_time_secs: float | None = None
     allow_resume_changes: bool = False
-    preemption_checkpointing: bool = False
+    preemption_checkpointing: bool | None = None  # None: SIGTERM saves as Ctrl-C does, on one process
     grad_accum_steps: int = 1
     clip_global_norm: float | None = None
     ema_decay: float | None = None
