@@ -41,7 +41,7 @@ def scale_loss(optimizer, loss: tf.Tensor) -> tf.Tensor:
 
 def check_examples(element_spec, *, input_named: str, step_fn, eval_step_fn) -> None:
     """Refuses examples the built-in steps would misread, in one line: one with no label (a dict alone) and a
-    third element that is no sample weight (an example id would weigh its example, an accuracy pass 1)."""
+    third element that is no sample weight (an example id would weigh its example: accuracies above 1)."""
     used = [
         f"train.{name} = @{fn.__name__}"
         for name, fn in (("step_fn", step_fn), ("eval_step_fn", eval_step_fn))
@@ -66,8 +66,8 @@ def check_examples(element_spec, *, input_named: str, step_fn, eval_step_fn) -> 
             raise UserError(
                 f"{input_named} yields a third element of {what}, which the built-in steps "
                 f"({steps}) take as the sample weight: one float per example; an example id or other data goes "
-                "into the features, a dict as the first element ((dict(image=x, id=example_id), y)), a weight "
-                "is cast to float"
+                "into the features, a dict as the first element ((dict(image=x, id=example_id), y)); cast a weight "
+                "to float"
             )
 
 
