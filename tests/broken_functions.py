@@ -240,3 +240,24 @@ class _NoTraining(keras.layers.Layer):
 def model_whose_layer_fails_in_training(input_shape, num_classes, layer="wrong_side_input"):
     middle = {"wrong_side_input": _WrongSideInput, "no_training": _NoTraining}[layer]()
     return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(), middle, keras.layers.Dense(num_classes)])
+
+
+@gin.configurable
+def id_input(split):
+    """(x, y, example_id): an int64 id where the built-in steps take the sample weight."""
+    return tf.data.Dataset.from_tensor_slices((_images(), tf.range(256) % 10, tf.range(256, dtype=tf.int64)))
+
+
+id_input.num_classes = 10
+
+
+@gin.configurable
+def unlabelled_dict_input(split):
+    """Dict examples with the label among the features: the built-in steps find no label."""
+    return tf.data.Dataset.from_tensor_slices({"image": _images(), "label": tf.range(256) % 10})
+
+
+@gin.configurable
+def narrow_model(input_shape, num_classes):
+    """5 outputs whatever num_classes is: labels 5..9 have no logit."""
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Flatten(), keras.layers.Dense(5)])

@@ -92,3 +92,14 @@ def contrastive_mean_step(model, optimizer, batch, global_batch_size):
         loss = tf.reduce_mean(supervised_contrastive(z, labels, z_all, labels_all, offset, 0.1))
     optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
     return {"loss": loss}
+
+
+@gin.configurable
+def step_without_update(model, optimizer, batch, global_batch_size):
+    """Computes the loss and its gradients, and never applies them."""
+    with tf.GradientTape() as tape:
+        logits = model(batch[0], training=True)
+        per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.cast(batch[1], tf.int32), logits=logits)
+        loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+    tape.gradient(loss, model.trainable_variables)
+    return {"loss": loss}

@@ -276,3 +276,21 @@ def test_slurm_refuses_an_address_on_another_node_than_the_tasks_own(slurm_env, 
 def test_slurm_argument_mistakes_are_user_errors(slurm_env, kwargs, expected):
     with pytest.raises(UserError, match=expected):
         cluster.make_cluster_resolver("slurm", **kwargs)
+
+
+def test_a_task_whose_port_something_listens_on_is_refused_naming_the_task_and_address():
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        taken = ClusterInfo(cluster={"worker": ["localhost:1", f"localhost:{port}"]}, task_type="worker", task_id=1)
+        with pytest.raises(UserError) as refused:
+            cluster.check_own_port_free(taken)
+        assert str(refused.value).startswith(
+            f"task worker 1 of the cluster is at localhost:{port}, but something already listens on port {port} of "
+            "this host; give the task a free port in TF_CONFIG"
+        )
+    cluster.check_own_port_free(taken)  # free again
+    cluster.check_own_port_free(ClusterInfo(cluster={}, task_type=None, task_id=0))  # one process: no server

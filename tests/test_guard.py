@@ -63,12 +63,15 @@ def mis_scaled(tmp_path_factory) -> tuple[str, dict[str, dict]]:
         "--gin_bindings=cnn.l2=1e-3",
         *SMALL,
     ]
-    cases = {step: ([*args, f"--gin_bindings=train.step_fn=@{step}"], str(root / step)) for step in MIS_SCALED}
-    return str(root), main_in_one_process(cases, timeout=150)
+    cases = {
+        step: ([*args, f"--gin_bindings=train.step_fn=@{step}"], str(root / step))
+        for step in [*MIS_SCALED, "step_without_update"]
+    }
+    return str(root), main_in_one_process(cases, timeout=200)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(160)
+@pytest.mark.timeout(220)
 @pytest.mark.xdist_group("mis_scaled")
 @pytest.mark.parametrize("step", list(MIS_SCALED))
 def test_mis_scaled_step_is_stopped_before_training(mis_scaled, step):
@@ -85,13 +88,26 @@ def test_mis_scaled_step_is_stopped_before_training(mis_scaled, step):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(220)
+@pytest.mark.xdist_group("mis_scaled")
+def test_a_step_that_applies_no_update_is_named_after_the_first_loop_call(mis_scaled):
+    outcome = mis_scaled[1]["step_without_update"]
+    assert outcome["code"] == 0, outcome["stderr"][-3000:]
+    warnings = [line for line in outcome["stdout"].splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: no trainable variable changed over steps 0-1: the step (train.step_fn = @step_without_update) "
+        "applies no update; call optimizer.apply_gradients(zip(gradients, variables)) in it"
+    ]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(160)
 def test_correct_step_is_not_stopped(tmp_path):
     model_dir = tmp_path / "run"
     proc = run_mirrored(model_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loss-scaling check passed: step outputs summed over 2 replicas match one replica" in proc.stdout
-    assert "step 2/2" in proc.stdout
+    assert "step 2/2" in proc.stdout and "no trainable variable changed" not in proc.stdout
     assert any(name.startswith("ckpt-") for name in os.listdir(model_dir))
 
 

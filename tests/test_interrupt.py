@@ -57,6 +57,37 @@ def test_ctrl_c_saves_the_step_reached_says_so_in_one_line_and_exits_130(tmp_pat
 
 
 @pytest.mark.timeout(150)
+def test_sigterm_to_a_run_of_one_process_saves_as_ctrl_c_does_unless_turned_off(tmp_path):
+    model_dir = tmp_path / "run"
+    main = Main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT_CALLS)
+    try:
+        main.wait_for(r"^step 20/", timeout=120)
+        main.proc.send_signal(signal.SIGTERM)
+        code = main.finish(timeout=30)
+    finally:
+        main.kill()
+    assert code == 143, main.tail()
+    match = re.match(
+        r"^terminated \(SIGTERM\) at step (\d+), saved ckpt-(\d+); rerun the same command to continue$", main.out[-1]
+    )
+    assert match and match.group(1) == match.group(2), main.tail()
+    assert (model_dir / f"ckpt-{match.group(1)}.index").exists() and main.stderr.strip() == "", main.tail()
+    off = Main(
+        "--gin_file=gin/single.gin",
+        f"--model_dir={tmp_path / 'off'}",
+        *SHORT_CALLS,
+        "--gin_bindings=train.preemption_checkpointing=False",
+    )
+    try:
+        off.wait_for(r"^step 10/", timeout=120)
+        off.proc.send_signal(signal.SIGTERM)
+        assert off.finish(timeout=30) == -signal.SIGTERM, off.tail()  # the system's default: no save
+    finally:
+        off.kill()
+    assert not list((tmp_path / "off").glob("ckpt-*.index"))
+
+
+@pytest.mark.timeout(150)
 def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path):
     """Loop calls of 5000 steps (a minute here): the first Ctrl-C waits for the call to end, the
     second does not."""

@@ -209,6 +209,11 @@ def test_a_server_stopped_while_the_chief_runs_restarts_the_group(tmp_path):
         (["--num_workers=two"], "--num_workers=two"),
         (["--num_workers=1", "--num_ps=-1"], "--num_ps must be 0 or more"),
         (["--num_workers=1", "stray"], "put the module's flags after --"),
+        (
+            ["--num_workers=2", "--gin_file=gin/mwms.gin"],
+            "--gin_file is not a flag of trainer.launch; the flags of the module it runs (--module, default "
+            "trainer.main: --gin_file, --gin_bindings, --model_dir, ...) go after `--`",
+        ),
     ],
 )
 def test_bad_launcher_flags_exit_2_with_one_line(flags, expected):

@@ -44,17 +44,19 @@ def test_single_run_writes_checkpoints_events_config_and_metrics(trained_single_
 def test_rerun_continues_from_checkpoint_and_never_trains_a_step_twice(trained_single_dir, tmp_path):
     model_dir = str(tmp_path / "run")
     shutil.copytree(trained_single_dir, model_dir)
-    done, more = main_in_one_process(  # both in turn in one interpreter
+    done, more = main_in_one_process(  # both in turn in one interpreter; the second as --model_dir=~/run
         {
             "done": (["--gin_file=gin/single.gin", "--gin_bindings=train.total_steps=60"], model_dir),
-            "more": (["--gin_file=gin/single.gin", "--gin_bindings=train.total_steps=90", *SHORT], model_dir),
+            "more": (["--gin_file=gin/single.gin", "--gin_bindings=train.total_steps=90", *SHORT], "~/run"),
         },
+        prelude=f"import os\nos.environ['HOME'] = {str(tmp_path)!r}",
         timeout=240,
     ).values()
     assert done["code"] == 0, done["stderr"][-3000:]
     assert "already trained" in done["stdout"] and "step 60" in done["stdout"]
     assert more["code"] == 0, more["stderr"][-3000:]
     assert "continuing from step 60" in more["stdout"]
+    assert more["stdout"].startswith(f"model_dir: {model_dir} (~ expanded: --model_dir=~/run)\n"), more["stdout"]
     steps = [r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl")) if r["split"] == "train"]
     assert steps == [20, 40, 60, 80, 90]
     assert os.path.exists(os.path.join(model_dir, "ckpt-90.index"))
@@ -89,6 +91,7 @@ def test_killed_run_finishes_when_rerun(tmp_path):
 
     rerun = run_main(*args, "--gin_bindings=train.total_steps=400")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "is gone (no such process on this host); taking it over" in rerun.stdout  # the killed run's claim
     restored = int(rerun.stdout.split("continuing from step ")[1].split()[0])
     assert restored == 100
     records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))

@@ -118,6 +118,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "train_eval_splits_text": (bind("train.eval_splits = 'eval'"), "train.eval_splits"),
     "train_eval_splits_unknown": (bind("train.eval_splits = ['test']"), "test"),
+    "train_eval_splits_twice": (
+        bind("train.eval_splits = ['eval', 'test', 'eval', 'test', 'x']"),
+        "train.eval_splits names 'eval', 'test' more than once",
+    ),
     # other configurables
     "devices_logical_cpus_negative": (bind("devices.logical_cpus = -1"), "devices.logical_cpus"),
     "devices_visible_gpus_text": (bind("devices.visible_gpus = 'all'"), "devices.visible_gpus"),
@@ -274,10 +278,31 @@ CASES: dict[str, tuple[list[str], str]] = {
         "op SparseSoftmaxCrossEntropyWithLogits failed on a batch after step 20 "
         "(InvalidArgumentError: Received a label value of 10",
     ),
+    # examples the built-in steps would misread, and a model too narrow for the labels
+    "third_element_an_example_id": (
+        [IMPORT, *bind("train.input_fn = @id_input")],
+        "train.input_fn = @id_input yields a third element of int64 (), which the built-in steps (train.step_fn = "
+        "@classification_step and train.eval_step_fn = @classification_eval_step) take as the sample weight: one "
+        "float per example; an example id or other data goes into the features",
+    ),
+    "dict_examples_without_a_label": (
+        [IMPORT, *bind("train.input_fn = @unlabelled_dict_input")],
+        "train.input_fn = @unlabelled_dict_input yields dict examples (keys image, label); the built-in steps",
+    ),
+    "model_narrower_than_the_classes": (
+        [IMPORT, *bind("train.model_fn = @narrow_model")],
+        "the model (train.model_fn = @narrow_model) outputs 5 logits but the default input (the embedded digits: "
+        "train.input_fn is unset) has 10 classes",
+    ),
 }
 # Cases run in an empty model_dir (holding only a user's file) rather than a copy of an existing
 # run's, where the resume check (a changed model) would speak first, also in one line.
-FRESH_ONLY = {"model_cannot_take_the_batch", "labels_are_strings", "layer_call_raises_in_training"}
+FRESH_ONLY = {
+    "model_cannot_take_the_batch",
+    "labels_are_strings",
+    "layer_call_raises_in_training",
+    "model_narrower_than_the_classes",
+}
 
 # The endless dataset's count is refused after a shorter bound than the real 20 s, with progress lines
 # on the way: the same path (tests/test_inputs.py checks the bound and the line themselves).

@@ -102,3 +102,23 @@ def test_no_run_or_no_directory_for_the_png_is_a_user_error(tmp_path):
         plot.plot([run], str(tmp_path / "no" / "x.png"))
     with pytest.raises(UserError, match="no metrics.jsonl in"):
         plot.plot([str(tmp_path)], str(tmp_path / "x.png"))
+
+
+def test_a_value_that_is_no_number_is_left_out_with_a_word(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from trainer import plot
+
+    run = _write_history(
+        tmp_path / "run",
+        [
+            {"step": 10, "split": "train", "loss": 2.0},
+            {"step": 20, "split": "train", "loss": "n/a"},
+            {"step": 30, "split": "train", "loss": 1.0},
+        ],
+    )
+    assert plot.plot([run], str(tmp_path / "x.png")) == ["run"]
+    assert capsys.readouterr().out.splitlines() == [
+        "warning: run: metrics.jsonl's train record of step 20 has loss 'n/a', no number; left out of the plot"
+    ]
+    figure, _ = plot.build_figure(plot.numbers_only({"run": plot.read_history(run)}, lambda line: None))
+    assert [list(line.get_ydata()) for line in figure.axes[0].lines] == [[2.0, 1.0]]  # the loss that fell

@@ -42,3 +42,11 @@ def test_settings_resolve_a_relative_model_dir_once(tmp_path, monkeypatch):
     assert Settings(model_dir=str(tmp_path / "b")).model_dir == str(tmp_path / "b")
     assert Settings().model_dir is None
     assert absolute_model_dir("gs://bucket/runs/a") == "gs://bucket/runs/a"  # a URL is left as it is
+
+
+def test_a_model_dir_under_tilde_is_in_the_home_directory(tmp_path, monkeypatch):
+    # `--model_dir=~/run`: the shell leaves `~` alone after `=`; a directory named `~` is never meant.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert absolute_model_dir("~/run") == str(tmp_path / "home" / "run")
+    assert Settings(model_dir="~/run").model_dir == str(tmp_path / "home" / "run")

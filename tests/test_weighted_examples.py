@@ -54,3 +54,38 @@ def test_weighted_eval_counts_as_keras_evaluate_on_one_and_two_replicas():
             result["keras"],
         )
         assert "accuracy/denominator" not in ours
+
+
+TRAIN_CODE = """
+import json
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+from trainer.task import models, steps
+
+keras.utils.set_random_seed(0)
+x = np.random.default_rng(0).normal(size=(64, 8, 8, 1)).astype(np.float32)
+y = np.arange(64) % 10
+w = np.where(y % 3 == 0, 3.0, 0.25).astype(np.float32)  # weights above 1: a sum over the batch size passes 1
+mirrored = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+with mirrored.scope():
+    model = models.mlp((8, 8, 1), 10, hidden=(16,))
+    optimizer = keras.optimizers.SGD(0.0)
+    optimizer.build(model.trainable_variables)
+correct = (np.argmax(model(x).numpy(), -1) == y).astype(np.float32)
+step = tf.function(lambda batch: mirrored.run(steps.classification_step, (model, optimizer, batch, 64)))
+outputs = step(next(iter(mirrored.experimental_distribute_dataset(
+    tf.data.Dataset.from_tensor_slices((x, y, w)).batch(64)))))
+ours = float(mirrored.reduce("SUM", outputs["accuracy"], axis=None))
+print(json.dumps({"ours": ours, "weighted": float((correct * w).sum() / w.sum()),
+                  "unweighted": float(correct.mean())}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_weighted_train_accuracy_is_normalised_by_the_weights_on_two_replicas():
+    result = run_python(TRAIN_CODE, timeout=110)
+    assert abs(result["weighted"] - result["unweighted"]) > 1e-3, result  # the weights change it
+    assert abs(result["ours"] - result["weighted"]) < 1e-6 and result["ours"] <= 1.0, result

@@ -251,6 +251,14 @@ def _parse_flags(argv: list[str]) -> list[str]:
     """Parses the launcher's flags (before `--`); returns the module's flags (after it)."""
     split = argv.index("--") if "--" in argv else len(argv)
     own, passthrough = argv[:split], argv[split + 1 :]
+    for arg in own[1:]:  # a module's flag before `--` (absl would only say "Unknown command line flag")
+        name = arg.lstrip("-").split("=", 1)[0]
+        if arg.startswith("-") and name not in flags.FLAGS and name.removeprefix("no") not in flags.FLAGS:
+            _exit_user_error(
+                f"{arg.split('=', 1)[0]} is not a flag of trainer.launch; the flags of the module it runs "
+                f"(--module, default trainer.main: --gin_file, --gin_bindings, --model_dir, ...) go after `--`: "
+                f"python -m trainer.launch --num_workers=N -- {arg}"
+            )
     unparsed = parse_flags(own)
     if unparsed[1:]:
         _exit_user_error(f"unexpected argument(s) {unparsed[1:]}; put the module's flags after --")

@@ -158,6 +158,8 @@ def run(argv: list[str]) -> None:
         model_dir = absolute_model_dir(FLAGS.model_dir or default_model_dir())
         if not FLAGS.model_dir:
             print(f"model_dir: {model_dir}", flush=True)
+        elif FLAGS.model_dir.startswith("~"):  # the shell leaves `~` alone after `=`
+            print(f"model_dir: {model_dir} (~ expanded: --model_dir={FLAGS.model_dir})", flush=True)
         with on_the_run_cluster(lambda: configurables.check_settings(model_dir), configurables.local_data_workers()):
             configurables.train(
                 model_dir=model_dir,

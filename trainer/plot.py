@@ -8,7 +8,7 @@ resume drawn once, at its last value). Needs matplotlib (`pip install -e '.[plot
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 from absl import app, flags
 
@@ -68,6 +68,27 @@ def build_figure(runs: dict[str, list[dict]], title: str | None = None):
     return figure, labels
 
 
+def numbers_only(runs: dict[str, list[dict]], say: Callable[[str], None] = print) -> dict[str, list[dict]]:
+    """The runs with every plotted value that is no number (`"loss": "n/a"`) left out, each said in one line:
+    matplotlib would draw strings as categories, in file order, on the y axis."""
+    kept = {}
+    for label, records in runs.items():
+        kept[label] = []
+        for record in records:
+            bad = [m for _, m, _ in PANELS if m in record and not _is_number(record[m])]
+            for metric in dict.fromkeys(bad):
+                say(
+                    f"warning: {label}: metrics.jsonl's {record.get('split')} record of step {record.get('step')} has "
+                    f"{metric} {record[metric]!r}, no number; left out of the plot"
+                )
+            kept[label].append({k: v for k, v in record.items() if k not in bad})
+    return kept
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def plot(model_dirs: Sequence[str], out: str, title: str | None = None) -> list[str]:
     """Writes the PNG of the runs' curves to `out`; returns the legend labels."""
     if not model_dirs:
@@ -76,7 +97,7 @@ def plot(model_dirs: Sequence[str], out: str, title: str | None = None) -> list[
         import matplotlib  # noqa: F401
     except ImportError:
         raise UserError("trainer.plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)") from None
-    runs = dict(zip(run_labels(model_dirs), (read_history(d) for d in model_dirs)))
+    runs = numbers_only(dict(zip(run_labels(model_dirs), (read_history(d) for d in model_dirs))))
     figure, labels = build_figure(runs, title)
     directory = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(directory):

@@ -6,10 +6,12 @@ the resolver functions, so the checks run before it loads.
 """
 
 import dataclasses
+import errno
 import inspect
 import json
 import os
 import shutil
+import socket
 from typing import Any
 
 from trainer.distribution import modes
@@ -83,6 +85,30 @@ def check_single_machine(info: ClusterInfo, strategy_name: str) -> None:
             f"strategy '{strategy_name}' runs on one machine but TF_CONFIG describes "
             f"{info.num_workers} workers; use gin/mwms.gin or unset TF_CONFIG"
         )
+
+
+def check_own_port_free(info: ClusterInfo) -> None:
+    """Refuses this task's address where its port is taken on this host: TensorFlow's server listens on
+    0.0.0.0:<port> (docs/design.md rule 12) and would fail with a traceback, 'Could not start gRPC server'.
+    Bound as gRPC binds (SO_REUSEADDR), so only a listener refuses it, not a connection closing."""
+    if not info.cluster or info.task_type is None:
+        return
+    address = info.cluster[info.task_type][info.task_id]
+    port = address.rsplit(":", 1)[-1]
+    if not port.isdigit():
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", int(port)))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return  # not ours to judge (no permission for a low port: TensorFlow says so)
+            raise UserError(
+                f"task {info.task_type} {info.task_id} of the cluster is at {address}, but something already listens "
+                f"on port {port} of this host; give the task a free port in TF_CONFIG, or stop what listens there "
+                "(another run's task?)"
+            ) from None
 
 
 def resolve(strategy_name: str, resolver_kind: str = "tf_config", **slurm_kwargs: Any) -> ClusterInfo:

@@ -75,6 +75,8 @@ def make_runtime(settings: "Settings", *, standalone: bool = False) -> Runtime:
         info = ClusterInfo(cluster={}, task_type=None, task_id=0)
     else:
         info = cluster.resolve(name, settings.cluster_resolver, **(settings.cluster_resolver_options or {}))
+        if name == "multi_worker_mirrored":  # its server starts with the strategy
+            cluster.check_own_port_free(info)
     partitioner = settings.parameter_server.variable_partitioner if settings.parameter_server else None
     strategy = strategies.make_strategy(
         name,

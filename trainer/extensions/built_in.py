@@ -31,9 +31,11 @@ from trainer.extensions.preemption import Preemption
 from trainer.extensions.profiler import Profiler
 from trainer.extensions.progress import ProgressLogger
 from trainer.extensions.protocol import Extension
+from trainer.extensions.run_lock import ModelDirClaim
 from trainer.extensions.time_budget import TimeBudget
 from trainer.extensions.train_metrics import TrainMetrics
 from trainer.extensions.unsaved_state import UnsavedState
+from trainer.extensions.update_check import UpdateCheck
 from trainer.extensions.update_path import UpdatePath
 from trainer.extensions.warm_start import WarmStart
 from trainer.extensions.worker_watch import WorkerWatch
@@ -73,8 +75,10 @@ def _early_stop(settings: "Settings") -> EarlyStop | None:
 
 
 def _preemption(settings: "Settings") -> Preemption:
-    """Ctrl-C saves in every run; SIGTERM where `train.preemption_checkpointing` asks."""
-    check_bool("train.preemption_checkpointing", settings.preemption_checkpointing)
+    """Ctrl-C saves in every run; SIGTERM where `train.preemption_checkpointing` asks (True: exit 42 for a
+    restart), and by default (None) in a run of one process, as Ctrl-C does; False: SIGTERM as the system has it."""
+    if settings.preemption_checkpointing is not None:
+        check_bool("train.preemption_checkpointing", settings.preemption_checkpointing)
     return Preemption(on_sigterm=settings.preemption_checkpointing)
 
 
@@ -106,6 +110,7 @@ def _train_metrics_row() -> list[Extension]:
 
 
 BUILT_IN: tuple[BuiltIn, ...] = (
+    BuiltIn(ModelDirClaim, lambda s: ModelDirClaim()),  # first: the claim comes before every other write
     BuiltIn(TrainMetrics, _train_metrics, shown_as=_train_metrics_row),
     BuiltIn(ProgressLogger, lambda s: ProgressLogger(s.log_every_steps)),
     BuiltIn(PeriodicEval, lambda s: PeriodicEval(s.eval_every_steps)),
@@ -117,6 +122,7 @@ BUILT_IN: tuple[BuiltIn, ...] = (
         shown_as=lambda: [*(NonFiniteHandling(mode) for mode in MODES), NonFiniteHandling(loss_upper_bound=1.0)],
     ),
     BuiltIn(UpdatePath, lambda s: UpdatePath(s.grad_accum_steps, s.clip_global_norm)),
+    BuiltIn(UpdateCheck, lambda s: UpdateCheck()),
     BuiltIn(WarmStart, lambda s: WarmStart(s.warm_start) if s.warm_start is not None else None),
     BuiltIn(Ema, lambda s: Ema(s.ema_decay) if s.ema_decay is not None else None),
     BuiltIn(BestCheckpoints, _best_checkpoints),

@@ -1,6 +1,6 @@
 """Stopping on a signal: Ctrl-C (SIGINT) and, with `train.preemption_checkpointing`, SIGTERM make
 every worker save the same step and exit, 130 (Ctrl-C) or 42 (`trainer.launch --max_restarts`
-restarts the group). The signal is a request to stop after the loop call in flight.
+restarts the group). Unset, SIGTERM to a run of one process saves as Ctrl-C does and exits 143. The signal is a request to stop after the loop call in flight.
 
 Workers of one synchronous group must stop at the same step, or one would wait in a collective
 for a peer that left: `tf.distribute.experimental.PreemptionCheckpointHandler` claims the stop in
@@ -35,6 +35,7 @@ from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
 
 PREEMPTED_EXIT_CODE = 42
+TERMINATED_EXIT_CODE = 128 + signal.SIGTERM  # 143: what a shell reports for a process ended by SIGTERM
 _END_BARRIER = "trainer_preemption_watchers_stopped"
 _END_BARRIER_TIMEOUT_MS = 60_000
 _STOP_SIGNAL_KEY = "trainer_stop_signal"
@@ -106,8 +107,10 @@ class Preemption(Extension):
     setting = "train.preemption_checkpointing"
     after = ("checkpoint",)  # a periodic checkpoint of this step comes first: no second save
 
-    def __init__(self, on_sigterm: bool = True) -> None:
-        """`on_sigterm`: SIGTERM saves and exits 42 (preemption); Ctrl-C always saves and exits 130."""
+    def __init__(self, on_sigterm: bool | None = True) -> None:
+        """`on_sigterm`: True, SIGTERM saves and exits 42 (preemption); None, on one process it saves and exits
+        143 (with a line as Ctrl-C's), across processes SIGTERM is left alone; False, left alone. Ctrl-C always
+        saves and exits 130."""
         self.on_sigterm = on_sigterm
         self._step = 0
         self._handler = None
@@ -129,7 +132,10 @@ class Preemption(Extension):
             )
             # The handler set its own SIGTERM handler; ours (below) decides.
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
-        signums = (signal.SIGINT, signal.SIGTERM) if self.on_sigterm else (signal.SIGINT,)
+        # Unset (None), SIGTERM on a run of one process saves and ends it as Ctrl-C does; across processes a
+        # launcher's SIGTERM ends a group, and only `train.preemption_checkpointing = True` coordinates it.
+        saves_on_sigterm = self.on_sigterm or (self.on_sigterm is None and not context.runtime.spans_processes)
+        signums = (signal.SIGINT, signal.SIGTERM) if saves_on_sigterm else (signal.SIGINT,)
         self._signals = StopSignals(signums, on_first=self._claim, on_again=self._leave_at_once)
         self._signals.install()
 
@@ -206,6 +212,13 @@ class Preemption(Extension):
                     f"interrupted at step {self._step}, saved ckpt-{self._step}; rerun the same command to continue"
                 )
             sys.exit(INTERRUPTED_EXIT_CODE)
+        if not self.on_sigterm:  # unset: a SIGTERM to a run of one process
+            self._console.close_live()
+            self._console.print(
+                f"terminated (SIGTERM) at step {self._step}, saved ckpt-{self._step}; rerun the same command to "
+                "continue"
+            )
+            sys.exit(TERMINATED_EXIT_CODE)
         self._console.print(
             f"preempted: saved ckpt-{self._step}; exiting {PREEMPTED_EXIT_CODE} so the group can "
             "be restarted (it continues from this step)"

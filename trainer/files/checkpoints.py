@@ -14,8 +14,11 @@ the second save on (tf.Variable created inside a tf.function, TF 2.21 / Keras 3.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import glob
+import logging
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Callable
@@ -48,11 +51,7 @@ class CheckpointSaver:
         self._is_chief = is_chief
         self._task_name = task_name
         self._max_to_keep = max_to_keep
-        self._manager = (
-            tf.train.CheckpointManager(checkpoint.root, model_dir, max_to_keep=max_to_keep)
-            if is_chief and not async_checkpoint
-            else None
-        )
+        self._manager: tf.train.CheckpointManager | None = None  # made at the first save: it reads the state file
         # One writer thread: saves are written in order, one at a time. Its thread is joined at
         # interpreter exit, so even a process that leaves without `wait` finishes the write.
         pool = concurrent.futures.ThreadPoolExecutor
@@ -70,20 +69,21 @@ class CheckpointSaver:
         self.wait()
         return tf.train.latest_checkpoint(self.model_dir)
 
-    def candidates(self) -> list[str]:
-        """Checkpoints of the chief's directory, newest first."""
-        return list(reversed(listed_checkpoints(self.model_dir)))
+    def candidates(self, print_fn: Callable[[str], None] | None = None) -> list[str]:
+        """Checkpoints of the chief's directory, newest first (a damaged state file: those on disk, saying so
+        through `print_fn`)."""
+        return list(reversed(listed_checkpoints(self.model_dir, print_fn)))
 
     def restore_latest(self, print_fn: Callable[[str], None] = print) -> str | None:
         """Restores the newest readable checkpoint; returns its path (None: nothing to restore).
-        An unreadable one is skipped, saying so; one that does not fit the model is a UserError
-        (an older one would not fit either)."""
+        An unreadable one (its index, a data shard: missing, cut short or corrupt) is skipped, saying so
+        in one line; one that does not fit the model is a UserError (an older one would not fit either)."""
         self.wait()
-        for path in self.candidates():
+        for path in self.candidates(print_fn):
             try:
                 self._run_checkpoint.restore(path)
                 return path
-            except tf.errors.OpError as e:
+            except (tf.errors.OpError, IndexError) as e:  # IndexError: a data shard cut short
                 print_fn(f"warning: {path} cannot be read ({error_line(e)}); trying the checkpoint before it")
             except (ValueError, AssertionError) as e:
                 raise UserError(
@@ -105,7 +105,7 @@ class CheckpointSaver:
             path = os.path.join(self.model_dir, f"ckpt-{step}")
         elif self._is_chief:
             try:
-                path = self._manager.save(checkpoint_number=step)
+                path = self._chief_manager().save(checkpoint_number=step)
             except (tf.errors.OpError, OSError) as e:
                 raise self._failure(step, e) from e
         else:
@@ -113,6 +113,15 @@ class CheckpointSaver:
                 path = tf.train.CheckpointManager(self.checkpoint, temp, max_to_keep=1).save(checkpoint_number=step)
         self.last_saved_step = step
         return path
+
+    def _chief_manager(self) -> tf.train.CheckpointManager:
+        """The chief's synchronous manager, made at the first save: it reads the state file, refusing an empty
+        one (a full disk) and ignoring a garbled one; either is replaced by the state of this run's saves."""
+        if self._manager is None:
+            if _state_is_damaged(self.model_dir):
+                os.remove(os.path.join(self.model_dir, STATE_FILE))
+            self._manager = tf.train.CheckpointManager(self.checkpoint, self.model_dir, max_to_keep=self._max_to_keep)
+        return self._manager
 
     def wait(self) -> None:
         """Finishes the pending asynchronous write, if any; its failure is the save's RunFailure."""
@@ -176,11 +185,64 @@ class CheckpointSaver:
         )
 
 
-def listed_checkpoints(model_dir: str) -> list[str]:
+STATE_FILE = "checkpoint"  # TensorFlow's state file: the checkpoints of a directory, newest last
+_NUMBERED = re.compile(r"ckpt-(\d+)\.index$")
+
+
+def listed_checkpoints(model_dir: str, print_fn: Callable[[str], None] | None = None) -> list[str]:
     """The complete checkpoints model_dir's state file lists, oldest first, as get_checkpoint_state gives
-    them (joined to model_dir already: joining again breaks a relative model_dir)."""
-    state = tf.train.get_checkpoint_state(model_dir)
+    them (joined to model_dir already: joining again breaks a relative model_dir). Where the state file
+    cannot be read (empty, garbled), the `ckpt-N` whose index is on disk, by N, said through `print_fn`."""
+    try:
+        state = _read_state(model_dir)
+    except ValueError as e:
+        found = sorted(
+            (int(m.group(1)), os.path.join(model_dir, f"ckpt-{m.group(1)}"))
+            for name in tf.io.gfile.listdir(model_dir)
+            if (m := _NUMBERED.fullmatch(name))
+        )
+        if print_fn is not None:
+            names = ", ".join(os.path.basename(path) for _, path in found) or "none"
+            print_fn(
+                f"warning: {os.path.join(model_dir, STATE_FILE)} cannot be read ({e}); taking the checkpoints "
+                f"beside it instead ({names})"
+            )
+        return [path for _, path in found]
     return [] if state is None else list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+
+
+def _read_state(model_dir: str):
+    """model_dir's checkpoint state (None: no state file); ValueError where the file cannot be parsed.
+    TensorFlow ignores a garbled file with a log line of its own and returns None: that is an error here."""
+    path = os.path.join(model_dir, STATE_FILE)
+    try:
+        with _tensorflow_log_quiet():
+            state = tf.train.get_checkpoint_state(model_dir)
+    except ValueError:  # what TensorFlow says of an empty file
+        state = None
+    if state is None and tf.io.gfile.exists(path):
+        raise ValueError("it is empty" if tf.io.gfile.stat(path).length == 0 else "it is no checkpoint state")
+    return state
+
+
+def _state_is_damaged(model_dir: str) -> bool:
+    try:
+        _read_state(model_dir)
+    except ValueError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _tensorflow_log_quiet():
+    """TensorFlow's Python log ("Checkpoint ignored") kept for errors only while the state file is read."""
+    logger = logging.getLogger("tensorflow")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _snapshot(checkpoint: tf.train.Checkpoint) -> tuple[Any, Any, str]:

@@ -63,12 +63,25 @@ def make_record(
     }
 
 
-def read_record(model_dir: str) -> dict | None:
+def read_record(model_dir: str, print_fn: Callable[[str], None] | None = None) -> dict | None:
+    """The recorded run (None: none, or a record that cannot be read, said through `print_fn`: a resume
+    goes on unchecked against it and this run's record replaces it)."""
     path = os.path.join(model_dir, RECORD_FILE)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        if print_fn is not None:
+            print_fn(
+                f"warning: {path} cannot be read ({e}); the run's settings are not checked against it, and "
+                "this run's record replaces it"
+            )
+        return None
+    return record
 
 
 def write_record(model_dir: str, record: dict) -> None:
@@ -80,7 +93,7 @@ def save(model_dir: str, current: dict, start_step: int) -> None:
     counts adds them to the recorded `layouts` from `start_step` on."""
     recorded = read_record(model_dir)
     if recorded is None:
-        if start_step == 0:
+        if start_step == 0 or os.path.exists(os.path.join(model_dir, RECORD_FILE)):  # fresh, or unreadable
             write_record(model_dir, current)
         return
     if start_step > 0 and _layout(current) != _layout(recorded):
@@ -164,7 +177,7 @@ def check_resume(
 ) -> None:
     """Raises UserError if the recorded run differs from `current` in what must not change; prints the line
     of a resume on other worker or replica counts."""
-    recorded = read_record(model_dir)
+    recorded = read_record(model_dir, print_fn)
     if recorded is None:
         return
     if not allow_changes and (found := differences(recorded, current)):

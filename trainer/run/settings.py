@@ -7,6 +7,7 @@ optional feature's options by its extension, each in one UserError line before a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -82,7 +83,7 @@ class Settings:
     loss_upper_bound: float | None = None
     max_time_secs: float | None = None
     allow_resume_changes: bool = False
-    preemption_checkpointing: bool = False
+    preemption_checkpointing: bool | None = None  # None: SIGTERM saves as Ctrl-C does, on one process
     grad_accum_steps: int = 1
     clip_global_norm: float | None = None
     ema_decay: float | None = None
@@ -183,6 +184,16 @@ class Settings:
             raise UserError(f"train.input_fn must be a function fn(split) -> tf.data.Dataset, got {fn!r}")
         return contract.adapt(fn, contract.INPUT)
 
+    @property
+    def input_named(self) -> str:
+        """The input as the user's config names it, for messages (the default is bound by no gin name)."""
+        if self.input_fn is None and self.data_source is None:
+            return "the default input (the embedded digits: train.input_fn is unset)"
+        fn = self.input_fn if self.input_fn is not None else self.data_source
+        fn = getattr(fn, "func", fn)  # functools.partial
+        name = getattr(fn, "__name__", None)
+        return f"train.input_fn = @{name}" if name else f"train.input_fn = @{type(fn).__name__}()"
+
     @functools.cached_property
     def eval_split_names(self) -> tuple[str, ...]:
         """The splits evaluated, in order (see the class docstring)."""
@@ -195,6 +206,15 @@ class Settings:
             or not all(isinstance(s, str) for s in self.eval_splits)
         ):
             raise UserError(f"train.eval_splits must be a non-empty list of split names, got {self.eval_splits!r}")
+        counts = collections.Counter(self.eval_splits)  # linear: a list of thousands of names is checked at once
+        if twice := [name for name, count in counts.items() if count > 1]:
+            shown = ", ".join(repr(name) for name in twice[:5]) + (
+                f" and {len(twice) - 5} other names" if len(twice) > 5 else ""
+            )
+            raise UserError(
+                f"train.eval_splits names {shown} more than once; each split is evaluated once and its results "
+                "logged under its name: list each once"
+            )
         return tuple(self.eval_splits)
 
     def make_input(self) -> data.Input:
@@ -224,8 +244,9 @@ def retired_binding(gin_error: Exception) -> str | None:
 
 def absolute_model_dir(model_dir: str) -> str:
     """`model_dir` as an absolute path (a URL as it is), resolved once where a run is configured, so
-    every reader and writer sees the same directory."""
-    return model_dir if "://" in model_dir else os.path.abspath(model_dir)
+    every reader and writer sees the same directory. A leading `~` is the user's home, as the shell would
+    have made it had it not followed `=` (`--model_dir=~/run`), not a directory named `~`."""
+    return model_dir if "://" in model_dir else os.path.abspath(os.path.expanduser(model_dir))
 
 
 def signature() -> inspect.Signature:

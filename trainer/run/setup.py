@@ -11,6 +11,7 @@ import keras
 from trainer.distribution.runtime import Runtime, make_runtime
 from trainer.errors import UserError
 from trainer.run.settings import Settings
+from trainer.task import steps
 from trainer.task.task import Task, build_task
 from trainer.task.user_code import built_at_import, user_functions
 
@@ -27,6 +28,12 @@ def setup(settings: Settings) -> tuple[Runtime, Task]:
     inp = settings.make_input()
     inp.print_fn = settings.print_fn  # a long count of a split of unknown size says how far it got
     inp.validate()
+    steps.check_examples(
+        inp.element_spec,
+        input_named=settings.input_named,
+        step_fn=settings.step_fn,
+        eval_step_fn=settings.eval_step_fn,
+    )
     inp.check_sizes(settings.global_batch_size)
     runtime.check_batch_size(settings.global_batch_size)
     if not inp.deterministic:

@@ -20,7 +20,7 @@ from trainer.extensions.context import Context
 from trainer.extensions.protocol import Outputs, check_method_names
 from trainer.extensions.registry import Registry
 from trainer.files import model_dir as model_dir_lib
-from trainer.files import run_record
+from trainer.files import run_lock, run_record
 from trainer.files.checkpoints import CheckpointSaver
 from trainer.files.metrics_log import MetricsLog
 from trainer.files.run_checkpoint import RunCheckpoint
@@ -40,6 +40,7 @@ DATA_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)
 
 
 @precision.keeps_global_policy
+@run_lock.released_at_exit  # model_dir's claim, however the run ends (trainer/extensions/run_lock.py)
 def train(**arguments: Any) -> dict[str, float]:
     """Trains until `total_steps`, resuming from the newest checkpoint in `model_dir`; the arguments
     are `Settings`' fields. Returns the first eval split's final results ({} if nothing was left)."""
@@ -94,7 +95,7 @@ def train(**arguments: Any) -> dict[str, float]:
         try:
             drive(context, registry.extensions, settings.steps_per_loop)
         except DATA_ERRORS as e:
-            raise data_error(e, settings, int(task.global_step.numpy())) from None
+            raise data_error(e, settings, int(task.global_step.numpy()), num_classes=task.input.num_classes) from None
     return context.evaluations.first_split
 
 
@@ -131,15 +132,23 @@ def _checked_record(settings: Settings, runtime, task, print_fn) -> dict:
     return record
 
 
-def data_error(error: tf.errors.OpError, settings: Settings, step: int) -> UserError:
-    """The one line for an op that could not take a batch's values: which op, at which step, what to check."""
+def data_error(error: tf.errors.OpError, settings: Settings, step: int, num_classes: int | None = None) -> UserError:
+    """The one line for an op that could not take a batch's values: which op, at which step, what to check. A
+    label past the model's logits where the input has more classes is the model's width, not the data."""
     nodes = re.findall(r"\{\{node ([^}]+)\}\}", str(error))
     op = nodes[-1].split("/")[-1] if nodes else (error.op.type if error.op is not None else "a TensorFlow op")
     summary = error_line(error)
     summary = summary if len(summary) <= 160 else summary[:160] + "..."
+    failed = f"op {op} failed on a batch after step {step} ({type(error).__name__}: {summary})"
+    width = re.search(r"outside the valid range of \[0, (\d+)\)", str(error))
+    if width and num_classes and int(width.group(1)) < num_classes:
+        return UserError(
+            f"{failed}: the model (train.model_fn = @{name_of(settings.model_fn)}) outputs {width.group(1)} logits "
+            f"but {settings.input_named} has {num_classes} classes; give the model num_classes outputs (declare "
+            "a num_classes parameter in model_fn: the loop passes it)"
+        )
     return UserError(
-        f"op {op} failed on a batch after step {step} ({type(error).__name__}: {summary}): check what "
-        f"train.input_fn = @{name_of(settings.input_function)} yields and what the steps (train.step_fn = "
+        f"{failed}: check what {settings.input_named} yields and what the steps (train.step_fn = "
         f"@{name_of(settings.step_fn)}) do with it: labels must be integers 0..num_classes-1, features numbers"
     )
 

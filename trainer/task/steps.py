@@ -12,6 +12,7 @@ from typing import Mapping
 import keras
 import tensorflow as tf
 
+from trainer.errors import UserError
 from trainer.task import contract
 
 
@@ -38,6 +39,38 @@ def scale_loss(optimizer, loss: tf.Tensor) -> tf.Tensor:
     return scale(loss) if scale is not None else loss
 
 
+def check_examples(element_spec, *, input_named: str, step_fn, eval_step_fn) -> None:
+    """Refuses examples the built-in steps would misread, in one line: one with no label (a dict alone) and a
+    third element that is no sample weight (an example id would weigh its example: accuracies above 1)."""
+    used = [
+        f"train.{name} = @{fn.__name__}"
+        for name, fn in (("step_fn", step_fn), ("eval_step_fn", eval_step_fn))
+        if fn in (classification_step, classification_eval_step)
+    ]
+    if not used:
+        return  # the user's own steps read their examples their own way
+    steps = " and ".join(used)
+    if not isinstance(element_spec, tuple) or len(element_spec) not in (2, 3):
+        shape = type(element_spec).__name__ if not isinstance(element_spec, tuple) else f"{len(element_spec)}-tuple"
+        keys = f" (keys {', '.join(map(str, element_spec))})" if isinstance(element_spec, dict) else ""
+        raise UserError(
+            f"{input_named} yields {shape} examples{keys}; the built-in steps ({steps}) take "
+            "(features, label) or (features, label, sample_weight): yield the label apart, e.g. "
+            "(features_dict, label), or bind a step of your own"
+        )
+    if len(element_spec) == 3:
+        weight = element_spec[2]
+        is_float = isinstance(weight, tf.TensorSpec) and weight.dtype.is_floating
+        if not is_float or weight.shape.rank not in (0, None) and weight.shape.num_elements() != 1:
+            what = f"{weight.dtype.name} {weight.shape}" if isinstance(weight, tf.TensorSpec) else type(weight).__name__
+            raise UserError(
+                f"{input_named} yields a third element of {what}, which the built-in steps "
+                f"({steps}) take as the sample weight: one float per example; an example id or other data goes "
+                "into the features, a dict as the first element ((dict(image=x, id=example_id), y)); cast a weight "
+                "to float"
+            )
+
+
 def _sample_weight(batch, index: int) -> tf.Tensor | None:
     """The weight at `index` of `(x, y, sample_weight)` batches, one per example (None for `(x, y)`)."""
     if len(batch) <= index:
@@ -47,8 +80,9 @@ def _sample_weight(batch, index: int) -> tf.Tensor | None:
 
 @tf.autograph.experimental.do_not_convert
 def classification_step(model, optimizer, batch, global_batch_size: int) -> Mapping[str, tf.Tensor]:
-    """One step of softmax cross-entropy on integer labels. With `(x, y, sample_weight)` examples, the loss and
-    accuracy are sum(value_i * w_i) / global batch size, as Keras `fit` weights them."""
+    """One step of softmax cross-entropy on integer labels. With `(x, y, sample_weight)` examples, the loss is
+    sum(loss_i * w_i) / global batch size and the accuracy sum(correct_i * w_i) / sum(w_i) over the global batch,
+    as Keras `fit` weights them (a weighted metric is normalised by the weights: no accuracy passes 1)."""
     images, labels = batch[0], batch[1]
     labels = tf.cast(labels, tf.int32)
     weights = _sample_weight(batch, 2)
@@ -61,9 +95,11 @@ def classification_step(model, optimizer, batch, global_batch_size: int) -> Mapp
     variables = model.trainable_variables
     optimizer.apply_gradients(zip(tape.gradient(scaled, variables), variables))
     correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), tf.float32)
-    if weights is not None:
-        correct *= weights
-    return {"loss": loss, "accuracy": tf.reduce_sum(correct) / global_batch_size}
+    if weights is None:
+        return {"loss": loss, "accuracy": tf.reduce_sum(correct) / global_batch_size}
+    # This replica's share of the global batch's weighted accuracy: its weighted sum over all replicas' weights.
+    all_weights = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.reduce_sum(weights))
+    return {"loss": loss, "accuracy": tf.math.divide_no_nan(tf.reduce_sum(correct * weights), all_weights)}
 
 
 @tf.autograph.experimental.do_not_convert
