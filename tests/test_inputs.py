@@ -100,7 +100,7 @@ def test_sharded_training_keeps_each_pipelines_examples():
     np.testing.assert_array_equal(np.sort(np.concatenate([t for _, t in batches])), expected)
 
 
-def test_eval_of_a_dict_example_pads_with_zeros_and_counts_each_once():
+def test_eval_of_a_dict_example_pads_with_copies_and_counts_each_once():
     def features_only(split):
         return regression(split).map(lambda features, target: {**features, "target": target})
 
@@ -112,7 +112,8 @@ def test_eval_of_a_dict_example_pads_with_zeros_and_counts_each_once():
     expected = next(iter(features_only("eval").batch(100)))
     for key, values in examples.items():
         np.testing.assert_array_equal(values[:11], expected[key].numpy())
-        assert not values[11:].any() and values.dtype == expected[key].dtype
+        np.testing.assert_array_equal(values[11:], expected[key].numpy()[:5])  # copies of the first examples
+        assert values.dtype == expected[key].dtype
     tuples = _batches(data.eval_dataset(regression, 5), 10)
     assert [len(t) for _, t, _ in tuples] == [5, 5, 1] and all(len(b) == 3 for b in tuples)
 

@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from trainer import data
-from trainer.task.steps import call_model, regularization_loss, scale_loss
+from trainer.task.steps import call_model, regularization_loss, scale_loss, weighted_sum
 
 FIRST_POSITIVE_DIGIT = 5
 
@@ -80,4 +80,4 @@ def auc_eval_step(model, batch, metrics: Mapping[str, keras.metrics.Metric]) -> 
     logits = _logits(model, images, training=False)
     metrics["auc"].update_state(labels, tf.sigmoid(logits), sample_weight=weights)
     per_example = tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)
-    return {"loss": tf.reduce_sum(per_example * weights), "num_examples": tf.reduce_sum(weights)}
+    return {"loss": weighted_sum(per_example, weights), "num_examples": tf.reduce_sum(weights)}

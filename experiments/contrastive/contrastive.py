@@ -15,6 +15,8 @@ import gin
 import keras
 import tensorflow as tf
 
+from trainer.task.steps import weighted_sum
+
 
 @gin.configurable
 def embedding_mlp(input_shape, *, width: int = 64, dimension: int = 32) -> keras.Model:
@@ -85,7 +87,7 @@ def contrastive_eval_step(model, batch, temperature: float = 0.1):
     nearest = tf.gather(labels_all, tf.argmax(similarity, axis=1, output_type=tf.int32))
     hits = tf.cast(tf.equal(nearest, labels), tf.float32)
     return {
-        "loss": tf.reduce_sum(per_example * weights),
-        "nearest_neighbour_accuracy": tf.reduce_sum(hits * weights),
+        "loss": weighted_sum(per_example, weights),
+        "nearest_neighbour_accuracy": weighted_sum(hits, weights),
         "num_examples": tf.reduce_sum(weights),
     }

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from trainer.task.steps import scale_loss
+from trainer.task.steps import scale_loss, weighted_sum
 
 
 @gin.configurable
@@ -126,11 +126,10 @@ def gan_eval_step(model: Mapping[str, keras.Model], batch) -> dict[str, tf.Tenso
     real = _real_images(batch)
     real_logits = _logits(discriminator, real, training=False)
     fake_logits = _logits(discriminator, _fakes(generator, tf.shape(real)[0], training=False), training=False)
-    weighted_sum = lambda values: tf.reduce_sum(values * weights)  # noqa: E731
     return {
-        "d_loss": weighted_sum(_cross_entropy(real_logits, 1.0) + _cross_entropy(fake_logits, 0.0)),
-        "g_loss": weighted_sum(_cross_entropy(fake_logits, 1.0)),
-        "d_real_accuracy": weighted_sum(tf.cast(real_logits > 0, tf.float32)),
-        "d_fake_accuracy": weighted_sum(tf.cast(fake_logits < 0, tf.float32)),
+        "d_loss": weighted_sum(_cross_entropy(real_logits, 1.0) + _cross_entropy(fake_logits, 0.0), weights),
+        "g_loss": weighted_sum(_cross_entropy(fake_logits, 1.0), weights),
+        "d_real_accuracy": weighted_sum(tf.cast(real_logits > 0, tf.float32), weights),
+        "d_fake_accuracy": weighted_sum(tf.cast(fake_logits < 0, tf.float32), weights),
         "num_examples": tf.reduce_sum(weights),
     }

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from trainer.task.steps import call_model, regularization_loss, scale_loss
+from trainer.task.steps import call_model, regularization_loss, scale_loss, weighted_sum
 
 
 @gin.configurable
@@ -90,7 +90,7 @@ def regression_eval_step(model, batch) -> Mapping[str, tf.Tensor]:
     features, target, weights = batch
     prediction = tf.cast(call_model(model, features, training=False), tf.float32)[:, 0]
     return {
-        "mse": tf.reduce_sum(weights * tf.square(prediction - target)),
-        "baseline_mse": tf.reduce_sum(weights * tf.square(target)),
+        "mse": weighted_sum(tf.square(prediction - target), weights),
+        "baseline_mse": weighted_sum(tf.square(target), weights),
         "num_examples": tf.reduce_sum(weights),
     }

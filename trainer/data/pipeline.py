@@ -176,14 +176,16 @@ def eval_dataset(
 ) -> tf.data.Dataset:
     """Every example of `split` once, weight 1.0 appended (`with_weight`), batched, the last batch partial.
 
-    Padding (zeros, weight 0) to a multiple of `pad_to_multiple_of` gives every worker and replica the same
-    number of batches, so collectives cannot hang; so the padded examples are sharded, never the files.
+    Padding to a multiple of `pad_to_multiple_of` gives every worker and replica the same number of batches,
+    so collectives cannot hang; so the padded examples are sharded, never the files. The padding is copies of
+    the split's first examples with weight 0, never zeros: a model may be NaN on an all-zero example (a masked
+    mean of no tokens is 0/0), and the steps exclude weight-0 rows with a select (`steps.weighted_sum`).
     `batches=(first, count)` (ints or tensors; unpadded) keeps those batches alone, skipping the examples
     before them unread by the map: a part of the pass run apart (trainer/loops/ps_eval.py).
     """
     inp = as_input(inp)
     dataset_options = options(shard_policy)
-    examples = inp.examples(split)
+    examples = source = inp.examples(split)
     spec = examples.element_spec
     if batches is not None:
         first, count = batches
@@ -191,8 +193,8 @@ def eval_dataset(
     dataset = examples.map(whole(lambda example: with_weight(example, 1.0), spec), num_parallel_calls=tf.data.AUTOTUNE)
     padding = -inp.num_examples(split) % pad_to_multiple_of if pad_to_multiple_of else 0
     if padding:
-        zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), spec)
-        dataset = dataset.concatenate(tf.data.Dataset.from_tensors(with_weight(zeros, 0.0)).repeat(padding))
+        copies = source.repeat().take(padding)
+        dataset = dataset.concatenate(copies.map(whole(lambda example: with_weight(example, 0.0), spec)))
     if shard := shard_of(input_context):
         dataset = dataset.shard(*shard)
     dataset = dataset.batch(batch_size, drop_remainder=False)

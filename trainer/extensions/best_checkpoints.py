@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 import tempfile
 from typing import Any
@@ -93,15 +94,19 @@ class BestCheckpoints(Extension):
         if results is None or any(e["step"] == step for e in self.kept):
             return
         value = self.metric.value(results)
-        ranks = len(self.kept) < self.keep or self._better(value, self.kept[-1]["value"])
-        if self._any_worker(ranks):
+        if self._any_worker(self.ranks(value)):
             self._save(context, step, value)
 
     def end(self, context: Context, step: int) -> None:
         self.after_loop(context, step, {})  # the final eval, if it was not at a boundary
 
+    def ranks(self, value: float) -> bool:
+        """Whether an eval of `value` enters the best K: a NaN or infinite value never does, even with room."""
+        return math.isfinite(value) and (len(self.kept) < self.keep or self._better(value, self.kept[-1]["value"]))
+
     def _better(self, value: float, than: float) -> bool:
-        return value == value and (value < than if self.metric.mode == "min" else value > than)
+        """Strictly better; a NaN or infinite value never ranks (nor takes the place of the best)."""
+        return math.isfinite(value) and (value < than if self.metric.mode == "min" else value > than)
 
     def _save(self, context: Context, step: int, value: float) -> None:
         if not context.runtime.is_chief:

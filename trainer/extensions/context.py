@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from trainer.errors import UserError
 from trainer.extensions.console import Console
-from trainer.files.metrics_log import eval_line
+from trainer.files.metrics_log import eval_line, nonfinite_warning
 
 if TYPE_CHECKING:
     from trainer.distribution.runtime import Runtime
@@ -175,4 +175,6 @@ class Context:
             self.metrics_log.record(step, f"{split}{suffix}", results)
             if self.runtime.is_chief:
                 self.print(eval_line(split, step, results, num_examples, label))
+                if warning := nonfinite_warning(split + suffix, step, results):
+                    self.print(warning)
         return by_split

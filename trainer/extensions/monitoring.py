@@ -45,8 +45,9 @@ class Monitored:
         return float(results[self.split][self.key])
 
     def improves(self, value: float, best: float | None) -> bool:
-        """Better than `best` by more than min_delta (Keras' rule); anything beats no best; NaN never does."""
-        if math.isnan(value):
+        """Better than `best` by more than min_delta (Keras' rule); anything finite beats no best; a NaN or
+        infinite value never does (a model non-finite on some example is no improvement, whichever the mode)."""
+        if not math.isfinite(value):
             return False
         if best is None:
             return True

@@ -13,6 +13,7 @@ TensorBoard scalars under `model_dir/reeval/<split>`. Reading needs no TensorFlo
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -148,6 +149,19 @@ def eval_line(split: str, step: int, results: Mapping[str, float], num_examples:
     shown = "  ".join(f"{k} {v:.4f}" for k, v in results.items())
     where = "" if split == "eval" else f" on {split}"
     return f"eval{where}{label} at step {step}: {shown}  ({int(num_examples)} examples)"
+
+
+def nonfinite_warning(split: str, step: int, results: Mapping[str, float]) -> str | None:
+    """One line naming the split, step and eval results that are NaN or infinite (None if all are finite):
+    a model non-finite on a real example of weight above 0, which no ranking or stopping rule counts."""
+    bad = [f"{k} {v}" for k, v in results.items() if not math.isfinite(v)]
+    if not bad:
+        return None
+    return (
+        f"warning: eval split {split!r} at step {step}: {', '.join(bad)} (not finite: the model is NaN or inf on "
+        "an example of weight above 0); best checkpoints and early stopping never count it as the best or an "
+        "improvement"
+    )
 
 
 def read_history(model_dir: str) -> list[dict]:

@@ -23,7 +23,7 @@ from trainer import data
 from trainer.distribution.runtime import make_runtime
 from trainer.errors import UserError
 from trainer.files.checkpoints import listed_checkpoints
-from trainer.files.metrics_log import MetricsLog, eval_line
+from trainer.files.metrics_log import MetricsLog, eval_line, nonfinite_warning
 from trainer.loops.evaluator import Evaluator, make_metrics
 from trainer.task.task import build_eval_models
 
@@ -95,6 +95,8 @@ def evaluate_continuously(
                     print_fn(
                         "sidecar " + eval_line(split, step, results, num_examples, f" of {os.path.basename(path)}")
                     )
+                    if warning := nonfinite_warning(split, step, results):
+                        print_fn(warning)
                 if step >= total_steps:
                     print_fn(f"sidecar evaluator: reached train.total_steps {total_steps}; done")
                     return last_results

@@ -105,7 +105,7 @@ def classification_step(model, optimizer, batch, global_batch_size: int) -> Mapp
 @tf.autograph.experimental.do_not_convert
 def classification_eval_step(model, batch) -> Mapping[str, tf.Tensor]:
     """Sums of loss and correct predictions over this replica's batch, the loop's weight last (padding weighs
-    0). With sample weights, as Keras' `evaluate`: loss sum(loss_i * w_i) / examples, accuracy
+    0 and is selected out: `weighted_sum`). With sample weights, as Keras' `evaluate`: loss sum(loss_i * w_i) / examples, accuracy
     sum(correct_i * w_i) / sum(w_i) through `accuracy/denominator`."""
     images, labels, weights = batch[0], batch[1], tf.cast(batch[-1], tf.float32)
     sample_weight = _sample_weight(batch, 2) if len(batch) > 3 else None
@@ -115,10 +115,18 @@ def classification_eval_step(model, batch) -> Mapping[str, tf.Tensor]:
     per_example = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
     correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), tf.float32)
     sums = {
-        "loss": tf.reduce_sum(per_example * weighted),
-        "accuracy": tf.reduce_sum(correct * weighted),
+        "loss": weighted_sum(per_example, weighted),
+        "accuracy": weighted_sum(correct, weighted),
         "num_examples": tf.reduce_sum(weights),
     }
     if sample_weight is not None:
         sums["accuracy" + contract.DENOMINATOR] = tf.reduce_sum(weighted)
     return sums
+
+
+@tf.autograph.experimental.do_not_convert
+def weighted_sum(values: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
+    """sum(values_i * weights_i) over the rows of weight above 0, for an eval step's sums. A select, not a
+    multiply: a padded row (weight 0) adds nothing even where the model is NaN or inf on it (0 * NaN is NaN)."""
+    values = tf.cast(values, tf.float32)
+    return tf.reduce_sum(tf.where(weights > 0, values * weights, tf.zeros_like(values)))
