@@ -6,6 +6,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from trainer.data import order
 from trainer.data.inputs import Input, InputFunction, Shard, as_input, shard_of
 from trainer.errors import UserError
 
@@ -127,10 +128,11 @@ def shuffled_index_batches(
 ) -> tf.data.Dataset:
     """Endless `[batch_size]` int64 batches of example indices, from batch `first_batch` on.
 
-    Epoch e is a permutation seeded by (seed, e); batches run across epoch boundaries, as in
-    `shuffle().repeat().batch()`, but a batch costs one slice instead of `batch_size` trips through a
-    shuffle buffer, and a resumed run starts at its batch without replaying those before it.
-    `shard` keeps every n-th example (the examples of one input pipeline).
+    Batch i holds positions `[i * batch_size, (i + 1) * batch_size)` of the one global order
+    (`order.example_indices`: epoch e a permutation keyed by (seed, e)); batches run across epoch boundaries,
+    as in `shuffle().repeat().batch()`, but a batch costs one vectorized op instead of `batch_size` trips
+    through a shuffle buffer, and a resumed run starts at its batch without replaying those before it.
+    `shard` keeps every n-th example (the examples of one input pipeline) and orders those.
     """
     ids = tf.range(num_examples, dtype=tf.int64)
     if shard:
@@ -140,22 +142,13 @@ def shuffled_index_batches(
         raise UserError(
             f"input pipeline {shard} of {num_examples} training examples holds none: use fewer workers or more data"
         )
-    first_epoch, offset = divmod(first_batch * batch_size, count)
-
-    def permutation(epoch):
-        order = tf.random.experimental.stateless_shuffle(
-            tf.range(count, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), tf.cast(epoch, tf.int64)])
-        )
-        return tf.gather(ids, order)
 
     @graph_code
-    def cut(leftover, epoch):
-        stream = tf.concat([leftover, permutation(epoch)], 0)
-        whole_batches = tf.size(stream, out_type=tf.int64) // batch_size * batch_size
-        return stream[whole_batches:], tf.reshape(stream[:whole_batches], [-1, batch_size])
+    def indices(batch):
+        ordered = order.batch_indices(batch, batch_size, count, seed)
+        return tf.gather(ids, ordered) if shard else ordered
 
-    initial = permutation(first_epoch)[offset:]
-    return tf.data.Dataset.counter(first_epoch + 1).scan(initial, cut).unbatch()
+    return tf.data.Dataset.counter(first_batch).map(indices)
 
 
 def with_weight(example: Any, weight: float | tf.Tensor) -> tuple:

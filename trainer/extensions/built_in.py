@@ -17,6 +17,7 @@ from trainer.errors import UserError
 from trainer.extensions.best_checkpoints import BestCheckpoints
 from trainer.extensions.checkpointing import PeriodicCheckpoints
 from trainer.extensions.config_writer import ConfigWriter, HParamsWriter
+from trainer.extensions.data_position import DataPosition
 from trainer.extensions.early_stopping import EarlyStop, EarlyStoppingOptions
 from trainer.extensions.ema import Ema
 from trainer.extensions.evaluation import PeriodicEval
@@ -86,6 +87,7 @@ def _turned_on(setting: str, cls: type[Extension], **kwargs: Any) -> Callable[["
 
 
 BUILT_IN: tuple[BuiltIn, ...] = (
+    BuiltIn(DataPosition, lambda s: DataPosition()),  # first: its restart guarantee is among the run's first lines
     BuiltIn(ProgressLogger, lambda s: ProgressLogger(s.log_every_steps)),
     BuiltIn(PeriodicEval, lambda s: PeriodicEval(s.eval_every_steps)),
     BuiltIn(ConfigWriter, lambda s: ConfigWriter(s.describe_config) if s.describe_config is not None else None),
