@@ -13,6 +13,7 @@ from trainer.errors import UserError
 SHARD_POLICIES = {name: getattr(tf.data.experimental.AutoShardPolicy, name) for name in ("AUTO", "FILE", "DATA", "OFF")}
 MAX_SHUFFLE_BUFFER = 10_000
 GATHER_BATCHES = 8  # batches gathered from memory per call (see `gathered`)
+INDEX_BATCHES = 8  # batches of example indices computed per call (see `shuffled_index_batches`)
 MAX_GATHER_BYTES = 16 * 1024**2
 
 
@@ -144,11 +145,12 @@ def shuffled_index_batches(
         )
 
     @graph_code
-    def indices(batch):
-        ordered = order.batch_indices(batch, batch_size, count, seed)
+    def indices(batch):  # INDEX_BATCHES batches from `batch` on, in one op: the op's call is most of its cost
+        positions = batch * batch_size + tf.range(INDEX_BATCHES * batch_size, dtype=tf.int64)
+        ordered = tf.reshape(order.example_indices(positions, count, seed), [INDEX_BATCHES, batch_size])
         return tf.gather(ids, ordered) if shard else ordered
 
-    return tf.data.Dataset.counter(first_batch).map(indices)
+    return tf.data.Dataset.counter(first_batch, INDEX_BATCHES).map(indices).unbatch()
 
 
 def with_weight(example: Any, weight: float | tf.Tensor) -> tuple:
