@@ -79,6 +79,32 @@ def test_a_closure_gathers_the_batches_the_synchronous_pipeline_gives():
     assert data.indexed_batches(generated, 16, seed=3) is None  # unknown size: a stream
 
 
+class NoisyImages(data.Synthetic):
+    """Synthetic images with an augmentation: uniform noise drawn from the example's seed."""
+
+    def augment(self, example, seed):
+        image, label = example
+        return image + tf.random.stateless_uniform(tf.shape(image), seed), label
+
+
+def test_augmentation_is_keyed_by_seed_and_position_so_a_resume_and_a_closure_draw_the_same():
+    source = NoisyImages(num_train=40, num_eval=8)
+    full = [b for b in data.train_dataset(source, 16, seed=3).take(6).as_numpy_iterator()]
+    plain = [b for b in data.train_dataset(data.Synthetic(num_train=40, num_eval=8), 16, seed=3).take(6)]
+    assert not np.allclose(full[0][0], plain[0][0].numpy()) and np.array_equal(full[0][1], plain[0][1].numpy())
+    resumed = [b for b in data.train_dataset(source, 16, seed=3, skip_batches=3).take(3).as_numpy_iterator()]
+    for expected, got in zip(full[3:], resumed):
+        np.testing.assert_array_equal(expected[0], got[0])
+    indexed = data.indexed_batches(data.Input(source), 16, seed=3)
+    examples = next(iter(indexed.source()))
+    np.testing.assert_array_equal(indexed.batch(examples, tf.constant(4, tf.int64))[0].numpy(), full[4][0])
+    # The same example in the next epoch gets another draw.
+    order = data.example_indices(tf.range(80, dtype=tf.int64), 40, seed=3).numpy()
+    again = 40 + int(np.flatnonzero(order[40:] == order[0])[0])
+    assert not np.allclose(full[0][0][0], full[again // 16][0][again % 16])
+    np.testing.assert_array_equal(full[0][1][0], full[again // 16][1][again % 16])
+
+
 def test_the_start_line_says_what_a_restart_guarantees_where_it_is_not_exact():
     assert guarantee(INDEXED, asynchronous=True, workers=3, deterministic=True) is None
     served = guarantee(SERVICE, asynchronous=False, workers=2, deterministic=True)

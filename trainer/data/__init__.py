@@ -21,7 +21,7 @@ from trainer.data.inputs import (
     as_input,
     check_sizes,
 )
-from trainer.data.order import batch_indices, example_indices
+from trainer.data.order import batch_indices, example_indices, example_seeds
 from trainer.data.pipeline import (
     MAX_SHUFFLE_BUFFER,
     SHARD_POLICIES,

@@ -6,7 +6,7 @@ per-worker dataset of one element, the whole split) and gathers each batch from 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 
@@ -17,8 +17,8 @@ from trainer.data.inputs import Input
 class IndexedBatches:
     """Global batch i of `arrays` (equally long arrays of any structure) for batch size and seed."""
 
-    def __init__(self, arrays: Any, global_batch_size: int, seed: int):
-        self.arrays = arrays
+    def __init__(self, arrays: Any, global_batch_size: int, seed: int, augment: Callable | None = None):
+        self.arrays, self.augment = arrays, augment
         self.num_examples = len(tf.nest.flatten(arrays)[0])
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -31,14 +31,16 @@ class IndexedBatches:
 
     def batch(self, examples: Any, batch_index: tf.Tensor) -> Any:
         """Global batch `batch_index` from `examples` (one element of `source`), in order."""
-        indices = order.batch_indices(batch_index, self.global_batch_size, self.num_examples, self.seed)
-        return tf.nest.map_structure(lambda t: tf.gather(t, indices), examples)
+        positions = order.batch_positions(batch_index, self.global_batch_size)
+        indices = order.example_indices(positions, self.num_examples, self.seed)
+        batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), examples)
+        return batch if self.augment is None else order.augment_batch(batch, self.augment, positions, self.seed)
 
 
 def indexed_batches(inp: Input, global_batch_size: int, seed: int) -> IndexedBatches | None:
     """The input's train split as indexed batches, None where it streams (too big, or of unknown count)."""
     held = inp.train_arrays()
-    return None if held is None else IndexedBatches(held[0], global_batch_size, seed)
+    return None if held is None else IndexedBatches(held[0], global_batch_size, seed, inp.augment)
 
 
 def replica_slice(batch: Any) -> Any:

@@ -4,11 +4,14 @@
 Every epoch is a permutation of `range(num_examples)` (`RandomIndexShuffle`, computed per position, so no
 epoch is ever materialized); global batch i is positions `[i * B, (i + 1) * B)`, whatever the worker or
 replica count; a run's place in the data is one number, the positions consumed (trainer/extensions/
-data_position.py). The synchronous pipelines, the parameter-server closures and the built-in augmentations
-all read the order from here, so they cannot disagree.
+data_position.py). An input function's `augment(example, seed)` draws from stateless ops seeded by the
+position (`example_seeds`). The synchronous pipelines and the parameter-server closures read the order and
+the seeds from here, so they cannot disagree.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import tensorflow as tf
 
@@ -39,6 +42,15 @@ def batch_indices(batch: tf.Tensor, batch_size: int, num_examples: int, seed: in
     return example_indices(batch_positions(batch, batch_size), num_examples, seed)
 
 
-def epoch_and_offset(position: int, num_examples: int) -> tuple[int, int]:
-    """Which epoch a position is in, and how far into it (for the lines a run prints)."""
-    return divmod(position, num_examples)
+def example_seeds(positions: tf.Tensor, seed: int | tf.Tensor) -> tf.Tensor:
+    """A stateless random seed ([..., 2] int64) for the example at each position: (seed, position), and a
+    position names one (epoch, example), so an augmentation drawn from it is the same in every run that
+    trains on that example in that epoch, resumed or not, on any worker count."""
+    positions = tf.convert_to_tensor(positions, tf.int64)
+    return tf.stack([tf.fill(tf.shape(positions), tf.cast(seed, tf.int64)), positions], axis=-1)
+
+
+def augment_batch(batch: Any, augment: Callable[[Any, tf.Tensor], Any], positions: tf.Tensor, seed: int) -> Any:
+    """`augment(example, seed)` of each example of `batch` at `positions`, seeded by `example_seeds`."""
+    seeds = example_seeds(positions, seed)
+    return tf.vectorized_map(lambda args: augment(args[0], args[1]), (batch, seeds))

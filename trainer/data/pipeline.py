@@ -69,14 +69,21 @@ def train_dataset(
             dataset = dataset.shard(*shard)
         dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).repeat()
         dataset = dataset.batch(batch_size, drop_remainder=True).skip(first)
-    if dropped := [b for b in drop_batches if b >= first]:
-        dropped = tf.constant(dropped, tf.int64)
-        dataset = dataset.enumerate(start=first).filter(
-            graph_code(lambda i, _: tf.reduce_all(tf.not_equal(i, dropped)))
-        )
+    dropped = tf.constant([b for b in drop_batches if b >= first], tf.int64)
+    kept = graph_code(lambda i, *_: tf.reduce_all(tf.not_equal(i, dropped)))
+    if dropped.shape[0]:
+        dataset = dataset.enumerate(start=first).filter(kept)
         dataset = dataset.map(graph_code(lambda _, batch: batch))
     if held is not None:
         dataset = gathered(dataset, held[0], batch_size)
+    if inp.augment is not None:  # seeded by each example's position: the batch numbers kept, alongside
+        numbers = tf.data.Dataset.counter(first).filter(kept) if dropped.shape[0] else tf.data.Dataset.counter(first)
+        augment = graph_code(
+            lambda batch, number: order.augment_batch(
+                batch, inp.augment, order.batch_positions(number, batch_size), seed
+            )
+        )
+        dataset = tf.data.Dataset.zip((dataset, numbers)).map(augment)
     return prefetch_for_accelerators(dataset).with_options(dataset_options)
 
 
