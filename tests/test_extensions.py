@@ -99,7 +99,7 @@ def test_stages_follow_after_and_the_checkpoint_runs_after_every_extension_with_
     order = names(registry.extensions)
     assert order.index("a") < order.index("b")
     assert order.index("kept") < order.index("checkpoint") and order.index("plain") < order.index("checkpoint")
-    assert order[:2] == ["progress", "eval"]  # what others read first, as given
+    assert order[:3] == ["data_position", "progress", "eval"]  # what others read first, as given
     assert order[-2:] == ["checkpoint", "preemption"]  # Ctrl-C's save, in every run, after the periodic one
     registry.check()
     assert [n for stage, n in log if stage == "check"] == [n for n in order if n in ("a", "b", "kept")]
