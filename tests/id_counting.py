@@ -1,4 +1,4 @@
-"""A run that counts which examples it trained on, for tests/test_data_service.py.
+"""A run that counts which examples it trained on, for tests/test_data_service.py and tests/test_data_position.py.
 
 Example i is `(x, i)`; the model holds `seen`, how often each id was in a trained batch, which the
 step adds to (summed across workers on the ps) and the checkpoint keeps, so a test reads from the
