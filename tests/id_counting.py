@@ -1,17 +1,22 @@
-"""A run that counts which examples it trained on, for tests/test_data_service.py.
+"""A run that counts which examples it trained on, for tests/test_data_service.py and tests/test_data_position.py.
 
 Example i is `(x, i)`; the model holds `seen`, how often each id was in a trained batch, which the
 step adds to (summed across workers on the ps) and the checkpoint keeps, so a test reads from the
 newest checkpoint exactly which examples the run consumed.
 
 Gin: `import tests.id_counting`, `train.input_fn = @ids`, `train.model_fn = @id_counter`,
-`train.step_fn = @counting_step`, `train.eval_step_fn = @counting_eval_step`.
+`train.step_fn = @counting_step`, `train.eval_step_fn = @counting_eval_step`; `PauseAt` holds a run
+at a step for a test to signal it there.
 """
 
 from __future__ import annotations
 
+import time
+
 import gin
 import tensorflow as tf
+
+from trainer.extensions import Extension
 
 NUM_IDS = 512
 
@@ -58,3 +63,20 @@ def seen(model_dir: str):
     reader = tf.train.load_checkpoint(model_dir)
     (key,) = [k for k in reader.get_variable_to_shape_map() if "seen" in k and "OPTIMIZER" not in k]
     return reader.get_tensor(key)
+
+
+@gin.configurable
+class PauseAt(Extension):
+    """After the loop call (and any checkpoint) ending at `step`, prints `paused at step N` and sleeps
+    `secs`: a test signals the group then, at a known step, with nothing in flight."""
+
+    name = "pause_at"
+    after = ("checkpoint",)
+
+    def __init__(self, step: int = 48, secs: float = 60.0):
+        self.step, self.secs = step, secs
+
+    def after_loop(self, context, step, metrics):
+        if step == self.step:
+            print(f"paused at step {step}", flush=True)
+            time.sleep(self.secs)

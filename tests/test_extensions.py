@@ -99,8 +99,9 @@ def test_stages_follow_after_and_the_checkpoint_runs_after_every_extension_with_
     order = names(registry.extensions)
     assert order.index("a") < order.index("b")
     assert order.index("kept") < order.index("checkpoint") and order.index("plain") < order.index("checkpoint")
-    # the claim first, then what others read, as given (the train metrics' results: read by progress)
-    assert order[:4] == ["model_dir_claim", "train_metrics", "progress", "eval"]
+    # the claim first, the data position's guarantee, then what others read, as given (the train metrics' results:
+    # read by progress)
+    assert order[:5] == ["model_dir_claim", "data_position", "train_metrics", "progress", "eval"]
     assert order[-2:] == ["checkpoint", "preemption"]  # Ctrl-C's save, in every run, after the periodic one
     registry.check()
     assert [n for stage, n in log if stage == "check"] == [n for n in order if n in ("a", "b", "kept")]

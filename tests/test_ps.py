@@ -416,11 +416,11 @@ class _RejectingCoordinator:
 
     def __init__(self, rejections: int, error: Exception | None = None):
         self.rejections, self.error = rejections, error or tf.errors.InternalError(None, None, REJECTED)
-        self.rounds: list[list[int]] = [[]]
+        self.rounds: list[list[tuple[int, int]]] = [[]]  # per round, each closure's (first batch, steps)
 
     def schedule(self, fn, args):
-        steps = int(args[1].numpy())
-        self.rounds[-1].append(steps)
+        first_batch, steps = int(args[1].numpy()), int(args[2].numpy())
+        self.rounds[-1].append((first_batch, steps))
         failing = len(self.rounds) <= self.rejections
         first = len(self.rounds[-1]) == 1
         cancelled = tf.errors.CancelledError(None, None, "The corresponding function is cancelled.")
@@ -457,7 +457,8 @@ def test_a_closure_a_worker_rejected_unread_runs_again_with_the_ones_cancelled_w
     coordinator = _RejectingCoordinator(rejections=2)
     loop, step = _loop(coordinator, printed)
     assert loop.run(30) == {"loss": 2.0}  # every step counted once
-    assert coordinator.rounds[:3] == [[10, 10, 10]] * 3 and int(step.numpy()) == 30
+    # Scheduled again on the same global batches: a closure's batches are its arguments, not its worker's.
+    assert coordinator.rounds[:3] == [[(0, 10), (10, 10), (20, 10)]] * 3 and int(step.numpy()) == 30
     assert len(printed) == 2 and all(
         line.startswith("warning: a worker's server rejected a closure in steps 1-30") for line in printed
     ), printed

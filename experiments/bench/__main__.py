@@ -15,7 +15,10 @@ For the config's model, data, optimizer, strategy and speed options it measures,
   `checkpoint_every_steps`, the operative config) and `steps_per_loop` as configured, in a
   temporary model_dir. Eval runs once, after the last measured step (fit gets no
   validation data either); ours_async: the same with `train.async_checkpoint = True`, so
-  that the two side by side show what saving in line costs;
+  that the two side by side show what saving in line costs; ours_epoch_order (on request:
+  `--variants=limit,ours,ours_epoch_order`): the same with in-memory data in whole-epoch
+  permutations (experiments/bench/epoch_order.py), the order before it was read by index, so
+  that the two side by side show what reading by index costs;
 - orbit: Orbit's `Controller` over an `orbit.StandardTrainer` (TensorFlow Model Garden's loop)
   on the same model, optimizer, step, distributed dataset and strategy, with its checkpoint
   manager and summaries at our intervals (experiments/bench/orbit.py). Orbit is not a

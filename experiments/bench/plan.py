@@ -24,6 +24,7 @@ WORK = {
     "limit_input": "next(iterator) of the config's distributed input, nothing else",
     "ours": "progress records (metrics.jsonl, TensorBoard) and checkpoints, saved in line",
     "ours_async": "progress records and checkpoints, written on a background thread",
+    "ours_epoch_order": "as ours; in-memory data in whole-epoch permutations, not read by index",
     "orbit": "summaries (TensorBoard: the means at log boundaries, its steps/s and a flush after every call) "
     "and checkpoints, saved in line",
     "fit": "none: no callbacks but the pacer (fit's History runs on its own thread)",
@@ -67,6 +68,8 @@ class Variant:
 # In the order they run in a forward round: ours between the limit and Orbit, fit next to Orbit, so that the
 # chunks compared most run close together in time.
 VARIANTS = ("limit_input", "ours_async", "limit", "ours", "orbit", "fit")
+# On request only: ours with the order in-memory data had before it was read by index (what that costs).
+OPTIONAL_VARIANTS = ("ours_epoch_order",)
 
 
 def plan_variants(settings, names: list[str], fit_spes: list[int]) -> list[Variant]:
@@ -82,6 +85,8 @@ def plan_variants(settings, names: list[str], fit_spes: list[int]) -> list[Varia
             variants.append(Variant("ours", "ours (trainer.train + hooks)", "ours"))
         elif name == "ours_async":
             variants.append(Variant("ours_async", "ours, train.async_checkpoint = True", "ours_async"))
+        elif name == "ours_epoch_order":
+            variants.append(Variant("ours_epoch_order", "ours, epoch-permutation order", "ours_epoch_order"))
         elif name == "orbit":
             variant = Variant("orbit", "Orbit Controller + StandardTrainer", "orbit")
             if reason := orbit.missing():
@@ -96,7 +101,7 @@ def plan_variants(settings, names: list[str], fit_spes: list[int]) -> list[Varia
                     variant.status, variant.reason = "cannot_run", fit_cannot_run(settings.mode)
                 variants.append(variant)
         else:
-            raise UserError(f"unknown --variants entry {name!r}: use {', '.join(VARIANTS)}")
+            raise UserError(f"unknown --variants entry {name!r}: use {', '.join(VARIANTS + OPTIONAL_VARIANTS)}")
     return variants
 
 

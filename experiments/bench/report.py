@@ -25,6 +25,7 @@ COMPARISONS = (
     ("ours_async_over_ours", "ours_async", "ours"),  # what saving in line costs
     ("ours_async_over_orbit", "ours_async", "orbit"),
     ("ours_async_over_fit_best", "ours_async", "fit_best"),
+    ("ours_epoch_order_over_limit", "ours_epoch_order", "limit"),  # ours/limit before reading by index
 )
 
 

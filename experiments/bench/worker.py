@@ -8,6 +8,7 @@ import sys
 import traceback
 
 from experiments.bench.config import train_settings
+from experiments.bench.epoch_order import use_epoch_order
 from experiments.bench.fit import run_fit
 from experiments.bench.limit import run_limit
 from experiments.bench.orbit import run_orbit
@@ -46,6 +47,9 @@ def run_worker(role: str, gin_files: list[str], gin_bindings: list[str], *, fit_
             run_limit(settings, channel, from_input=role == "limit_input")
         elif role in ("ours", "ours_async"):
             run_ours(settings, channel, total_steps, async_checkpoint=role == "ours_async")
+        elif role == "ours_epoch_order":
+            use_epoch_order()
+            run_ours(settings, channel, total_steps)
         elif role == "orbit":
             run_orbit(settings, channel)
         elif role == "fit":

@@ -10,6 +10,7 @@ from trainer.data.distribute import (
     served_train,
     shards_by_file,
 )
+from trainer.data.indexed import IndexedBatches, indexed_batches, replica_slice
 from trainer.data.inputs import (
     MAX_IN_MEMORY_BYTES,
     SPLITS,
@@ -20,6 +21,7 @@ from trainer.data.inputs import (
     as_input,
     check_sizes,
 )
+from trainer.data.order import batch_indices, example_indices, example_seeds
 from trainer.data.pipeline import (
     MAX_SHUFFLE_BUFFER,
     SHARD_POLICIES,

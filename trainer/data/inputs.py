@@ -4,7 +4,9 @@ An input function is `input_fn(split)` or `input_fn(split, input_context)` retur
 `tf.data.Dataset` of fixed-shape examples of any structure; one that declares `input_context` returns
 only that pipeline's shard when `input_context.num_input_pipelines > 1`. Optional attributes, used where
 present: `num_classes`, `splits`, `num_examples(split)` (saves counting), `num_files(split)` (enables the
-FILE-sharding checks), `validate()` (raises UserError early), `arrays(split)` (the split in memory).
+FILE-sharding checks), `validate()` (raises UserError early), `arrays(split)` (the split in memory),
+`augment(example, seed)` (a random augmentation of one train example from stateless ops seeded by `seed`,
+shape [2], which the loop derives from the example's place in the order: trainer/data/order.py).
 The built-in sources (trainer.data.sources, trainer.data.tfrecord) are such functions.
 """
 
@@ -96,6 +98,7 @@ class Input:
         # (`fn.deterministic = False`): exact resume and roll-back need them again.
         self.deterministic: bool = getattr(input_fn, "deterministic", True) is not False
         self.shards_itself = signature is not None and "input_context" in signature.parameters
+        self.augment: Callable[[Any, tf.Tensor], Any] | None = getattr(input_fn, "augment", None)
         self._counts: dict[str, int] = {}
         self.print_fn: Callable[[str], None] | None = None
         self._memory: dict[Shard | None, Any] = {}

@@ -6,12 +6,14 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from trainer.data import order
 from trainer.data.inputs import Input, InputFunction, Shard, as_input, shard_of
 from trainer.errors import UserError
 
 SHARD_POLICIES = {name: getattr(tf.data.experimental.AutoShardPolicy, name) for name in ("AUTO", "FILE", "DATA", "OFF")}
 MAX_SHUFFLE_BUFFER = 10_000
 GATHER_BATCHES = 8  # batches gathered from memory per call (see `gathered`)
+INDEX_BATCHES = 8  # batches of example indices computed per call (see `shuffled_index_batches`)
 MAX_GATHER_BYTES = 16 * 1024**2
 
 
@@ -67,14 +69,21 @@ def train_dataset(
             dataset = dataset.shard(*shard)
         dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).repeat()
         dataset = dataset.batch(batch_size, drop_remainder=True).skip(first)
-    if dropped := [b for b in drop_batches if b >= first]:
-        dropped = tf.constant(dropped, tf.int64)
-        dataset = dataset.enumerate(start=first).filter(
-            graph_code(lambda i, _: tf.reduce_all(tf.not_equal(i, dropped)))
-        )
+    dropped = tf.constant([b for b in drop_batches if b >= first], tf.int64)
+    kept = graph_code(lambda i, *_: tf.reduce_all(tf.not_equal(i, dropped)))
+    if dropped.shape[0]:
+        dataset = dataset.enumerate(start=first).filter(kept)
         dataset = dataset.map(graph_code(lambda _, batch: batch))
     if held is not None:
         dataset = gathered(dataset, held[0], batch_size)
+    if inp.augment is not None:  # seeded by each example's position: the batch numbers kept, alongside
+        numbers = tf.data.Dataset.counter(first).filter(kept) if dropped.shape[0] else tf.data.Dataset.counter(first)
+        augment = graph_code(
+            lambda batch, number: order.augment_batch(
+                batch, inp.augment, order.batch_positions(number, batch_size), seed
+            )
+        )
+        dataset = tf.data.Dataset.zip((dataset, numbers)).map(augment)
     return prefetch_for_accelerators(dataset).with_options(dataset_options)
 
 
@@ -127,10 +136,11 @@ def shuffled_index_batches(
 ) -> tf.data.Dataset:
     """Endless `[batch_size]` int64 batches of example indices, from batch `first_batch` on.
 
-    Epoch e is a permutation seeded by (seed, e); batches run across epoch boundaries, as in
-    `shuffle().repeat().batch()`, but a batch costs one slice instead of `batch_size` trips through a
-    shuffle buffer, and a resumed run starts at its batch without replaying those before it.
-    `shard` keeps every n-th example (the examples of one input pipeline).
+    Batch i holds positions `[i * batch_size, (i + 1) * batch_size)` of the one global order
+    (`order.example_indices`: epoch e a permutation keyed by (seed, e)); batches run across epoch boundaries,
+    as in `shuffle().repeat().batch()`, but a batch costs one vectorized op instead of `batch_size` trips
+    through a shuffle buffer, and a resumed run starts at its batch without replaying those before it.
+    `shard` keeps every n-th example (the examples of one input pipeline) and orders those.
     """
     ids = tf.range(num_examples, dtype=tf.int64)
     if shard:
@@ -140,22 +150,14 @@ def shuffled_index_batches(
         raise UserError(
             f"input pipeline {shard} of {num_examples} training examples holds none: use fewer workers or more data"
         )
-    first_epoch, offset = divmod(first_batch * batch_size, count)
-
-    def permutation(epoch):
-        order = tf.random.experimental.stateless_shuffle(
-            tf.range(count, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), tf.cast(epoch, tf.int64)])
-        )
-        return tf.gather(ids, order)
 
     @graph_code
-    def cut(leftover, epoch):
-        stream = tf.concat([leftover, permutation(epoch)], 0)
-        whole_batches = tf.size(stream, out_type=tf.int64) // batch_size * batch_size
-        return stream[whole_batches:], tf.reshape(stream[:whole_batches], [-1, batch_size])
+    def indices(batch):  # INDEX_BATCHES batches from `batch` on, in one op: the op's call is most of its cost
+        positions = batch * batch_size + tf.range(INDEX_BATCHES * batch_size, dtype=tf.int64)
+        ordered = tf.reshape(order.example_indices(positions, count, seed), [INDEX_BATCHES, batch_size])
+        return tf.gather(ids, ordered) if shard else ordered
 
-    initial = permutation(first_epoch)[offset:]
-    return tf.data.Dataset.counter(first_epoch + 1).scan(initial, cut).unbatch()
+    return tf.data.Dataset.counter(first_batch, INDEX_BATCHES).map(indices).unbatch()
 
 
 def with_weight(example: Any, weight: float | tf.Tensor) -> tuple:

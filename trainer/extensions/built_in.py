@@ -18,6 +18,7 @@ from trainer.errors import UserError
 from trainer.extensions.best_checkpoints import BestCheckpoints
 from trainer.extensions.checkpointing import PeriodicCheckpoints
 from trainer.extensions.config_writer import ConfigWriter, HParamsWriter
+from trainer.extensions.data_position import DataPosition
 from trainer.extensions.early_stopping import EarlyStop, EarlyStoppingOptions
 from trainer.extensions.ema import Ema
 from trainer.extensions.evaluation import PeriodicEval
@@ -111,6 +112,7 @@ def _train_metrics_row() -> list[Extension]:
 
 BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn(ModelDirClaim, lambda s: ModelDirClaim()),  # first: the claim comes before every other write
+    BuiltIn(DataPosition, lambda s: DataPosition()),  # then its restart guarantee, among the run's first lines
     BuiltIn(TrainMetrics, _train_metrics, shown_as=_train_metrics_row),
     BuiltIn(ProgressLogger, lambda s: ProgressLogger(s.log_every_steps)),
     BuiltIn(PeriodicEval, lambda s: PeriodicEval(s.eval_every_steps)),

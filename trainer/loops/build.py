@@ -126,6 +126,9 @@ def build_ps_loops(
     steps_per_closure = config.steps_per_closure or max(1, -(-settings.steps_per_loop // (2 * workers)))
     coordinator = tf.distribute.coordinator.ClusterCoordinator(dist)
     count_steps_atomically(task.optimizers, task.global_step)  # schedules and Adam follow every step
+    indexed = (
+        None if settings.data_service else data.indexed_batches(task.input, settings.global_batch_size, settings.seed)
+    )
     train_data = per_worker_train_data(
         dist,
         coordinator,
@@ -136,6 +139,7 @@ def build_ps_loops(
         shard_policy=settings.shard_policy,
         service=settings.data_service,
         model_dir=settings.model_dir,
+        indexed=indexed,
     )
     loop = PSTrainLoop(
         dist,
@@ -147,6 +151,7 @@ def build_ps_loops(
         train_data,
         task.global_step,
         steps_per_closure=steps_per_closure,
+        indexed=indexed,
         print_fn=print_fn,
         batch_spec=tf.nest.map_structure(lambda s: tf.TensorSpec([None, *s.shape], s.dtype), task.input.element_spec),
     )

@@ -14,12 +14,18 @@ closure on a worker that died runs again elsewhere, so its updates may be partly
 the ClusterCoordinator's contract); the optimizer's `iterations` counts every step
 (trainer/loops/ps_schedules.py).
 
-Data: each worker builds its dataset in the per-worker dataset function (rule 8). One worker reads
-exactly the single-device pipeline; with N, worker k reads the whole set shuffled with `seed + k`
-(k from a counter on the ps), so a dead worker takes no data with it. On resume each worker skips
-`start_step / N` batches (approximate with several workers: who ran which step is not recorded).
-With a tf.data service every worker reads its batches from the run's one job instead
-(`data.served_train`): with 'distributed_epoch', each example once per epoch across the workers.
+Data: with random access (a train split held in memory), each closure is given the indices of its
+global batches, steps `step + 1 ...` training on batches `step ...` of the one global order
+(trainer/data/order.py), and its worker gathers them from its own copy of the split
+(trainer/data/indexed.py). A closure TF runs again (its worker died) runs on the same batches, and `run`
+joins before any checkpoint, so a checkpoint at step S holds exactly batches 0..S-1 on any worker count:
+each example once per pass, a resume goes on at batch S. A stream without random access is read by
+each worker from its own copy in the per-worker dataset function (rule 8): one worker reads exactly the
+single-device pipeline; with N, worker k reads the whole set shuffled with `seed + k` (k from a counter on
+the ps), so a dead worker takes no data with it, and on resume each worker skips `start_step / N` batches
+(approximate: who ran which step is not recorded). With a tf.data service every worker reads its batches
+from the run's one job instead (`data.served_train`): with 'distributed_epoch', each example once per epoch
+across the workers.
 Evaluation reads the ps variables over the whole eval set, every example once: spread over the workers in
 shards (trainer/loops/ps_eval.py, `parameter_server.eval_shards`) or on the coordinator.
 """
@@ -128,6 +134,7 @@ class PSTrainLoop:
         global_step: tf.Variable,
         *,
         steps_per_closure: int,
+        indexed: data.IndexedBatches | None = None,
         batch_spec=None,
         print_fn: Callable[[str], None] = print,
     ):
@@ -140,21 +147,33 @@ class PSTrainLoop:
         self._iterator = iter(per_worker_dataset)
 
         def replica_step(batch):
+            if indexed is not None:
+                batch = data.replica_slice(batch)
             return call_step(step_fn, model, optimizer, batch, global_batch_size)
+
+        def batches(iterator):
+            """Global batch index -> the batch a step trains on: gathered by index, or the stream's next."""
+            if indexed is None:
+                return lambda _: next(iterator)
+            examples = next(iterator)  # the worker's copy of the split
+            return lambda batch_index: indexed.batch(examples, batch_index)
 
         self._model, self._optimizer, self._step_fn = model, optimizer, step_fn
         self._global_batch_size, self._batch_spec = global_batch_size, batch_spec
 
         self.rule = rule = combine.rule_of(step_fn)  # how each output combines (trainer/task/combine.py)
 
-        def train_steps(iterator, num_steps):
-            def one_step(totals):
-                outputs = reduce_outputs(strategy, strategy.run(replica_step, args=(next(iterator),)), rule=rule)
-                return combine.over_steps(rule, totals, outputs)
+        def train_steps(iterator, first_batch, num_steps):
+            batch_at = batches(iterator)
+
+            def one_step(state):
+                batch_index, totals = (first_batch, None) if state is None else state
+                outputs = reduce_outputs(strategy, strategy.run(replica_step, args=(batch_at(batch_index),)), rule=rule)
+                return batch_index + 1, combine.over_steps(rule, totals, outputs)
 
             started = tf.timestamp()
             with tf.control_dependencies([started]):
-                totals = repeated(one_step, num_steps)  # sums (or max/min) over the closure's steps
+                _, totals = repeated(one_step, num_steps)  # sums (or max/min) over the closure's steps
             with tf.control_dependencies(tf.nest.flatten(totals)):
                 return totals, closure_report(started)  # which worker ran it, in how many seconds
 
@@ -165,20 +184,24 @@ class PSTrainLoop:
         """Continues from new per-worker train data, without retracing."""
         self._iterator = iter(per_worker_dataset)
 
+    def _args(self, first_batch: int, num_steps: int) -> tuple:
+        return self._iterator, tf.constant(first_batch, tf.int64), tf.constant(num_steps, tf.int32)
+
     def run(self, num_steps: int) -> dict[str, float]:
         """Trains `num_steps` steps on the workers; returns each output's mean over them. A closure
         rejected before running (`rejected_by_worker`) is scheduled again with those cancelled with it,
         as TF asks, up to `MAX_RESCHEDULES` times a call, with one warning line each."""
         step = self._step
-        pending = split_steps(num_steps, self._steps_per_closure)
+        sizes = split_steps(num_steps, self._steps_per_closure)
+        pending = [(step + sum(sizes[:k]), n) for k, n in enumerate(sizes)]  # (first batch, steps)
         totals: dict[str, float] | None = None
         rescheduled = 0
         self.worker_reports = []
         try:
             while pending:
                 scheduled = [
-                    (n, self._coordinator.schedule(self._train_steps, args=(self._iterator, tf.constant(n, tf.int32))))
-                    for n in pending
+                    ((first, n), self._coordinator.schedule(self._train_steps, args=self._args(first, n)))
+                    for first, n in pending
                 ]
                 try:
                     self._coordinator.join()
@@ -192,7 +215,7 @@ class PSTrainLoop:
                         f"and the closures cancelled with it again ({rescheduled}/{MAX_RESCHEDULES})"
                     )
                 pending = []
-                for n, result in scheduled:
+                for (first, n), result in scheduled:
                     try:
                         outputs, report = result.fetch()
                     except (tf.errors.CancelledError, tf.errors.InternalError) as error:
@@ -200,7 +223,7 @@ class PSTrainLoop:
                             isinstance(error, tf.errors.CancelledError) or rejected_by_worker(error)
                         ):
                             raise
-                        pending.append(n)
+                        pending.append((first, n))
                         continue
                     totals = combine.over_steps(self.rule, totals, {k: float(v) for k, v in outputs.items()})
                     self.worker_reports.append((*(float(v) for v in report), n))
@@ -293,9 +316,13 @@ def per_worker_train_data(
     shard_policy: str,
     service: data_service.DataServiceConfig | None = None,
     model_dir: str | None = None,
+    indexed: data.IndexedBatches | None = None,
 ):
-    """Per-worker datasets, each built on its worker inside the dataset function (see module doc); with a
-    tf.data `service`, each worker a reader of the run's one job."""
+    """Per-worker datasets, each built on its worker inside the dataset function (see module doc): with
+    `indexed`, each worker's copy of the split; with a tf.data `service`, each worker a reader of the run's
+    one job; else each worker's own stream."""
+    if indexed is not None:
+        return coordinator.create_per_worker_dataset(indexed.source)
     if service is not None:
         data_service.check_servable(inp)
         served = lambda: data.served_train(strategy, inp, global_batch_size, seed, service, model_dir=model_dir)  # noqa: E731

@@ -1,0 +1,249 @@
+"""The data position (trainer/data/order.py, trainer/data/indexed.py, trainer/extensions/data_position.py):
+one global order of example indices, the same batches on every path, and every example trained on exactly
+once per pass through a real SIGKILL or SIGTERM and a resume on another worker count, counted by the
+id-counting run (tests/id_counting.py: 512 ids, global batch 8, 128 steps = two passes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import id_counting
+from tests.support import REPO, Main, main_in_one_process, subprocess_env
+from tests.test_multiworker import trainer_pids_for
+from trainer import data
+from trainer.extensions.data_position import INDEXED, SERVICE, STREAM, guarantee
+
+COUNTING = [
+    "--gin_bindings=import tests.id_counting",
+    "--gin_bindings=train.input_fn = @ids",
+    "--gin_bindings=train.model_fn = @id_counter",
+    "--gin_bindings=train.step_fn = @counting_step",
+    "--gin_bindings=train.eval_step_fn = @counting_eval_step",
+    "--gin_bindings=train.global_batch_size = 8",
+    "--gin_bindings=train.total_steps = 128",  # two passes over the 512 ids
+    "--gin_bindings=train.steps_per_loop = 4",
+    "--gin_bindings=train.checkpoint_every_steps = 16",
+    "--gin_bindings=train.eval_every_steps = 128",
+    "--gin_bindings=train.preemption_checkpointing = True",
+]
+
+
+def paused_at(step: int, secs: float = 30) -> list[str]:
+    return [
+        "--gin_bindings=train.extensions = [@PauseAt()]",
+        f"--gin_bindings=PauseAt.step = {step}",
+        f"--gin_bindings=PauseAt.secs = {secs}",
+    ]
+
+
+def counts(model_dir) -> list[int]:
+    """How many ids were trained on 0, 1, 2, ... times, from the newest checkpoint."""
+    return np.bincount(id_counting.seen(str(model_dir))).tolist()
+
+
+def test_the_order_is_a_permutation_per_epoch_keyed_by_seed_and_epoch_alone():
+    count, batch = 10, 4  # batches straddle epochs
+    positions = tf.range(3 * count, dtype=tf.int64)
+    order = data.example_indices(positions, count, seed=5).numpy().reshape(3, count)
+    assert all(sorted(epoch) == list(range(count)) for epoch in order)
+    assert len({tuple(epoch) for epoch in order}) == 3  # reshuffled every epoch
+    assert not np.array_equal(order, data.example_indices(positions, count, seed=6).numpy().reshape(3, count))
+    # Position p names the same example however the positions are asked for: one at a time, any shape.
+    assert [int(data.example_indices(p, count, seed=5)) for p in range(3 * count)] == order.ravel().tolist()
+    # Global batch i is positions [i * B, (i + 1) * B): what the index batches hand out, from any start.
+    batches = [b.numpy().tolist() for b in data.shuffled_index_batches(count, batch, seed=5, first_batch=3).take(4)]
+    assert batches == order.ravel()[3 * batch : 7 * batch].reshape(4, batch).tolist()
+    assert batches[0] == data.batch_indices(3, batch, count, seed=5).numpy().tolist()
+
+
+def test_a_closure_gathers_the_batches_the_synchronous_pipeline_gives():
+    """The parameter-server path (each worker gathering global batch i from its copy) and the synchronous
+    pipeline train on the same examples in the same order, so no path depends on the worker count."""
+    source = data.Synthetic(num_train=40, num_eval=8)
+    pipeline = [b for b in data.train_dataset(source, 16, seed=3).take(6).as_numpy_iterator()]
+    indexed = data.indexed_batches(data.Input(source), 16, seed=3)
+    examples = next(iter(indexed.source()))
+    for i, (images, labels) in enumerate(pipeline):
+        gathered_images, gathered_labels = indexed.batch(examples, tf.constant(i, tf.int64))
+        np.testing.assert_array_equal(gathered_images.numpy(), images)
+        np.testing.assert_array_equal(gathered_labels.numpy(), labels)
+    generated = data.Input(lambda split: tf.data.Dataset.range(40).filter(lambda x: x % 2 == 0))
+    assert data.indexed_batches(generated, 16, seed=3) is None  # unknown size: a stream
+
+
+class NoisyImages(data.Synthetic):
+    """Synthetic images with an augmentation: uniform noise drawn from the example's seed."""
+
+    def augment(self, example, seed):
+        image, label = example
+        return image + tf.random.stateless_uniform(tf.shape(image), seed), label
+
+
+def test_augmentation_is_keyed_by_seed_and_position_so_a_resume_and_a_closure_draw_the_same():
+    source = NoisyImages(num_train=40, num_eval=8)
+    full = [b for b in data.train_dataset(source, 16, seed=3).take(6).as_numpy_iterator()]
+    plain = [b for b in data.train_dataset(data.Synthetic(num_train=40, num_eval=8), 16, seed=3).take(6)]
+    assert not np.allclose(full[0][0], plain[0][0].numpy()) and np.array_equal(full[0][1], plain[0][1].numpy())
+    resumed = [b for b in data.train_dataset(source, 16, seed=3, skip_batches=3).take(3).as_numpy_iterator()]
+    for expected, got in zip(full[3:], resumed):
+        np.testing.assert_array_equal(expected[0], got[0])
+    indexed = data.indexed_batches(data.Input(source), 16, seed=3)
+    examples = next(iter(indexed.source()))
+    np.testing.assert_array_equal(indexed.batch(examples, tf.constant(4, tf.int64))[0].numpy(), full[4][0])
+    # The same example in the next epoch gets another draw.
+    order = data.example_indices(tf.range(80, dtype=tf.int64), 40, seed=3).numpy()
+    again = 40 + int(np.flatnonzero(order[40:] == order[0])[0])
+    assert not np.allclose(full[0][0][0], full[again // 16][0][again % 16])
+    np.testing.assert_array_equal(full[0][1][0], full[again // 16][1][again % 16])
+
+
+def test_the_start_line_says_what_a_restart_guarantees_where_it_is_not_exact():
+    assert guarantee(INDEXED, asynchronous=True, workers=3, deterministic=True) is None
+    served = guarantee(SERVICE, asynchronous=False, workers=2, deterministic=True)
+    assert "at most once" in served and "from_tensor_slices" in served
+    assert "(approximate)" in guarantee(STREAM, asynchronous=True, workers=2, deterministic=True)
+    assert "exact only on the same worker count" in guarantee(STREAM, asynchronous=True, workers=1, deterministic=True)
+    assert "(approximate)" in guarantee(STREAM, asynchronous=False, workers=1, deterministic=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_change_of_the_data_at_restore_is_one_line_or_allowed_with_what_the_position_then_means(tmp_path):
+    model_dir = str(tmp_path / "run")
+    digits = ["--gin_file=gin/single.gin", "--gin_bindings=train.checkpoint_every_steps = 4"]
+    results = main_in_one_process(
+        {
+            "first": ([*digits, "--gin_bindings=train.total_steps = 4"], model_dir),
+            "other seed": (
+                [*digits, "--gin_bindings=train.total_steps = 8", "--gin_bindings=train.seed = 1"],
+                model_dir,
+            ),
+            "other data": (
+                [
+                    *digits,
+                    "--gin_bindings=train.total_steps = 8",
+                    "--gin_bindings=train.input_fn = @digits()",
+                    "--gin_bindings=digits.eval_fraction = 0.5",
+                ],
+                model_dir,
+            ),
+            "allowed": (
+                [
+                    *digits,
+                    "--gin_bindings=train.total_steps = 8",
+                    "--gin_bindings=train.seed = 1",
+                    "--gin_bindings=train.allow_resume_changes = True",
+                ],
+                model_dir,
+            ),
+        }
+    )
+    assert results["first"]["code"] == 0, results["first"]["stderr"][-3000:]
+    for case, change in (("other seed", "seed 0 -> 1"), ("other data", "num_examples 1438 -> 899")):
+        refused = results[case]
+        assert refused["code"] == 2 and refused["unchanged"], (case, refused["stdout"][-3000:])
+        (line,) = [line for line in refused["stderr"].splitlines() if line.startswith("error:")]
+        assert change in line and "256 examples into the order of 1438" in line and "allow_resume_changes" in line
+    allowed = results["allowed"]
+    assert allowed["code"] == 0, allowed["stderr"][-3000:]
+    assert (
+        "seed 0 -> 1), with train.allow_resume_changes: going on at global batch 4 of the new order"
+        in (allowed["stdout"])
+    )
+
+
+def run_to_the_end(model_dir, *args: str) -> str:
+    """Reruns the counting run in `model_dir` to step 128; returns its stdout."""
+    main = Main(*COUNTING, *args, f"--model_dir={model_dir}")
+    assert main.finish(timeout=300) == 0, main.tail()
+    return main.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_parameter_servers_killed_and_resumed_on_3_workers_train_every_id_exactly_twice(tmp_path):
+    """The embedded cluster (1 ps, 2 workers) SIGKILLed as a whole process group after the checkpoint at
+    step 48, then resumed on 3 workers: each closure's batches are given by index, so the 48 steps kept
+    are 384 distinct ids, and the two passes end with every id trained on exactly twice."""
+    model_dir = tmp_path / "run"
+    main = Main("--gin_file=gin/ps.gin", *COUNTING, *paused_at(48), f"--model_dir={model_dir}")
+    try:
+        main.wait_for("paused at step 48", timeout=300)
+        os.killpg(main.proc.pid, signal.SIGKILL)
+    finally:
+        main.finish(timeout=60)
+    assert counts(model_dir) == [128, 384]
+    out = run_to_the_end(model_dir, "--gin_file=gin/ps.gin", "--gin_bindings=local_cluster.num_workers = 3")
+    assert "(3 worker(s))" in out and "restored" in out
+    assert not any(line.startswith("data: ") for line in out.splitlines())  # exact: no guarantee line
+    assert counts(model_dir) == [0, 0, 512]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_parameter_servers_preempted_with_sigterm_train_every_id_exactly_twice(tmp_path):
+    """SIGTERM to the coordinator mid-run: the preemption save lands between periodic checkpoints (step 40),
+    and the rerun goes on from there."""
+    model_dir = tmp_path / "run"
+    main = Main("--gin_file=gin/ps.gin", *COUNTING, *paused_at(36, secs=3), f"--model_dir={model_dir}")
+    try:
+        main.wait_for("paused at step 36", timeout=300)
+        main.proc.send_signal(signal.SIGTERM)
+        assert main.finish(timeout=120) == 42, main.tail()
+    finally:
+        main.kill()
+    assert "preempted: saved ckpt-40" in main.stdout and counts(model_dir) == [192, 320]
+    run_to_the_end(model_dir, "--gin_file=gin/ps.gin")
+    assert counts(model_dir) == [0, 0, 512]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_multi_worker_mirrored_killed_and_resumed_on_1_worker_trains_every_id_exactly_twice(tmp_path):
+    """2 MultiWorkerMirrored workers under the launcher, each SIGKILLed with its process group after the
+    checkpoint at step 48; the run resumed on 1 worker trains on the same global batches."""
+    model_dir = str(tmp_path / "run")
+    args = ["--gin_file=gin/mwms.gin", *COUNTING, *paused_at(48), f"--model_dir={model_dir}"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", "--num_workers=2", "--", *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    paused = threading.Event()
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in launcher.stdout:
+            lines.append(line)
+            if "paused at step 48" in line:
+                paused.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert paused.wait(timeout=300), "".join(lines[-20:])
+        for pid in trainer_pids_for(model_dir):  # the workers (each in its own session) and the launcher
+            os.killpg(pid, signal.SIGKILL)
+        launcher.wait(timeout=60)
+    finally:
+        for pid in trainer_pids_for(model_dir):
+            os.killpg(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=30)
+    assert counts(model_dir) == [128, 384]
+    out = run_to_the_end(model_dir, "--gin_file=gin/mwms.gin")
+    assert "resuming on 1 worker(s) (was 2)" in out
+    assert counts(model_dir) == [0, 0, 512]
