@@ -4,6 +4,9 @@ Example i is `(x, i)`; the model holds `seen`, how often each id was in a traine
 step adds to (summed across workers on the ps) and the checkpoint keeps, so a test reads from the
 newest checkpoint exactly which examples the run consumed.
 
+`write_tfrecords(out_dir)` writes the same examples as TFRecord files, and `tfrecord_bindings` the gin lines
+that read them (`tfrecord_files` with the features `x` and `label`).
+
 Gin: `import tests.id_counting`, `train.input_fn = @ids`, `train.model_fn = @id_counter`,
 `train.step_fn = @counting_step`, `train.eval_step_fn = @counting_eval_step`; `PauseAt` holds a run
 at a step for a test to signal it there.
@@ -26,6 +29,36 @@ def ids(split: str) -> tf.data.Dataset:
     count = NUM_IDS if split == "train" else 16
     ids = tf.range(count, dtype=tf.int64)
     return tf.data.Dataset.from_tensor_slices((tf.cast(ids, tf.float32)[:, None] / count, ids))
+
+
+def write_tfrecords(out_dir: str, num_shards: int = 3) -> list[str]:
+    """`ids`' examples as TFRecord files `{split}-{shard}.tfrecord`, example i in shard i % num_shards (as
+    trainer.write_tfrecords writes them, so they read back in order); returns the train and eval patterns."""
+    for split in ("train", "eval"):
+        writers = [tf.io.TFRecordWriter(f"{out_dir}/{split}-{k}.tfrecord") for k in range(num_shards)]
+        for i, (x, label) in enumerate(ids(split).as_numpy_iterator()):
+            feature = {
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=x.tolist())),
+                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(label)])),
+            }
+            writers[i % num_shards].write(
+                tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
+            )
+        for writer in writers:
+            writer.close()
+    return [f"{out_dir}/train-*.tfrecord", f"{out_dir}/eval-*.tfrecord"]
+
+
+def tfrecord_bindings(out_dir: str) -> list[str]:
+    """The flags that train the counting run on the files `write_tfrecords(out_dir)` wrote."""
+    train, eval_ = write_tfrecords(out_dir)
+    return [
+        "--gin_bindings=train.input_fn = @tfrecord_files()",
+        f"--gin_bindings=tfrecord_files.train_pattern = '{train}'",
+        f"--gin_bindings=tfrecord_files.eval_pattern = '{eval_}'",
+        "--gin_bindings=tfrecord_files.features = {'x': @float_feature(), 'label': @int64_feature()}",
+        "--gin_bindings=float_feature.shape = (1,)",
+    ]
 
 
 class IdCounter(tf.Module):

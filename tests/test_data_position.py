@@ -105,6 +105,45 @@ def test_augmentation_is_keyed_by_seed_and_position_so_a_resume_and_a_closure_dr
     np.testing.assert_array_equal(full[0][1][0], full[again // 16][1][again % 16])
 
 
+def test_tfrecord_files_that_fit_are_held_and_give_the_order_of_the_same_data_from_memory(tmp_path):
+    """TFRecord files under tfrecord_files.max_memory_bytes are read once as serialized records and each
+    global batch gathered by index and parsed: the same batches as the same examples from memory, on the
+    synchronous pipeline from any resumed batch and on a parameter-server closure, with the schema's batched
+    parsing and with a parse_fn of one record at a time; over the budget they stream."""
+    train, eval_ = id_counting.write_tfrecords(str(tmp_path))
+    features = {"x": data.float_feature((1,)), "label": data.int64_feature()}
+    spec = {name: feature.parse_spec() for name, feature in features.items()}
+
+    def parse_one(record):
+        parsed = tf.io.parse_single_example(record, spec)
+        return parsed["x"], tf.cast(parsed["label"], tf.int32)
+
+    def from_memory(split):
+        x, ids = next(id_counting.ids(split).batch(1024).as_numpy_iterator())
+        return tf.data.Dataset.from_tensor_slices((x, ids.astype(np.int32)))
+
+    expected = [b for b in data.train_dataset(from_memory, 8, seed=3).take(70).as_numpy_iterator()]  # > 1 pass
+    for files in (
+        data.TFRecordFiles(train, eval_, features=features),
+        data.TFRecordFiles(train, eval_, parse_fn=parse_one),
+    ):
+        inp = data.Input(files)
+        assert inp.train_arrays() is not None and inp.train_arrays()[0].dtype == object
+        got = [b for b in data.train_dataset(inp, 8, seed=3).take(70).as_numpy_iterator()]
+        resumed = [b for b in data.train_dataset(inp, 8, seed=3, skip_batches=61).take(9).as_numpy_iterator()]
+        indexed = data.indexed_batches(inp, 8, seed=3)
+        closure = indexed.batch(next(iter(indexed.source())), tf.constant(66, tf.int64))
+        for want, have in zip(expected, got):
+            np.testing.assert_array_equal(want[1], have[1])
+            np.testing.assert_array_equal(want[0], have[0])
+        assert [b[1].tolist() for b in resumed] == [b[1].tolist() for b in expected[61:]]
+        assert closure[1].numpy().tolist() == expected[66][1].tolist()
+    streamed = data.Input(data.TFRecordFiles(train, eval_, features=features, max_memory_bytes=1024))
+    assert streamed.train_arrays() is None and data.indexed_batches(streamed, 8, seed=3) is None
+    with_files = data.Input(data.TFRecordFiles(train, eval_, features=features))  # FILE: each worker its own files
+    assert data.pipeline.held_train(with_files, "FILE") is None and data.pipeline.held_train(with_files, "AUTO")
+
+
 def test_the_start_line_says_what_a_restart_guarantees_where_it_is_not_exact():
     assert guarantee(INDEXED, asynchronous=True, workers=3, deterministic=True) is None
     served = guarantee(SERVICE, asynchronous=False, workers=2, deterministic=True)

@@ -12,7 +12,7 @@ import tensorflow as tf
 from trainer import internals
 from trainer.data import service as data_service
 from trainer.data.inputs import Input, InputFunction, as_input
-from trainer.data.pipeline import eval_dataset, prefetch_for_accelerators, train_dataset, whole
+from trainer.data.pipeline import eval_dataset, held_train, prefetch_for_accelerators, train_dataset, whole
 from trainer.errors import UserError
 
 
@@ -53,11 +53,15 @@ def _check(strategy: tf.distribute.Strategy, inp: Input, split: str, method: str
 
 def shards_by_file(source: Input | InputFunction, shard_policy: str, context: tf.distribute.InputContext) -> bool:
     """Whether each input pipeline reads its own part of the train data ('function' method): with FILE, and
-    with AUTO where there is a file per pipeline; otherwise every pipeline reads all and keeps its slices."""
+    with AUTO where there is a file per pipeline and the files are not held in memory (held, every pipeline
+    gathers the global batches by index); otherwise every pipeline reads all and keeps its slices."""
     if context.num_input_pipelines <= 1:
         return False
-    policy, files = shard_policy.upper(), as_input(source).num_files("train")
-    return policy == "FILE" or policy == "AUTO" and files is not None and files >= context.num_input_pipelines
+    inp = as_input(source)
+    policy, files = shard_policy.upper(), inp.num_files("train")
+    if policy == "FILE":
+        return True
+    return policy == "AUTO" and files is not None and files >= context.num_input_pipelines and not held_train(inp)
 
 
 def replica_slices(dataset: tf.data.Dataset, context: tf.distribute.InputContext) -> tf.data.Dataset:

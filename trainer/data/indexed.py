@@ -12,13 +12,22 @@ import tensorflow as tf
 
 from trainer.data import order
 from trainer.data.inputs import Input
+from trainer.data.pipeline import held_train
 
 
 class IndexedBatches:
-    """Global batch i of `arrays` (equally long arrays of any structure) for batch size and seed."""
+    """Global batch i of `arrays` (equally long arrays of any structure) for batch size and seed; `decode`
+    turns gathered encoded examples (serialized records) into examples."""
 
-    def __init__(self, arrays: Any, global_batch_size: int, seed: int, augment: Callable | None = None):
-        self.arrays, self.augment = arrays, augment
+    def __init__(
+        self,
+        arrays: Any,
+        global_batch_size: int,
+        seed: int,
+        augment: Callable | None = None,
+        decode: Callable | None = None,
+    ):
+        self.arrays, self.augment, self.decode = arrays, augment, decode
         self.num_examples = len(tf.nest.flatten(arrays)[0])
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -34,13 +43,14 @@ class IndexedBatches:
         positions = order.batch_positions(batch_index, self.global_batch_size)
         indices = order.example_indices(positions, self.num_examples, self.seed)
         batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), examples)
+        batch = batch if self.decode is None else self.decode(batch)
         return batch if self.augment is None else order.augment_batch(batch, self.augment, positions, self.seed)
 
 
-def indexed_batches(inp: Input, global_batch_size: int, seed: int) -> IndexedBatches | None:
-    """The input's train split as indexed batches, None where it streams (too big, or of unknown count)."""
-    held = inp.train_arrays()
-    return None if held is None else IndexedBatches(held[0], global_batch_size, seed, inp.augment)
+def indexed_batches(inp: Input, global_batch_size: int, seed: int, shard_policy: str = "AUTO") -> IndexedBatches | None:
+    """The input's train split as indexed batches, None where it streams (`pipeline.held_train`)."""
+    held = held_train(inp, shard_policy)
+    return None if held is None else IndexedBatches(held[0], global_batch_size, seed, inp.augment, inp.decode_batch)
 
 
 def replica_slice(batch: Any) -> Any:

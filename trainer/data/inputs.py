@@ -4,7 +4,9 @@ An input function is `input_fn(split)` or `input_fn(split, input_context)` retur
 `tf.data.Dataset` of fixed-shape examples of any structure; one that declares `input_context` returns
 only that pipeline's shard when `input_context.num_input_pipelines > 1`. Optional attributes, used where
 present: `num_classes`, `splits`, `num_examples(split)` (saves counting), `num_files(split)` (enables the
-FILE-sharding checks), `validate()` (raises UserError early), `arrays(split)` (the split in memory),
+FILE-sharding checks), `validate()` (raises UserError early), `arrays(split)` (the split in memory, or
+None where it streams), `decode_batch(batch)` (where `arrays` holds encoded examples, such as serialized
+records: a batch of them, gathered by index, to a batch of examples),
 `augment(example, seed)` (a random augmentation of one train example from stateless ops seeded by `seed`,
 shape [2], which the loop derives from the example's place in the order: trainer/data/order.py).
 The built-in sources (trainer.data.sources, trainer.data.tfrecord) are such functions.
@@ -99,6 +101,7 @@ class Input:
         self.deterministic: bool = getattr(input_fn, "deterministic", True) is not False
         self.shards_itself = signature is not None and "input_context" in signature.parameters
         self.augment: Callable[[Any, tf.Tensor], Any] | None = getattr(input_fn, "augment", None)
+        self.decode_batch: Callable[[Any], Any] | None = getattr(input_fn, "decode_batch", None)
         self._counts: dict[str, int] = {}
         self.print_fn: Callable[[str], None] | None = None
         self._memory: dict[Shard | None, Any] = {}
@@ -229,7 +232,8 @@ class Input:
         or of unknown count (those stream). A function that shards itself is held per shard, any other whole."""
         shard = shard_of(input_context)
         if arrays := getattr(self.input_fn, "arrays", None):
-            return arrays("train"), shard
+            held = arrays("train")  # None: too big to hold (TFRecord files over their budget)
+            return None if held is None else (held, shard)
         key = shard if self.shards_itself else None
         if key not in self._memory:
             with tf.init_scope():  # materialized eagerly even where a dataset function is traced

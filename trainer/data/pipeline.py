@@ -56,7 +56,7 @@ def train_dataset(
     dataset_options = options(shard_policy)
     drop_batches = sorted(set(drop_batches))
     first = _raw_batch_index(skip_batches, drop_batches)
-    held = inp.train_arrays(input_context)
+    held = held_train(inp, shard_policy, input_context)
     if held is not None:
         arrays, shard = held
         dataset = shuffled_index_batches(
@@ -76,6 +76,8 @@ def train_dataset(
         dataset = dataset.map(graph_code(lambda _, batch: batch))
     if held is not None:
         dataset = gathered(dataset, held[0], batch_size)
+        if inp.decode_batch is not None:  # serialized records: parsed a batch at a time, as they stream
+            dataset = dataset.map(inp.decode_batch, **parallel_calls())
     if inp.augment is not None:  # seeded by each example's position: the batch numbers kept, alongside
         numbers = tf.data.Dataset.counter(first).filter(kept) if dropped.shape[0] else tf.data.Dataset.counter(first)
         augment = graph_code(
@@ -85,6 +87,16 @@ def train_dataset(
         )
         dataset = tf.data.Dataset.zip((dataset, numbers)).map(augment)
     return prefetch_for_accelerators(dataset).with_options(dataset_options)
+
+
+def held_train(
+    inp: Input, shard_policy: str = "AUTO", input_context: tf.distribute.InputContext | None = None
+) -> tuple[Any, Shard | None] | None:
+    """The train split held in memory (`Input.train_arrays`), None where it streams: too big, of unknown size,
+    or in files that shard_policy 'FILE' asks each worker to read its own of."""
+    if shard_policy.upper() == "FILE" and (inp.num_files("train") or 0) > 1:
+        return None
+    return inp.train_arrays(input_context)
 
 
 def gathered(index_batches: tf.data.Dataset, arrays: Any, batch_size: int) -> tf.data.Dataset:

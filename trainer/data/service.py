@@ -182,4 +182,5 @@ def train_batches(inp, batch_size: int, shuffle_buffer: int, seed: int):
     if held is None:
         return batches
     tensors = tf.nest.map_structure(tf.constant, held[0])
-    return batches.map(graph_code(lambda index: tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)))
+    batches = batches.map(graph_code(lambda index: tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)))
+    return batches if inp.decode_batch is None else batches.map(inp.decode_batch)

@@ -1,6 +1,11 @@
 """The user's own data in sharded TFRecord files: the built-in format (written by `trainer.write_tfrecords`:
 `image` a float list of the flattened image (product of `input_shape` long), `label` an int64), or any
-other schema, through `features` (name -> `Feature`) or `parse_fn(serialized_record) -> example`."""
+other schema, through `features` (name -> `Feature`) or `parse_fn(serialized_record) -> example`.
+
+Train files that total at most `max_memory_bytes` are read once into memory as their serialized records
+(`arrays`), in the order they stream: the loop then gathers each global batch's records by index in the one
+global order (trainer/data/order.py) and parses them per batch (`decode_batch`), so a restart goes on at
+exactly the next example on any worker count, as for arrays; larger ones stream."""
 
 import dataclasses
 from collections.abc import Callable, Mapping
@@ -10,9 +15,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from trainer.data.inputs import SPLITS, Shard, shard_of
+from trainer.data.inputs import MAX_IN_MEMORY_BYTES, SPLITS, Shard, shard_of
 from trainer.data.pipeline import parallel_calls
 from trainer.errors import UserError
+from trainer.validation import check_int
 
 MAX_OPEN_FILES = 64
 # Records parsed per `tf.io.parse_example` call where the schema allows (see TFRecordFiles.examples).
@@ -106,6 +112,7 @@ class TFRecordFiles:
     features: Mapping[str, Feature] | None = None
     parse_fn: Callable[[tf.Tensor], Any] | None = None
     label_key: str | None = "label"
+    max_memory_bytes: int = MAX_IN_MEMORY_BYTES
     splits = SPLITS
 
     def __call__(self, split: str, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
@@ -119,6 +126,7 @@ class TFRecordFiles:
         return files
 
     def validate(self) -> None:
+        check_int("tfrecord_files.max_memory_bytes", self.max_memory_bytes, minimum=0)
         self._check_schema()
         for split in SPLITS:
             self.files(split)
@@ -142,6 +150,39 @@ class TFRecordFiles:
         files, else by record. Records are parsed PARSE_BATCH at a time where the schema allows (10x the
         examples/s of one `parse_single_example` per record)."""
         self._check_schema()
+        dataset, parallel = self._records(split, shard), parallel_calls()
+        if self._parses_batches:
+            return dataset.batch(PARSE_BATCH).map(self._parse, **parallel).unbatch()
+        return dataset.map(self._parse, **parallel)
+
+    def arrays(self, split: str) -> np.ndarray | None:
+        """The train split's serialized records (one bytes array, in the order `examples` reads them) where its
+        files total at most `max_memory_bytes`, read once and kept; None where they stream, and for the other
+        splits (read once per eval)."""
+        return self._train_records if split == "train" else None
+
+    @cached_property
+    def _train_records(self) -> np.ndarray | None:
+        if sum(tf.io.gfile.stat(f).length for f in self.files("train")) > self.max_memory_bytes:
+            return None
+        with tf.init_scope():
+            batches = list(self._records("train").batch(65536).as_numpy_iterator())
+        return np.concatenate([np.empty(0, object), *batches])
+
+    def decode_batch(self, records: tf.Tensor) -> Any:
+        """A batch of examples from a vector of serialized records gathered from `arrays`: the same parsing as
+        `examples`, a batch at a time where the schema allows, else record by record."""
+        if self._parses_batches:
+            return self._parse(records)
+        return tf.map_fn(self._parse, records, fn_output_signature=self._example_spec)
+
+    @cached_property
+    def _example_spec(self) -> Any:
+        with tf.init_scope():
+            return self.examples("train").element_spec
+
+    def _records(self, split: str, shard: Shard | None = None) -> tf.data.Dataset:
+        """The serialized records of `split` (one `shard` of them), read round-robin from the sorted files."""
         files = self.files(split)
         by_file = shard is not None and len(files) >= shard[0]
         dataset = tf.data.Dataset.from_tensor_slices(files)
@@ -154,9 +195,7 @@ class TFRecordFiles:
         )
         if shard is not None and not by_file:
             dataset = dataset.shard(*shard)
-        if self._parses_batches:
-            return dataset.batch(PARSE_BATCH).map(self._parse, **parallel).unbatch()
-        return dataset.map(self._parse, **parallel)
+        return dataset
 
     @property
     def _parses_batches(self) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.data.pipeline import held_train
 from trainer.errors import UserError
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
@@ -35,7 +36,7 @@ def kind_of(context: Context) -> str:
     settings = context.settings
     if settings.data_service:
         return SERVICE
-    return INDEXED if context.task.input.train_arrays() is not None else STREAM
+    return INDEXED if held_train(context.task.input, settings.shard_policy) is not None else STREAM
 
 
 def guarantee(kind: str, *, asynchronous: bool, workers: int, deterministic: bool) -> str | None:

@@ -127,7 +127,9 @@ def build_ps_loops(
     coordinator = tf.distribute.coordinator.ClusterCoordinator(dist)
     count_steps_atomically(task.optimizers, task.global_step)  # schedules and Adam follow every step
     indexed = (
-        None if settings.data_service else data.indexed_batches(task.input, settings.global_batch_size, settings.seed)
+        None
+        if settings.data_service
+        else data.indexed_batches(task.input, settings.global_batch_size, settings.seed, settings.shard_policy)
     )
     train_data = per_worker_train_data(
         dist,
