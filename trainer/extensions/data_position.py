@@ -7,7 +7,8 @@ the global step and the settings). A resumed run whose data or seed differ would
 behind the same position: refused in one line, or, with `train.allow_resume_changes`, said in one line
 (the run goes on at its global step's batch of the new order).
 
-What a restart guarantees depends on the data (docs/your-data.md): a split held in memory (random access)
+What a restart guarantees depends on the data (docs/your-data.md): a split held in memory (random access:
+arrays, or TFRecord files that fit, held as their serialized records)
 resumes at exactly the next example on any worker count and under every strategy; a stream resumes by
 reading past the batches trained, exact only where the stream itself is the same (one pipeline reading the
 same data in the same order, a deterministic input function); the tf.data service hands out its stream
@@ -18,7 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import tensorflow as tf
+
+from trainer.data.inputs import Input
 from trainer.data.pipeline import held_train
+from trainer.data.tfrecord import TFRecordFiles
 from trainer.errors import UserError
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
@@ -26,8 +31,9 @@ from trainer.extensions.protocol import Extension
 INDEXED, STREAM, SERVICE = "indexed", "stream", "service"
 HOW_TO_GET_EXACT = (
     "for an exact restart, let the train split be held in memory: return it from tensors "
-    "(tf.data.Dataset.from_tensor_slices, known size, under 2 GiB), or give the input function an "
-    "`arrays(split)` attribute"
+    "(tf.data.Dataset.from_tensor_slices, known size, under 2 GiB), give the input function an "
+    "`arrays(split)` attribute, or give TFRecord files as tfrecord_files (held where they fit "
+    "tfrecord_files.max_memory_bytes)"
 )
 
 
@@ -39,30 +45,52 @@ def kind_of(context: Context) -> str:
     return INDEXED if held_train(context.task.input, settings.shard_policy) is not None else STREAM
 
 
-def guarantee(kind: str, *, asynchronous: bool, workers: int, deterministic: bool) -> str | None:
-    """The one line a run prints about what a restart guarantees, None where it is exact on any worker count."""
+def how_to_get_exact(inp: Input, shard_policy: str) -> str:
+    """How to make this run's train data exact: the general way, or what holds these TFRecord files."""
+    files = inp.input_fn
+    if not isinstance(files, TFRecordFiles):
+        return HOW_TO_GET_EXACT
+    if shard_policy.upper() == "FILE":
+        return (
+            "for an exact restart, set train.shard_policy to 'AUTO' or 'DATA': 'FILE' has each worker read its own "
+            "TFRecord files, where the others hold them in memory and gather every global batch by index"
+        )
+    size = sum(tf.io.gfile.stat(f).length for f in files.files("train"))
+    if size <= files.max_memory_bytes:
+        return "for an exact restart, let these TFRecord files be held in memory (they fit tfrecord_files.max_memory_bytes)"
+    return (
+        f"for an exact restart, raise tfrecord_files.max_memory_bytes ({files.max_memory_bytes}) to at least the "
+        f"train files' {size} bytes where memory allows: files that fit are held as their records and read by index"
+    )
+
+
+def guarantee(
+    kind: str, *, asynchronous: bool, workers: int, deterministic: bool, how: str = HOW_TO_GET_EXACT
+) -> str | None:
+    """The one line a run prints about what a restart guarantees, None where it is exact on any worker count;
+    `how` says how to make it exact."""
     if kind == INDEXED:
         return None
     if kind == SERVICE:
         return (
             "data: read from the tf.data service, which hands out its stream at most once and keeps its own "
             "position: after a restart some examples of the interrupted pass come again or are left out "
-            f"(at-most-once per service job); {HOW_TO_GET_EXACT}, and turn train.data_service off"
+            f"(at-most-once per service job); {how}, and turn train.data_service off"
         )
     if asynchronous and workers > 1:
         return (
             f"data: a stream read by each of {workers} parameter-server workers from its own copy: after a "
             "restart some examples of the interrupted pass come again and some are left out (approximate); "
-            f"{HOW_TO_GET_EXACT}"
+            f"{how}"
         )
     if not deterministic:
         return (
             "data: a stream from an input function marked deterministic = False: a restart skips the batches "
-            f"trained, but not the same examples (approximate); {HOW_TO_GET_EXACT}"
+            f"trained, but not the same examples (approximate); {how}"
         )
     return (
         "data: a stream without random access: a restart reads past the batches trained (exact only on the "
-        f"same worker count, and slow to skip far); {HOW_TO_GET_EXACT}"
+        f"same worker count, and slow to skip far); {how}"
     )
 
 
@@ -104,6 +132,7 @@ class DataPosition(Extension):
             asynchronous=not context.runtime.mode.synchronous,
             workers=context.runtime.num_workers,
             deterministic=context.task.input.deterministic,
+            how=how_to_get_exact(context.task.input, settings.shard_policy) if self._kind != INDEXED else "",
         )
         if line and context.runtime.is_chief:
             context.print(line)
