@@ -26,19 +26,20 @@ def test_input_bench_measures_memory_tfrecord_and_the_step():
     answer = run_python(BENCH, timeout=120)  # a fresh process: the bench sets up devices as train does
     result, table = answer["result"], answer["table"]
     memory, tfrecord, step = result["sources"]["memory"], result["sources"]["tfrecord"], result["step"]
-    assert memory["in_memory"] is True  # digits: the loop's in-memory fast path
-    for measured in (memory, tfrecord):
+    assert memory["in_memory"] is True and tfrecord["in_memory"] is True  # digits: the loop's in-memory paths
+    for measured in (memory, tfrecord, result["sources"]["tfrecord_stream"]):
         assert measured["examples_per_sec"] > 0 and measured["batches"] >= result["settings"]["steps_per_loop"]
     assert tfrecord["shards"] == input_only.NUM_SHARDS and tfrecord["bytes"] > 0
     assert step["examples_per_sec"] > 0 and step["steps"] >= 50
-    for name in ("memory", "tfrecord"):
+    for name in ("memory", "tfrecord", "tfrecord_stream"):
         ratio = result["input_over_step"][name]
         assert abs(ratio - result["sources"][name]["examples_per_sec"] / step["examples_per_sec"]) < 1e-2 * ratio
     assert result["settings"]["strategy"] == "default" and result["settings"]["train_examples"] == 1438
     rows = table.splitlines()
     assert rows[2].startswith("memory (config's input, in memory)") and rows[3].startswith("tfrecord (4 shards")
-    assert all(row.endswith(("keeps up", "input-bound")) for row in rows[2:4])
-    assert rows[4].startswith("step (compiled, batch on device)")
+    assert "MiB, held)" in rows[3] and rows[4].startswith("tfrecord, the same streamed")
+    assert all(row.endswith(("keeps up", "input-bound")) for row in rows[2:5])
+    assert rows[5].startswith("step (compiled, batch on device)")
 
 
 def test_table_says_input_bound_and_why_a_source_was_skipped():

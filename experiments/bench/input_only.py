@@ -9,7 +9,10 @@ It measures, in examples/s, each for `seconds` after a warm-up call, in this one
   the examples;
 - tfrecord: the same train examples written by `trainer.write_tfrecords` into NUM_SHARDS
   shards in a temporary directory, read back and parsed by `TFRecordFiles` through the same
-  pipeline (shuffle buffer, repeat, batch, the pipeline's tf.data options);
+  pipeline as a run (held as serialized records and gathered by index where they fit
+  `max_memory_bytes`, else streamed), the pipeline's tf.data options;
+- tfrecord_stream: the same files streamed (`max_memory_bytes=0`: shuffle buffer, repeat,
+  batch), side by side with the held read;
 - step: the config's compiled train step on one batch already on the device(s), the bench's
   `limit` function (experiments/bench/limit.py), so no input at all.
 
@@ -20,6 +23,7 @@ adds to the step's even when it "keeps up": a run then does about 1/(1/input + 1
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -52,12 +56,15 @@ def run_input_bench(
             sources["tfrecord"] = {"examples_per_sec": None, "skipped": written}
         else:
             files, write_s = written
+            held = data.as_input(files)
             sources["tfrecord"] = {
-                **pull(data.as_input(files)),
+                **pull(held),
+                "in_memory": held.train_arrays() is not None,
                 "shards": NUM_SHARDS,
                 "bytes": sum(os.path.getsize(f) for f in files.files("train")),
                 "write_s": round(write_s, 3),
             }
+            sources["tfrecord_stream"] = pull(data.as_input(dataclasses.replace(files, max_memory_bytes=0)))
     step = _step_rate(dist, task, settings, seconds)
     result = {
         "sources": sources,
@@ -188,9 +195,12 @@ def text_table(result: dict) -> str:
     for name, source in result["sources"].items():
         if name == "memory":
             label = "memory (config's input, in memory)" if source["in_memory"] else "config's input (streamed)"
+        elif name == "tfrecord_stream":
+            label = "tfrecord, the same streamed"
         else:
             label = (
-                f"tfrecord ({source['shards']} shards, {source['bytes'] / 2**20:.1f} MiB)"
+                f"tfrecord ({source['shards']} shards, {source['bytes'] / 2**20:.1f} MiB"
+                + (", held)" if source.get("in_memory") else ")")
                 if source["examples_per_sec"] is not None
                 else "tfrecord"
             )
