@@ -19,7 +19,7 @@ from tests import id_counting
 from tests.support import REPO, Main, main_in_one_process, subprocess_env
 from tests.test_multiworker import trainer_pids_for
 from trainer import data
-from trainer.extensions.data_position import INDEXED, SERVICE, STREAM, guarantee
+from trainer.extensions.data_position import INDEXED, SERVICE, STREAM, guarantee, how_to_get_exact
 
 COUNTING = [
     "--gin_bindings=import tests.id_counting",
@@ -142,6 +142,10 @@ def test_tfrecord_files_that_fit_are_held_and_give_the_order_of_the_same_data_fr
     assert streamed.train_arrays() is None and data.indexed_batches(streamed, 8, seed=3) is None
     with_files = data.Input(data.TFRecordFiles(train, eval_, features=features))  # FILE: each worker its own files
     assert data.pipeline.held_train(with_files, "FILE") is None and data.pipeline.held_train(with_files, "AUTO")
+    pipelines = tf.distribute.InputContext(num_input_pipelines=3)  # 3 files: AUTO shards them by file only streamed
+    assert not data.shards_by_file(with_files, "AUTO", pipelines) and data.shards_by_file(streamed, "AUTO", pipelines)
+    assert "train.shard_policy to 'AUTO' or 'DATA'" in how_to_get_exact(with_files, "FILE")
+    assert "raise tfrecord_files.max_memory_bytes (1024) to at least" in how_to_get_exact(streamed, "AUTO")
 
 
 def test_the_start_line_says_what_a_restart_guarantees_where_it_is_not_exact():
