@@ -272,6 +272,30 @@ def test_a_split_of_unknown_size_is_counted_with_a_bound_and_a_progress_line(mon
     assert data.Input(streamed).num_examples("train") == 40  # a finite one of unknown size is counted
 
 
+def test_checking_many_eval_splits_says_how_far_it_got(monkeypatch):
+    """Thousands of train.eval_splits take seconds to check and count before the run starts: a progress
+    line says how many are done (issue 47), each split is still checked, and a missing one is still named."""
+
+    def any_split(split):
+        if split == "s7":
+            raise KeyError(split)
+        return tf.data.Dataset.from_tensor_slices(np.zeros([3 if split == "train" else 2, 2], np.float32))
+
+    monkeypatch.setattr(data.inputs, "COUNT_PROGRESS_SECONDS", 0.0)  # a line after every split
+    names = [f"s{i}" for i in range(7)]
+    inp, lines = data.Input(any_split, eval_splits=names), []
+    inp.print_fn = lines.append
+    inp.validate()
+    inp.check_sizes(3)
+    assert lines == [
+        *(f"checking the splits of train.input_fn: {done} of 8 splits" for done in range(1, 8)),
+        *(f"counting the examples of train.eval_splits: {done} of 7 splits" for done in range(1, 7)),
+    ]
+    assert [inp.num_examples(name) for name in names] == [2] * 7
+    with pytest.raises(UserError, match="raised KeyError: 's7' for split 's7'"):
+        data.Input(any_split, eval_splits=[*names, "s7"]).validate()
+
+
 def test_an_input_function_without_a_split_parameter_is_refused():
     with pytest.raises(UserError, match=r"train.input_fn .*\(\) takes no split.*add a first parameter `split`"):
         data.Input(lambda: regression("train"))
