@@ -215,9 +215,13 @@ class Input:
         if validate := getattr(self.input_fn, "validate", None):
             with user_function(self.input_fn, "train.input_fn", "in its validate()"):
                 validate()
+        counts_itself = getattr(self.input_fn, "num_examples", None) is not None
         for split in self._saying_progress(("train", *self.eval_splits), "checking the splits of train.input_fn"):
             with tf.init_scope():
-                self.examples(split)
+                dataset = self.examples(split)
+                # A size tf.data knows is kept now: counting thousands of splits would make each dataset again.
+                if not counts_itself and (count := int(dataset.cardinality())) >= 0:
+                    self._counts.setdefault(split, count)
 
     def _saying_progress(self, splits: Sequence[str], doing: str) -> Iterator[str]:
         """The splits, with a progress line every COUNT_PROGRESS_SECONDS while going through them takes long
