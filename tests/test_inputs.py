@@ -1,12 +1,13 @@
 """Tests of user input functions of any structure through trainer.data, with real TensorFlow."""
 
+import json
 import re
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.support import write_idx
+from tests.support import run_python, write_idx
 from trainer import data
 from trainer.errors import UserError
 
@@ -272,6 +273,30 @@ def test_a_split_of_unknown_size_is_counted_with_a_bound_and_a_progress_line(mon
     assert data.Input(streamed).num_examples("train") == 40  # a finite one of unknown size is counted
 
 
+def test_checking_many_eval_splits_says_how_far_it_got(monkeypatch):
+    """Thousands of train.eval_splits take seconds to check and count before the run starts: a progress
+    line says how many are done (issue 47), each split is still checked, and a missing one is still named."""
+
+    def any_split(split):
+        if split == "s7":
+            raise KeyError(split)
+        return tf.data.Dataset.from_tensor_slices(np.zeros([3 if split == "train" else 2, 2], np.float32))
+
+    monkeypatch.setattr(data.inputs, "COUNT_PROGRESS_SECONDS", 0.0)  # a line after every split
+    names = [f"s{i}" for i in range(7)]
+    inp, lines = data.Input(any_split, eval_splits=names), []
+    inp.print_fn = lines.append
+    inp.validate()
+    inp.check_sizes(3)
+    assert lines == [
+        *(f"checking the splits of train.input_fn: {done} of 8 splits" for done in range(1, 8)),
+        *(f"counting the examples of train.eval_splits: {done} of 7 splits" for done in range(1, 7)),
+    ]
+    assert [inp.num_examples(name) for name in names] == [2] * 7
+    with pytest.raises(UserError, match="raised KeyError: 's7' for split 's7'"):
+        data.Input(any_split, eval_splits=[*names, "s7"]).validate()
+
+
 def test_an_input_function_without_a_split_parameter_is_refused():
     with pytest.raises(UserError, match=r"train.input_fn .*\(\) takes no split.*add a first parameter `split`"):
         data.Input(lambda: regression("train"))
@@ -290,3 +315,44 @@ def test_what_an_input_function_raises_names_it_and_the_split():
     ) as caught:
         data.Input(broken).validate()
     assert "in broken" in caught.value.details and "tensorflow" not in caught.value.details
+
+
+# Eval splits of two example structures (int32 and int64 labels), each of its own data and size: the splits
+# of one structure share one traced pass (issue 47), and each must still evaluate its own examples.
+MANY_SPLITS = """
+import json, os, sys
+import trainer
+
+trainer.configure_devices(logical_cpus=2)
+import numpy as np, tensorflow as tf
+
+def any_split(split):
+    count = 64 if split == "train" else 5 + int(split[1:])
+    rng = np.random.default_rng(count)
+    labels = rng.integers(0, 10, count).astype(np.int64 if split.startswith("w") else np.int32)
+    return tf.data.Dataset.from_tensor_slices((rng.random((count, 8, 8, 1), dtype=np.float32), labels))
+
+any_split.num_classes = 10
+names = ["s1", "s2", "w3", "s4", "w5", "s6"]
+results, lines = [], []
+for order in (names, names[::-1]):
+    model_dir = os.path.join(sys.argv[1], "-".join(order))
+    trainer.train(model_dir=model_dir, input_fn=any_split, eval_splits=order, strategy="mirrored", total_steps=4,
+                  steps_per_loop=2, eval_every_steps=2, log_every_steps=2, global_batch_size=8, print_fn=lines.append)
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        results.append(sorted(json.dumps(record, sort_keys=True) for record in map(json.loads, f)
+                              if record.get("split") in names))
+print(json.dumps({"results": results, "lines": lines}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_eval_splits_sharing_one_traced_pass_each_evaluate_their_own_examples(tmp_path):
+    out = run_python(MANY_SPLITS.replace("sys.argv[1]", repr(str(tmp_path))), timeout=280)
+    first, reversed_order = out["results"]
+    assert first and first == reversed_order  # the same results by split whichever split was traced
+    for name in ("s1", "s2", "w3", "s4", "w5", "s6"):  # each its own size, at each eval
+        counted = [line for line in out["lines"] if line.startswith(f"eval on {name} at step ")]
+        assert len(counted) == 4 and all(line.endswith(f"({5 + int(name[1:])} examples)") for line in counted)
+    assert len({json.loads(record)["loss"] for record in first}) > 6  # not one split's loss repeated

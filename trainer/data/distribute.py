@@ -25,7 +25,7 @@ def num_workers(strategy: tf.distribute.Strategy) -> int:
     return 1
 
 
-def _check(strategy: tf.distribute.Strategy, inp: Input, split: str, method: str, shard_policy: str) -> None:
+def check_input(strategy: tf.distribute.Strategy, inp: Input, split: str, method: str, shard_policy: str) -> None:
     """Catches, before any step, the input settings that fail or hang later (file checks need `num_files`)."""
     if method not in ("dataset", "function"):
         raise UserError(f"unknown input method {method!r}: use 'dataset' or 'function'")
@@ -101,7 +101,7 @@ def distribute_train(
     if service is not None:
         data_service.check_servable(inp)
         return served_train(strategy, inp, global_batch_size, seed, service, model_dir=model_dir)
-    _check(strategy, inp, "train", method, shard_policy)
+    check_input(strategy, inp, "train", method, shard_policy)
     global_batches = functools.partial(
         train_dataset, inp, global_batch_size, seed, skip_batches=skip_steps, drop_batches=drop_batches
     )
@@ -170,7 +170,7 @@ def distribute_eval(
 ) -> tf.distribute.DistributedDataset:
     """The `split` data for `strategy`, padded so every replica sees the same number of batches."""
     inp = as_input(inp)
-    _check(strategy, inp, split, method, shard_policy)
+    check_input(strategy, inp, split, method, shard_policy)
     padded = functools.partial(
         eval_dataset, inp, split=split, pad_to_multiple_of=global_batch_size, shard_policy=shard_policy
     )

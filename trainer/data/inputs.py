@@ -14,7 +14,7 @@ The built-in sources (trainer.data.sources, trainer.data.tfrecord) are such func
 
 import inspect
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -28,7 +28,7 @@ MAX_IN_MEMORY_BYTES = 2 * 1024**3
 # A split of unknown cardinality is counted by iterating it, for at most this long: an endless one would
 # otherwise hang the start.
 COUNT_SECONDS = 20.0
-COUNT_PROGRESS_SECONDS = 5.0  # a progress line this often while counting
+COUNT_PROGRESS_SECONDS = 5.0  # a progress line this often while counting, or checking many splits
 Shard = tuple[int, int]  # (number of shards, this shard's index)
 InputFunction = Callable[..., tf.data.Dataset]
 
@@ -106,6 +106,7 @@ class Input:
         self.print_fn: Callable[[str], None] | None = None
         self._memory: dict[Shard | None, Any] = {}
         self._spec: Any = None
+        self._specs: dict[str, Any] = {}  # by split
 
     def __repr__(self) -> str:
         return f"Input({_name(self.input_fn)}, eval_splits={self.eval_splits})"
@@ -139,7 +140,15 @@ class Input:
             else:
                 dataset = self.input_fn(split)
         self._check(dataset, split)
+        self._specs[split] = dataset.element_spec
         return dataset
+
+    def example_spec(self, split: str) -> Any:
+        """The element spec of `split`'s examples, kept from its check (`validate`): no dataset made anew."""
+        if split not in self._specs:
+            with tf.init_scope():
+                self.examples(split)
+        return self._specs[split]
 
     def _check(self, dataset: Any, split: str) -> None:
         fix = (
@@ -209,9 +218,23 @@ class Input:
         if validate := getattr(self.input_fn, "validate", None):
             with user_function(self.input_fn, "train.input_fn", "in its validate()"):
                 validate()
-        for split in ("train", *self.eval_splits):
+        counts_itself = getattr(self.input_fn, "num_examples", None) is not None
+        for split in self._saying_progress(("train", *self.eval_splits), "checking the splits of train.input_fn"):
             with tf.init_scope():
-                self.examples(split)
+                dataset = self.examples(split)
+                # A size tf.data knows is kept now: counting thousands of splits would make each dataset again.
+                if not counts_itself and (count := int(dataset.cardinality())) >= 0:
+                    self._counts.setdefault(split, count)
+
+    def _saying_progress(self, splits: Sequence[str], doing: str) -> Iterator[str]:
+        """The splits, with a progress line every COUNT_PROGRESS_SECONDS while going through them takes long
+        (thousands of train.eval_splits): a start that takes minutes is never silent."""
+        next_line = time.monotonic() + COUNT_PROGRESS_SECONDS
+        for done, split in enumerate(splits, 1):
+            yield split
+            if self.print_fn is not None and done < len(splits) and (now := time.monotonic()) > next_line:
+                self.print_fn(f"{doing}: {done} of {len(splits)} splits")
+                next_line = now + COUNT_PROGRESS_SECONDS
 
     def check_sizes(self, global_batch_size: int) -> None:
         """Refuses data that cannot make one training batch or has nothing to evaluate."""
@@ -221,7 +244,7 @@ class Input:
                 f"the train split has {num_train} examples, fewer than one global batch of "
                 f"{global_batch_size}: add data or lower train.global_batch_size"
             )
-        for split in self.eval_splits:
+        for split in self._saying_progress(self.eval_splits, "counting the examples of train.eval_splits"):
             if self.num_examples(split) == 0:
                 raise UserError(
                     f"the {split} split has no examples: add {split} data (e.g. the eval files of tfrecord_files)"

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import tensorflow as tf
 
 from trainer import data
+from trainer.data.distribute import check_input
 from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError
 from trainer.files.event_writers import event_writer
@@ -92,18 +93,28 @@ def build_sync_loops(
     with dist.scope():  # metric variables aggregate across replicas (and workers)
         metrics = make_metrics(settings.eval_metrics_fn)
     evaluators = {}
+    by_structure: dict[str, Evaluator] = {}  # one evaluator, traced, per example structure of the eval splits
     for split in task.input.eval_splits:
-        eval_data = data.distribute_eval(
-            dist,
-            task.input,
-            settings.global_batch_size,
-            split=split,
-            method=settings.distribute_method,
-            shard_policy=settings.shard_policy,
-        )
-        evaluators[split] = Evaluator(
-            dist, task.models, task.eval_step_fn, eval_data, _num_batches(task, split, settings), metrics=metrics
-        )
+
+        def eval_data(split=split):
+            return data.distribute_eval(
+                dist,
+                task.input,
+                settings.global_batch_size,
+                split=split,
+                method=settings.distribute_method,
+                shard_policy=settings.shard_policy,
+            )
+
+        num_batches = _num_batches(task, split, settings)
+        structure = repr(task.input.example_spec(split))
+        if (first := by_structure.get(structure)) is not None:
+            check_input(dist, task.input, split, settings.distribute_method, settings.shard_policy)  # now, not later
+            evaluators[split] = first.on(eval_data, num_batches)
+        else:
+            evaluators[split] = by_structure[structure] = Evaluator(
+                dist, task.models, task.eval_step_fn, eval_data(), num_batches, metrics=metrics
+            )
     return loop, evaluators
 
 

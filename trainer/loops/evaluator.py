@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Mapping
 
 import keras
@@ -66,6 +67,7 @@ class Evaluator:
     ):
         self._dataset = dataset
         self._num_batches = num_batches
+        self._outputs: tuple[str, ...] | None = None  # the result names, once traced
         self._metrics = dict(metrics or {})
         eval_step_fn = contract.adapt(eval_step_fn, contract.EVAL_STEP)  # by name, else by position
         takes_metrics = contract.takes(eval_step_fn, "metrics", contract.EVAL_STEP)
@@ -96,9 +98,21 @@ class Evaluator:
 
         self._eval_batches = tf.function(eval_batches, autograph=False)
 
+    def on(self, make_dataset: Callable[[], object], num_batches: int) -> "Evaluator":
+        """The same compiled pass over another split of the same example structure, its data made at its
+        first pass: thousands of eval splits are traced once and start at once, not one by one."""
+        other = copy.copy(self)
+        other._dataset, other._make_dataset, other._num_batches = None, make_dataset, num_batches
+        other._original = self
+        return other
+
     def trace(self) -> tuple[str, ...]:
         """Traces the eval pass now (the trace `evaluate` reuses) and checks what the step returns, before
         anything is written; the names of the results, without `num_examples`."""
+        if self._dataset is None:  # a copy made by `on`: its original's trace serves it
+            return self._original.trace()
+        if self._outputs is not None:
+            return self._outputs
         concrete = tracing.traced(
             "train.eval_step_fn",
             self._step_name,
@@ -110,7 +124,8 @@ class Evaluator:
             for k in concrete.structured_outputs
             if k not in (WEIGHT_KEY, "num_examples") and not k.endswith(contract.DENOMINATOR)
         ]
-        return (*sums, *metric_results(self._metrics))
+        self._outputs = (*sums, *metric_results(self._metrics))
+        return self._outputs
 
     def _check_keys(self, outputs: Mapping) -> None:
         keys = set(outputs) - {WEIGHT_KEY}
@@ -131,6 +146,8 @@ class Evaluator:
     def evaluate(self) -> dict[str, float]:
         for metric in self._metrics.values():
             metric.reset_state()
+        if self._dataset is None:
+            self._dataset = self._make_dataset()
         return self.results(self._eval_batches(iter(self._dataset), tf.constant(self._num_batches, tf.int32)))
 
     def results(self, totals: Mapping[str, float]) -> dict[str, float]:
