@@ -51,7 +51,8 @@ import json, tensorflow as tf
 a, b = tf.train.load_checkpoint({first!r}), tf.train.load_checkpoint({second!r})
 names = sorted(n for n in a.get_variable_to_shape_map() if not n.startswith("_CHECKPOINTABLE_OBJECT_GRAPH"))
 assert names == sorted(n for n in b.get_variable_to_shape_map() if not n.startswith("_CHECKPOINTABLE_OBJECT_GRAPH"))
-print(json.dumps([len(names), [n for n in names if a.get_tensor(n).tobytes() != b.get_tensor(n).tobytes()]]))
+raw = lambda value: getattr(value, "tobytes", lambda: value)()  # a string value (the data order's name) is bytes
+print(json.dumps([len(names), [n for n in names if raw(a.get_tensor(n)) != raw(b.get_tensor(n))]]))
 """
     count, differing = run_python(code)
     return count, differing

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.support import REPO, read_jsonl, run_main, subprocess_env
+from tests.test_multiworker import trainer_pids_for
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
 
@@ -52,11 +53,20 @@ def wait_for_step(model_dir: str, step: int, proc: subprocess.Popen, timeout: fl
 
 
 def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILLs the run's process group and every process of its model_dir outside it (trainer.launch starts
+    each worker in a session of its own, so a killed launcher leaves them running: a rerun then finds the
+    model_dir held, as it should)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait(timeout=30)
+    for model_dir in [arg.split("=", 1)[1] for arg in proc.args if str(arg).startswith("--model_dir=")]:
+        for pid in trainer_pids_for(model_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def kill_while_writing(command: list[str], model_dir: str, timeout: float = 200) -> list[str]:

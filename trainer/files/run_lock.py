@@ -165,13 +165,18 @@ def _stale(found: dict[str, Any] | None, path: str) -> str | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs: a killed process its parent has not reaped yet (a zombie) holds nothing."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):  # no /proc (not Linux): os.kill's answer stands
+        return True
 
 
 def _named(found: dict[str, Any] | None, why: str) -> str:

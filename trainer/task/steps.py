@@ -98,7 +98,11 @@ def classification_step(model, optimizer, batch, global_batch_size: int) -> Mapp
     if weights is None:
         return {"loss": loss, "accuracy": tf.reduce_sum(correct) / global_batch_size}
     # This replica's share of the global batch's weighted accuracy: its weighted sum over all replicas' weights.
-    all_weights = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.reduce_sum(weights))
+    # One replica (one device, or a parameter-server worker, whose step no replica context spans) holds them all.
+    all_weights = tf.reduce_sum(weights)
+    context = tf.distribute.get_replica_context()
+    if context.num_replicas_in_sync > 1:
+        all_weights = context.all_reduce(tf.distribute.ReduceOp.SUM, all_weights)
     return {"loss": loss, "accuracy": tf.math.divide_no_nan(tf.reduce_sum(correct * weights), all_weights)}
 
 
