@@ -49,6 +49,8 @@ class RunCheckpoint:
         self._items.restore(path).expect_partial().assert_existing_objects_matched()
         if self._states is not None:
             self._states.read(path).expect_partial()
+        if self._items is not self.root:  # the saved counter of saves was read into the items' own
+            self.root.save_counter.assign(self._items.save_counter)
 
     def write(self, path: str) -> str:
         """Writes the whole checkpoint at the prefix `path` (no state file, no numbering)."""
