@@ -24,6 +24,17 @@ from trainer.extensions import Extension
 NUM_IDS = 512
 
 
+# The command-line bindings of a counting run (global batch 8); each test adds its steps and strategy.
+COUNTING_RUN = [
+    "--gin_bindings=import tests.id_counting",
+    "--gin_bindings=train.input_fn = @ids",
+    "--gin_bindings=train.model_fn = @id_counter",
+    "--gin_bindings=train.step_fn = @counting_step",
+    "--gin_bindings=train.eval_step_fn = @counting_eval_step",
+    "--gin_bindings=train.global_batch_size = 8",
+]
+
+
 @gin.configurable
 def ids(split: str) -> tf.data.Dataset:
     count = NUM_IDS if split == "train" else 16

@@ -16,18 +16,14 @@ import pytest
 import tensorflow as tf
 
 from tests import id_counting
+from tests.id_counting import COUNTING_RUN
 from tests.support import REPO, Main, main_in_one_process, subprocess_env
 from tests.test_multiworker import trainer_pids_for
 from trainer import data
 from trainer.extensions.data_position import INDEXED, SERVICE, STREAM, guarantee, how_to_get_exact
 
 COUNTING = [
-    "--gin_bindings=import tests.id_counting",
-    "--gin_bindings=train.input_fn = @ids",
-    "--gin_bindings=train.model_fn = @id_counter",
-    "--gin_bindings=train.step_fn = @counting_step",
-    "--gin_bindings=train.eval_step_fn = @counting_eval_step",
-    "--gin_bindings=train.global_batch_size = 8",
+    *COUNTING_RUN,
     "--gin_bindings=train.total_steps = 128",  # two passes over the 512 ids
     "--gin_bindings=train.steps_per_loop = 4",
     "--gin_bindings=train.checkpoint_every_steps = 16",

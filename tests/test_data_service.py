@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests import id_counting
+from tests.id_counting import COUNTING_RUN
 from tests.support import REPO, launch_workers, refused_run, run_main, run_module, subprocess_env
 from tests.test_ps import assert_all_gone, server_pids
 from trainer.data import service
@@ -16,12 +17,7 @@ from trainer.errors import UserError
 from trainer.run.settings import Settings
 
 COUNTING = [
-    "--gin_bindings=import tests.id_counting",
-    "--gin_bindings=train.input_fn = @ids",
-    "--gin_bindings=train.model_fn = @id_counter",
-    "--gin_bindings=train.step_fn = @counting_step",
-    "--gin_bindings=train.eval_step_fn = @counting_eval_step",
-    "--gin_bindings=train.global_batch_size = 8",
+    *COUNTING_RUN,
     "--gin_bindings=train.total_steps = 32",  # 256 examples: half of a pass over the 512 ids
     "--gin_bindings=train.steps_per_loop = 16",
     "--gin_bindings=train.checkpoint_every_steps = 16",
