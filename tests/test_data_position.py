@@ -299,9 +299,11 @@ def test_multi_worker_mirrored_killed_and_resumed_on_1_worker_trains_every_id_ex
     lines: list[str] = []
 
     def read() -> None:
+        # Every worker pauses after its own part of the save at 48; the chief may still be writing ckpt-48
+        # when the other worker's line comes, and a kill then leaves ckpt-32 the newest intact checkpoint.
         for line in launcher.stdout:
             lines.append(line)
-            if "paused at step 48" in line:
+            if sum("paused at step 48" in seen for seen in lines) == 2:
                 paused.set()
 
     reader = threading.Thread(target=read, daemon=True)
