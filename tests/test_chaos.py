@@ -94,10 +94,11 @@ def run_with_chaos(
             command, cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        lines = 0
         for signum, task in events:
-            target = lines + rng.randint(1, 3)
-            while (lines := train_lines(model_dir)) < target or not tasks_of(launcher.pid):
+            # Counted in the group that runs now: a signal waits for the restart the previous one caused
+            # (below), so that none lands on a group already failing, where it would cause no restart.
+            target = train_lines(model_dir) + rng.randint(1, 3)
+            while train_lines(model_dir) < target or not tasks_of(launcher.pid):
                 assert launcher.poll() is None, f"the group ended after {len(sent)} signals: {tail(log_path)}"
                 assert time.monotonic() < deadline, f"no progress after {len(sent)} signals: {tail(log_path)}"
                 time.sleep(0.05)
@@ -107,7 +108,12 @@ def run_with_chaos(
             pid = rng.choice([pid for pid in sorted(running) if task in (None, running[pid])] or sorted(running))
             os.kill(pid, signum)
             sent.append((signum.name, running[pid]))
-            while pids_alive([pid]) and time.monotonic() < deadline:  # gone, then the group restarts
+            while launcher.poll() is None:  # every task of this group gone and a new group started
+                assert time.monotonic() < deadline, f"no restart after {sent[-1]}: {tail(log_path)}"
+                now = set(tasks_of(launcher.pid))
+                seen |= now
+                if now and not now & set(running):
+                    break
                 time.sleep(0.05)
         while launcher.poll() is None and time.monotonic() < deadline:
             seen |= set(tasks_of(launcher.pid))
