@@ -27,6 +27,7 @@ from trainer.data.tfrecord import TFRecordFiles
 from trainer.errors import UserError
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
+from trainer.loops.build import data_choice
 
 INDEXED, STREAM, SERVICE = "indexed", "stream", "service"
 HOW_TO_GET_EXACT = (
@@ -127,6 +128,8 @@ class DataPosition(Extension):
         }
         if path is not None and self._saved is not None:
             self._check_unchanged(context, path)
+        if context.runtime.is_chief:  # which path the train data take (trainer/data/device.py)
+            context.print(data_choice(context.task.input, settings)[0].line)
         line = guarantee(
             self._kind,
             asynchronous=not context.runtime.mode.synchronous,
