@@ -62,8 +62,16 @@ def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result, report = json.loads(out.read_text()), report_path.read_text()
-    assert set(result["variants"]) == {"limit", "limit_input", "ours", "ours_async", "orbit", "fit_spe5"}
-    for name in ("limit", "limit_input", "ours", "ours_async", "fit_spe5"):
+    assert set(result["variants"]) == {
+        "limit",
+        "limit_input",
+        "ours",
+        "ours_async",
+        "ours_tf_data",
+        "orbit",
+        "fit_spe5",
+    }
+    for name in ("limit", "limit_input", "ours", "ours_async", "ours_tf_data", "fit_spe5"):
         variant = result["variants"][name]
         assert variant["status"] == "ok", (name, variant)
         for field in FIELDS:
@@ -79,7 +87,7 @@ def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
     assert result["method"]["steps_per_turn"] == 5 and "in turns of 5 steps" in proc.stdout
     # What each variant did besides its steps, counted by its worker: ours one checkpoint and two train records
     # per 10-step chunk, with sync or async saves alike; the limits and fit nothing.
-    for name in ("ours", "ours_async"):
+    for name in ("ours", "ours_async", "ours_tf_data"):
         assert result["variants"][name]["work_per_chunk"] == {"checkpoints": 1, "records": 2}, name
     for name in ("limit", "limit_input", "fit_spe5"):
         assert result["variants"][name]["work_per_chunk"] == {}, name
@@ -124,6 +132,8 @@ def test_bench_runs_end_to_end_and_writes_every_field(tmp_path):
         "ours_over_fit_best",
         "ours_async_over_ours",
         "ours_async_over_fit_best",
+        "ours_over_ours_tf_data",
+        "ours_tf_data_over_limit",
     ):
         interval = result["intervals"][key]
         assert interval["rounds"] == 3 and interval["low"] <= interval["geomean"] <= interval["high"], key

@@ -112,6 +112,7 @@ REGISTERED = {
     "fashion_mnist": data.FashionMnist,
     "tfrecord_files": data.TFRecordFiles,
     "synthetic": data.Synthetic,
+    "image_augmentation": data.ImageAugmentation,
     "feature": data.Feature,
     "float_feature": data.float_feature,
     "int64_feature": data.int64_feature,

@@ -6,8 +6,8 @@ from the repository root of a clone (`pip install -e .`), not from the installed
   worker while it waits for its turn;
 - probes: what a worker reports about its machine, its memory and the rest of the machine's CPU;
 - config: the `train` parameters the gin config binds, built by `train`'s own setup;
-- limit, ours, orbit, fit: the worker variants (limit also as limit_input, ours also as ours_async and,
-  on request, ours_epoch_order: epoch_order.py,
+- limit, ours, orbit, fit: the worker variants (limit also as limit_input, ours also as ours_async,
+  ours_tf_data and, on request, ours_epoch_order: epoch_order.py,
   orbit only where Orbit is installed); worker: a worker process's main;
 - plan: the variants, what each does besides its steps, and the rounds; measure: starting and
   pacing the workers;

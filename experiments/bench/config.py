@@ -36,7 +36,16 @@ def setup(settings):
 
 
 def train_data(dist, inp, settings):
-    """The train data of `inp` distributed as the loop gets it (trainer/loops/controller.py), from step 0."""
+    """The train data of `inp` as a distributed dataset, the loop's recipe (trainer/loops/build.py), from step 0:
+    what the peers (Orbit, the input bench) read."""
     from trainer.loops.build import distributed_train_data
 
     return distributed_train_data(dist, inp, settings)
+
+
+def loop_data(dist, inp, settings):
+    """The train data as the synchronous loop reads it, from step 0: the split held on the devices where
+    it fits (trainer/data/device.py), else `train_data`."""
+    from trainer.loops.build import train_batches
+
+    return train_batches(dist, inp, settings)

@@ -6,8 +6,9 @@ call in a graph while loop, each `strategy.run` of the same replica step with th
 precision settings, its outputs added up on each replica and SUM-reduced once per call by the
 loop's own `ReplicaTotals`), but no non-finite check, no hooks, no Python between steps; and,
 for `limit`, no `next(iterator)` either: no input pipeline. What `limit_input` loses against
-`limit` is what the input costs every variant (under a strategy with several replicas, mostly
-TensorFlow's distributed iterator, which splits each global batch per replica).
+`limit` is what the input costs as the train loop reads it: the split gathered by index on the
+devices where it is held there (trainer/data/device.py), else the distributed iterator (under a
+strategy with several replicas mostly TensorFlow's, which splits each global batch per replica).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from experiments.bench.config import setup, train_data
+from experiments.bench.config import loop_data, setup
 from experiments.bench.protocol import Channel
 
 
 def run_limit(settings, channel: Channel, *, from_input: bool = False) -> None:
     """Runs to the steps the parent asks for, `steps_per_loop` steps per call (`from_input`: each step on
-    `next(iterator)` of the distributed train data, as the train loop gets it)."""
+    the train data as the train loop reads it)."""
     run_steps, limit = bare_step(*setup(settings), settings, from_input=from_input)
 
     def run_until(until: int) -> float:
@@ -51,6 +52,7 @@ def bare_step(dist, task, settings, *, from_input: bool = False) -> tuple[Callab
     import tensorflow as tf
 
     from trainer import data
+    from trainer.data.device import feed_of
     from trainer.distribution import devices
     from trainer.loops.totals import ReplicaTotals
     from trainer.update import xla
@@ -64,13 +66,16 @@ def bare_step(dist, task, settings, *, from_input: bool = False) -> tuple[Callab
     del dataset
     step = xla.replica_step(dist, settings.step_fn, task.models, task.optimizers, gb, jit_compile=settings.jit_compile)
 
-    totals = ReplicaTotals(dist, step, "train.step_fn", count_finite=False)
+    feed = feed_of(loop_data(dist, task.input, settings)) if from_input else None
+    replica_fn = (lambda item: step(feed.replica_batch(item))) if from_input else step
+    totals = ReplicaTotals(dist, replica_fn, "train.step_fn", count_finite=False)
 
     @tf.function(autograph=False)
-    def limit(source, num_steps):  # TrainLoop's loop, on the batch in memory or on next(iterator)
-        return totals.sums(totals.accumulate(num_steps, (lambda: next(source)) if from_input else lambda: source))
+    def limit(source, num_steps):  # TrainLoop's loop, on the batch in memory or on the loop's input
+        next_item = (lambda: feed.next_item(source)) if from_input else lambda: source
+        return totals.sums(totals.accumulate(num_steps, next_item))
 
-    source = iter(train_data(dist, task.input, settings)) if from_input else batch
+    source = feed.source if from_input else batch
 
     def run_steps(count: int) -> None:
         outputs = limit(source, tf.constant(count, tf.int32))

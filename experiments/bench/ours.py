@@ -1,6 +1,8 @@
 """The `ours` worker: `trainer.train.train` itself, unchanged, with its default hooks, in a
 temporary model_dir, plus one hook that paces it from the parent; `ours_async` is the same with
-`train.async_checkpoint = True`, so that the two side by side show what the saves cost."""
+`train.async_checkpoint = True`, so that the two side by side show what the saves cost; `ours_tf_data`
+the same with `train.device_data_max_bytes = 0`, so that the two show what holding the train split on
+the devices (trainer/data/device.py) gains over the tf.data pipeline."""
 
 from __future__ import annotations
 
@@ -57,10 +59,12 @@ class Pacer(Extension):
         self.channel.finished(context.loop.trace_count)  # only once the run has ended: a run that went on is seen
 
 
-def run_ours(settings, channel: Channel, total_steps: int, *, async_checkpoint: bool = False) -> None:
+def run_ours(
+    settings, channel: Channel, total_steps: int, *, async_checkpoint: bool = False, tf_data: bool = False
+) -> None:
     """Trains up to `total_steps` measured steps (and one more: the final eval and checkpoint come after),
     ending early where the parent says it has measured enough;
-    `async_checkpoint`: with `train.async_checkpoint = True`."""
+    `async_checkpoint`: with `train.async_checkpoint = True`; `tf_data`: the train data through tf.data."""
     import gin
 
     from trainer import configurables
@@ -75,4 +79,5 @@ def run_ours(settings, channel: Channel, total_steps: int, *, async_checkpoint: 
             describe_config=gin.operative_config_str,
             print_fn=lambda line: print(line, file=sys.stderr, flush=True),
             async_checkpoint=async_checkpoint or settings.async_checkpoint,
+            **({"device_data_max_bytes": 0} if tf_data else {}),
         )

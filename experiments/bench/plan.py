@@ -24,7 +24,8 @@ WORK = {
     "limit_input": "next(iterator) of the config's distributed input, nothing else",
     "ours": "progress records (metrics.jsonl, TensorBoard) and checkpoints, saved in line",
     "ours_async": "progress records and checkpoints, written on a background thread",
-    "ours_epoch_order": "as ours; in-memory data in whole-epoch permutations, not read by index",
+    "ours_tf_data": "as ours; the train data through the tf.data pipeline, not held on the devices",
+    "ours_epoch_order": "as ours_tf_data; in-memory data in whole-epoch permutations, not read by index",
     "orbit": "summaries (TensorBoard: the means at log boundaries, its steps/s and a flush after every call) "
     "and checkpoints, saved in line",
     "fit": "none: no callbacks but the pacer (fit's History runs on its own thread)",
@@ -67,7 +68,7 @@ class Variant:
 
 # In the order they run in a forward round: ours between the limit and Orbit, fit next to Orbit, so that the
 # chunks compared most run close together in time.
-VARIANTS = ("limit_input", "ours_async", "limit", "ours", "orbit", "fit")
+VARIANTS = ("limit_input", "ours_async", "ours_tf_data", "limit", "ours", "orbit", "fit")
 # On request only: ours with the order in-memory data had before it was read by index (what that costs).
 OPTIONAL_VARIANTS = ("ours_epoch_order",)
 
@@ -85,6 +86,8 @@ def plan_variants(settings, names: list[str], fit_spes: list[int]) -> list[Varia
             variants.append(Variant("ours", "ours (trainer.train + hooks)", "ours"))
         elif name == "ours_async":
             variants.append(Variant("ours_async", "ours, train.async_checkpoint = True", "ours_async"))
+        elif name == "ours_tf_data":
+            variants.append(Variant("ours_tf_data", "ours, train data through tf.data", "ours_tf_data"))
         elif name == "ours_epoch_order":
             variants.append(Variant("ours_epoch_order", "ours, epoch-permutation order", "ours_epoch_order"))
         elif name == "orbit":

@@ -26,6 +26,7 @@ COMPARISONS = (
     ("ours_async_over_orbit", "ours_async", "orbit"),
     ("ours_async_over_fit_best", "ours_async", "fit_best"),
     ("ours_epoch_order_over_limit", "ours_epoch_order", "limit"),  # ours/limit before reading by index
+    ("ours_tf_data_over_limit", "ours_tf_data", "limit"),  # ours/limit with the split through tf.data
 )
 
 
@@ -286,6 +287,8 @@ def verdict_line(res: dict) -> str:
         ("ours_async_over_ours", "ours_async/ours"),
         ("ours_async_over_orbit", "ours_async/orbit"),
         ("ours_async_over_fit_best", "ours_async/fit best"),
+        ("ours_tf_data_over_limit", "ours_tf_data/limit (the train data through tf.data)"),
+        ("ours_over_ours_tf_data", "ours/ours_tf_data (the split on the devices over tf.data)"),
         ("limit_input_over_limit", "limit_input/limit (the input's cost)"),
         ("ours_over_limit_input", "ours/limit_input"),
     ):

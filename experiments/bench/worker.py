@@ -37,7 +37,7 @@ def error_summary(error: BaseException, role: str) -> str:
 
 
 def run_worker(role: str, gin_files: list[str], gin_bindings: list[str], *, fit_spe: int, total_steps: int) -> None:
-    """Runs variant `role` (limit, limit_input, ours, ours_async, orbit or fit at `fit_spe`) for `total_steps`
+    """Runs variant `role` (limit, limit_input, ours, ours_async, ours_tf_data, orbit or fit at `fit_spe`) for `total_steps`
     steps, as the parent paces it."""
     die_with_parent()
     channel = Channel()
@@ -45,11 +45,13 @@ def run_worker(role: str, gin_files: list[str], gin_bindings: list[str], *, fit_
         settings = train_settings(gin_files, gin_bindings)
         if role in ("limit", "limit_input"):
             run_limit(settings, channel, from_input=role == "limit_input")
-        elif role in ("ours", "ours_async"):
-            run_ours(settings, channel, total_steps, async_checkpoint=role == "ours_async")
+        elif role in ("ours", "ours_async", "ours_tf_data"):
+            run_ours(
+                settings, channel, total_steps, async_checkpoint=role == "ours_async", tf_data=role == "ours_tf_data"
+            )
         elif role == "ours_epoch_order":
             use_epoch_order()
-            run_ours(settings, channel, total_steps)
+            run_ours(settings, channel, total_steps, tf_data=True)
         elif role == "orbit":
             run_orbit(settings, channel)
         elif role == "fit":

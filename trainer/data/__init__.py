@@ -1,6 +1,7 @@
 """Input: input functions (the user's and the built-in sources) and the pipelines that batch,
 shard and distribute any of them (see trainer.data.inputs for the input function contract)."""
 
+from trainer.data.augment import ImageAugmentation
 from trainer.data.distribute import (
     distribute_eval,
     distribute_train,

@@ -3,6 +3,7 @@ int32)` whose `arrays(split)` let training gather whole batches from memory."""
 
 import dataclasses
 from functools import cached_property
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
@@ -23,10 +24,16 @@ def label_array(labels: np.ndarray) -> np.ndarray:
 
 
 class _InMemorySource:
-    """Sources held as numpy arrays in `_arrays[split]`."""
+    """Sources held as numpy arrays in `_arrays[split]`; `augmentation` (e.g. `@image_augmentation()`,
+    trainer/data/augment.py) is their `augment(example, seed)` where set."""
 
     _arrays: dict[str, Arrays]
     splits = SPLITS
+    augmentation: Callable[[Any, tf.Tensor], Any] | None
+
+    @property
+    def augment(self) -> Callable[[Any, tf.Tensor], Any] | None:
+        return self.augmentation
 
     def __call__(self, split: str, input_context: tf.distribute.InputContext | None = None) -> tf.data.Dataset:
         return self.examples(split, shard_of(input_context))
@@ -55,6 +62,7 @@ class Digits(_InMemorySource):
 
     eval_fraction: float = 0.2
     seed: int = 0
+    augmentation: Callable[[Any, tf.Tensor], Any] | None = None
     input_shape = (8, 8, 1)
     num_classes = 10
 
@@ -83,6 +91,7 @@ class Synthetic(_InMemorySource):
     num_train: int = 1024
     num_eval: int = 256
     seed: int = 0
+    augmentation: Callable[[Any, tf.Tensor], Any] | None = None
 
     def __post_init__(self) -> None:
         check_ints("synthetic.input_shape", self.input_shape)
@@ -121,6 +130,7 @@ class FashionMnist(_InMemorySource):
     validation_size: int = 0
     validation_from: str | None = None
     standardize: str | None = None
+    augmentation: Callable[[Any, tf.Tensor], Any] | None = None
     input_shape = (28, 28, 1)
     num_classes = 10
 

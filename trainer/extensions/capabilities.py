@@ -5,18 +5,20 @@ shows (a test keeps the two equal), so the docs cannot drift from what the regis
 
 from __future__ import annotations
 
+from trainer.data import device
 from trainer.distribution import modes
 from trainer.extensions.built_in import BUILT_IN
 from trainer.run.settings import CAPABILITIES
 
 
 def rows() -> list[tuple[str, modes.Support]]:
-    """(setting, support) of every built-in extension (in the table's order), then the core's options."""
+    """(setting, support) of every built-in extension (in the table's order), then the core's options, then
+    the train split held on the devices (elsewhere the tf.data path, not a refusal)."""
     found = []
     for entry in BUILT_IN:
         if entry.cls.setting or entry.shown_as:
             found += [(e.setting, e.supports) for e in (entry.shown_as() if entry.shown_as else [entry.cls])]
-    return found + list(CAPABILITIES)
+    return found + list(CAPABILITIES) + [("train.device_data_max_bytes", device.SUPPORT)]
 
 
 def table() -> str:

@@ -27,6 +27,7 @@ from trainer.data.tfrecord import TFRecordFiles
 from trainer.errors import UserError
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension
+from trainer.loops.build import data_choice
 
 INDEXED, STREAM, SERVICE = "indexed", "stream", "service"
 HOW_TO_GET_EXACT = (
@@ -103,6 +104,7 @@ class DataPosition(Extension):
         self._context: Context | None = None
         self._saved: dict[str, Any] | None = None
         self._identity: dict[str, Any] = {}
+        self._path_line = ""
 
     def attach(self, context: Context) -> None:
         self._context = context
@@ -127,6 +129,7 @@ class DataPosition(Extension):
         }
         if path is not None and self._saved is not None:
             self._check_unchanged(context, path)
+        self._path_line = data_choice(context.task.input, settings)[0].line
         line = guarantee(
             self._kind,
             asynchronous=not context.runtime.mode.synchronous,
@@ -136,6 +139,12 @@ class DataPosition(Extension):
         )
         if line and context.runtime.is_chief:
             context.print(line)
+
+    def begin(self, context: Context) -> None:
+        """Says which path the train data take (trainer/data/device.py) once training starts: a refused run
+        says only its refusal."""
+        if context.runtime.is_chief and self._path_line:
+            context.print(self._path_line)
 
     def _check_unchanged(self, context: Context, path: str) -> None:
         saved = self._saved

@@ -25,7 +25,7 @@ from trainer.distribution import modes
 from trainer.errors import RunFailure, UserError
 from trainer.extensions.context import Context
 from trainer.extensions.protocol import Extension, Outputs
-from trainer.loops.build import distributed_train_data
+from trainer.loops.build import train_batches
 from trainer.safety.nonfinite import (
     CAPACITY,
     all_finite,
@@ -174,7 +174,7 @@ class NonFiniteHandling(Extension):
         self._variable.assign(self._nonfinite + [-1] * (CAPACITY - len(self._nonfinite)))
         restored_step = int(context.task.global_step.numpy())
         context.loop.set_dataset(
-            distributed_train_data(
+            train_batches(
                 context.runtime.strategy,
                 context.task.input,
                 context.settings,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import tensorflow as tf
 
 from trainer import data
+from trainer.data import device
 from trainer.data.distribute import check_input
 from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError
@@ -77,7 +78,7 @@ def build_sync_loops(
 ) -> tuple[TrainLoop, dict[str, Evaluator]]:
     """The compiled train loop and, per eval split, an evaluator, for the synchronous strategies."""
     dist = runtime.strategy
-    train_data = distributed_train_data(dist, task.input, settings, skip_steps=start_step, drop_batches=drop_batches)
+    train_data = train_batches(dist, task.input, settings, skip_steps=start_step, drop_batches=drop_batches)
     loop = TrainLoop(
         dist,
         task.models,
@@ -198,6 +199,43 @@ def build_ps_loops(
             evaluator = ps_eval.WorkerEvaluator(dist, coordinator, evaluator, eval_data, num_batches, shards)
         evaluators[split] = PSEvaluator(evaluator)
     return loop, evaluators
+
+
+def data_choice(inp: data.Input, settings: "Settings") -> tuple[device.Choice, object]:
+    """Whether the train split is held on the devices (trainer/data/device.py) and its arrays where it is;
+    the choice's line is said at the start of a run (trainer/extensions/data_position.py)."""
+    return device.choose(
+        settings.strategy,
+        inp,
+        max_bytes=settings.device_data_max_bytes,
+        shard_policy=settings.shard_policy,
+        data_service=settings.data_service,
+    )
+
+
+def train_batches(
+    strategy: tf.distribute.Strategy,
+    inp: data.Input,
+    settings: "Settings",
+    *,
+    skip_steps: int = 0,
+    drop_batches: Sequence[int] = (),
+) -> "tf.distribute.DistributedDataset | device.DeviceBatches":
+    """What the synchronous loop reads its batches from, from `skip_steps` on without `drop_batches` (a fresh
+    loop, a roll-back, the benchmark): the split on the devices where it is held there, else
+    `distributed_train_data`; both give the same batches."""
+    choice, arrays = data_choice(inp, settings)
+    if choice.held:
+        return device.device_batches(
+            strategy,
+            inp,
+            arrays,
+            settings.global_batch_size,
+            settings.seed,
+            skip_steps=skip_steps,
+            drop_batches=drop_batches,
+        )
+    return distributed_train_data(strategy, inp, settings, skip_steps=skip_steps, drop_batches=drop_batches)
 
 
 def distributed_train_data(

@@ -1,5 +1,6 @@
 """The synchronous train loop: `num_steps` steps per compiled call (`ReplicaTotals`), hooks between calls;
 the step's own `tf.summary` calls recorded every `log_every_steps` steps (trainer/loops/step_summaries.py).
+Its batches come from a distributed dataset or from the split held on the devices (trainer/data/device.py).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from typing import Callable, Mapping
 
 import tensorflow as tf
 
+from trainer.data.device import feed_of
 from trainer.errors import UserError
 from trainer.loops.step_summaries import StepSummaries, writes_summaries
 from trainer.loops.totals import ReplicaTotals
@@ -39,7 +41,7 @@ class TrainLoop:
         self._jit_compile = jit_compile
         self._summaries = summaries = summaries or StepSummaries(None, 1)
         self._global_step = global_step
-        self._iterator = iter(dataset)
+        self._feed = feed = feed_of(dataset)
 
         # XLA (if asked) on the replica function only: iterator ops and the reduce stay outside (rule 9).
         replica_step = xla.replica_step(strategy, step_fn, model, optimizer, global_batch_size, jit_compile=jit_compile)
@@ -48,7 +50,7 @@ class TrainLoop:
             # Summary tags take the name scope they are written in: the step's own summaries are
             # tagged as in a step called by itself (`first_weights`, not `while/first_weights`).
             with tf.name_scope(""):
-                return replica_step(batch)
+                return replica_step(feed.replica_batch(batch))
 
         totals = self._totals = ReplicaTotals(
             strategy, step_at_top_scope, "train.step_fn", rule=combine.rule_of(step_fn)
@@ -60,7 +62,7 @@ class TrainLoop:
 
                 def next_batch():
                     advance()  # the summaries' step: the global step of the step about to run
-                    return next(iterator)
+                    return feed.next_item(iterator)
 
                 state = totals.accumulate(num_steps, next_batch, after_step=after_update)
             per_interval = totals.per_interval(state, num_steps)
@@ -76,7 +78,7 @@ class TrainLoop:
         """Trains `num_steps` steps; each output's mean over them. `last_nonfinite_offset` is then the index in
         this call of the first step with a non-finite output (None if none)."""
         self._summaries.start()
-        means, first_nonfinite = self._train_steps(self._iterator, tf.constant(num_steps, tf.int32))
+        means, first_nonfinite = self._train_steps(self._feed.source, tf.constant(num_steps, tf.int32))
         offset = int(first_nonfinite)
         self.last_nonfinite_offset = offset if offset >= 0 else None
         return {k: float(v) for k, v in means.items()}
@@ -87,7 +89,7 @@ class TrainLoop:
         concrete = tracing.traced(
             "train.step_fn",
             step_name,
-            lambda: self._train_steps.get_concrete_function(self._iterator, tf.TensorSpec([], tf.int32)),
+            lambda: self._train_steps.get_concrete_function(self._feed.source, tf.TensorSpec([], tf.int32)),
         )
         if self._jit_compile and writes_summaries(concrete):
             raise UserError(
@@ -98,7 +100,7 @@ class TrainLoop:
         return tuple(self._totals.names)
 
     def set_dataset(self, dataset) -> None:
-        self._iterator = iter(dataset)
+        self._feed.restart(dataset)
 
     @property
     def trace_count(self) -> int:

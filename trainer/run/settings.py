@@ -16,6 +16,7 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 from trainer import data
+from trainer.data import device as device_data
 from trainer.data import service
 from trainer.distribution import cluster, devices, modes
 from trainer.errors import UserError
@@ -42,7 +43,9 @@ class Settings:
     eval_splits (default: the input's `splits` but 'train', else ('eval',)). Where: strategy,
     device_config, cluster_resolver(_options), collective_timeout_secs, distribute_method,
     shard_policy, parameter_server, data_service (the tf.data service: 'local', 'grpc://host:port' or
-    @data_service(), trainer/data/service.py). Speed: jit_compile, mixed_precision, async_checkpoint. Safety:
+    @data_service(), trainer/data/service.py), device_data_max_bytes (a train split with random access
+    up to this size is held on every replica's device and gathered inside the compiled loop,
+    trainer/data/device.py; 0: always tf.data). Speed: jit_compile, mixed_precision, async_checkpoint. Safety:
     check_loss_scaling, nonfinite, max_rollbacks, loss_upper_bound, allow_resume_changes, max_time_secs.
     The optional features are extensions (trainer/extensions/built_in.py), beside your own
     `extensions`. Set by the entry point: model_dir, describe_config, hparams (the flat bindings), print_fn.
@@ -76,6 +79,7 @@ class Settings:
     shard_policy: str = "AUTO"
     parameter_server: ParameterServerConfig | None = None
     data_service: str | service.DataServiceConfig | None = None
+    device_data_max_bytes: int = device_data.DEFAULT_MAX_BYTES  # per device; 0: the train split through tf.data
     keep_checkpoints: int = 3
     async_checkpoint: bool = False
     nonfinite: str = "stop"
@@ -155,6 +159,7 @@ class Settings:
                 f"unknown train.shard_policy {self.shard_policy!r}: use one of {', '.join(data.SHARD_POLICIES)}"
             )
         check_bool("train.jit_compile", self.jit_compile)
+        check_int("train.device_data_max_bytes", self.device_data_max_bytes, minimum=0)
 
     def _check_runtime(self) -> None:
         """Where and how the run computes (trainer/distribution/runtime.py)."""
