@@ -151,8 +151,9 @@ def length_path(spec: Any, config: SequenceBatching, where: str) -> Path:
     line where it names no feature, or one that is not a sequence."""
     leaves = _leaf_paths(spec)
     wanted = config.length_feature
-    if wanted is None:
+    if wanted is None:  # the first feature of unknown length, else the first of unknown shape
         variable = [path for path, leaf in leaves if leaf.shape.rank and leaf.shape[0] is None]
+        variable += [path for path, leaf in leaves if leaf.shape.rank and not _fixed(leaf)]
         return variable[0] if variable else leaves[0][0]
     path = tuple(wanted) if isinstance(wanted, (tuple, list)) else (wanted,)
     found = dict(leaves).get(path)
@@ -241,9 +242,20 @@ def per_replica_shape(batch: tf.Tensor, replicas: int) -> Any:
     return tf.concat([[replicas, -1], tf.shape(batch)[1:]], 0)
 
 
-def shapes(example: Any) -> tuple[tf.Tensor, ...]:
-    """Each feature's shape (int32), in flattened order: what `trimmed` cuts a padded batch to."""
-    return tuple(tf.shape(t, out_type=tf.int32) for t in tf.nest.flatten(example))
+def shapes(example: Any, spec: Any) -> tuple[tf.Tensor, ...]:
+    """The shape (int32) of each feature of unknown shape, in flattened order: what `trimmed` cuts a padded
+    batch to (none for a fixed-shape feature: a gather of an empty array is not safe in every kernel)."""
+    return tuple(
+        tf.shape(t, out_type=tf.int32)
+        for t, leaf in zip(tf.nest.flatten(example), tf.nest.flatten(spec))
+        if not _fixed(leaf)
+    )
+
+
+def _shape_index(spec: Any, path: Path) -> int | None:
+    """Where `shapes` holds the shape of the feature at `path` (None: it has a fixed shape)."""
+    variable = [p for p, leaf in _leaf_paths(spec) if not _fixed(leaf)]
+    return variable.index(path) if path in variable else None
 
 
 def trimmer(spec: Any) -> Callable[..., Any]:
@@ -261,14 +273,13 @@ def trimmed(spec: Any, held: tuple[Any, Any]) -> Any:
     """A batch of examples padded to a longer length than its own, `(examples, shapes)`, cut to the longest
     example of the batch in every dimension `spec` leaves unknown (the fixed ones keep their static size)."""
     examples, sizes = held
-    leaves = tf.nest.flatten(examples)
-    specs = tf.nest.flatten(spec)
+    sizes = iter(sizes)
     cut = []
-    for t, size, leaf in zip(leaves, sizes, specs, strict=True):
-        if leaf.shape.is_fully_defined():
+    for t, leaf in zip(tf.nest.flatten(examples), tf.nest.flatten(spec), strict=True):
+        if _fixed(leaf):
             cut.append(t)
             continue
-        longest = tf.reduce_max(size, axis=0)
+        longest = tf.reduce_max(next(sizes), axis=0)
         cut.append(
             t[
                 (slice(None),)
@@ -284,8 +295,8 @@ def hold(dataset: tf.data.Dataset, count: int, config: SequenceBatching) -> tupl
     dataset = dense_examples(dataset, config)
     spec = dataset.element_spec
     padding = padding_structure(spec, config, "the input function")
-    zeros = tuple(tf.constant(0, tf.int32) for _ in tf.nest.flatten(spec))
-    with_shapes = _mapped(dataset, lambda example: (example, shapes(example)))
+    zeros = tuple(tf.constant(0, tf.int32) for leaf in tf.nest.flatten(spec) if not _fixed(leaf))
+    with_shapes = _mapped(dataset, lambda example: (example, shapes(example, spec)))
     whole = with_shapes.padded_batch(count, padding_values=(padding, zeros)).get_single_element()
     return tf.nest.map_structure(lambda t: t.numpy(), whole)
 
@@ -293,7 +304,9 @@ def hold(dataset: tf.data.Dataset, count: int, config: SequenceBatching) -> tupl
 def lengths_of(held: tuple[Any, Any], spec: Any, config: SequenceBatching) -> np.ndarray:
     """Each held example's length (the first dimension of `length_feature`), int64."""
     path = length_path(spec, config, "the input function")
-    index = [p for p, _ in _leaf_paths(spec)].index(path)
+    index = _shape_index(spec, path)
+    if index is None:  # a fixed-length feature: every example alike
+        return np.full(len(tf.nest.flatten(held[0])[0]), dict(_leaf_paths(spec))[path].shape[0], np.int64)
     return held[1][index][:, 0].astype(np.int64)
 
 
@@ -334,15 +347,19 @@ def bucketed_stream(examples: tf.data.Dataset, batch_size: int, seed: int, confi
     read, sorted by length, cut and trained in an order drawn from (seed, window), as in `Bucketing`."""
     spec = examples.element_spec
     padding = padding_structure(spec, config, "the input function")
-    index = [p for p, _ in _leaf_paths(spec)].index(length_path(spec, config, "the input function"))
-    window, zeros = config.bucket_window, tuple(tf.constant(0, tf.int32) for _ in tf.nest.flatten(spec))
+    index = _shape_index(spec, length_path(spec, config, "the input function"))
+    window = config.bucket_window
+    zeros = tuple(tf.constant(0, tf.int32) for leaf in tf.nest.flatten(spec) if not _fixed(leaf))
     boundaries = tf.constant(config.bucket_boundaries or [0], tf.int32)
-    with_shapes = _mapped(examples, lambda example: (example, shapes(example)))
+    with_shapes = _mapped(examples, lambda example: (example, shapes(example, spec)))
     windows = with_shapes.padded_batch(window * batch_size, padding_values=(padding, zeros), drop_remainder=True)
 
     @tf.autograph.experimental.do_not_convert
     def cut(number, held):
-        lengths = held[1][index][:, 0]
+        if index is None:  # a fixed-length feature: nothing to sort by
+            lengths = tf.zeros([window * batch_size], tf.int32)
+        else:
+            lengths = held[1][index][:, 0]
         keys = lengths if config.bucket_boundaries is None else tf.searchsorted(boundaries, lengths, side="right")
         ordered = tf.nest.map_structure(lambda t: tf.gather(t, tf.argsort(keys, stable=True)), held)
         batches = tf.nest.map_structure(
