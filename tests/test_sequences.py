@@ -306,12 +306,13 @@ def test_killed_bucketed_run_resumes_exactly(mirrored_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_bucketed_example_trains_on_two_multi_worker_mirrored_workers(tmp_path):
+def test_the_bucketed_example_trains_on_two_multi_worker_mirrored_workers(tmp_path, mirrored_dir):
+    """The same global batches as on 2 mirrored replicas: the same eval loss, to float rounding."""
     model_dir = str(tmp_path / "run")
     code, output = run_in_group(["-m", "trainer.launch", "--num_workers=2", "--", *flags("mwms", model_dir)], 250)
     assert code == 0, output[-3000:]
     assert "on 2 replica(s) (2 worker(s))" in output, output[-3000:]
-    assert final_eval(model_dir)["num_examples"] == 100
+    assert final_eval(model_dir)["loss"] == pytest.approx(final_eval(mirrored_dir)["loss"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -322,7 +323,7 @@ def test_the_bucketed_example_trains_on_parameter_servers(tmp_path):
     assert code == 0, output[-3000:]
     assert "strategy 'parameter_server'" in output and not said_data(output), output[-3000:]
     assert_all_gone(server_pids(output))
-    assert final_eval(model_dir)["num_examples"] == 100
+    assert final_eval(model_dir)["accuracy"] > 0.6
 
 
 @pytest.mark.slow
