@@ -218,6 +218,11 @@ SHORT = [
 ]
 
 
+# Ten steps per loop call: batches of several lengths in one compiled call (an Embedding's sparse gradient is
+# summed dense across replicas there: trainer/loops/build.py).
+CALLS_OF_TEN = [*SHORT, "train.log_every_steps=10"]
+
+
 def flags(mode: str, model_dir: str, bindings: list[str] = SHORT) -> list[str]:
     return [
         f"--gin_file=gin/{mode}.gin",
@@ -309,7 +314,8 @@ def test_killed_bucketed_run_resumes_exactly(mirrored_dir, tmp_path):
 def test_the_bucketed_example_trains_on_two_multi_worker_mirrored_workers(tmp_path, mirrored_dir):
     """The same global batches as on 2 mirrored replicas: the same eval loss, to float rounding."""
     model_dir = str(tmp_path / "run")
-    code, output = run_in_group(["-m", "trainer.launch", "--num_workers=2", "--", *flags("mwms", model_dir)], 250)
+    args = ["-m", "trainer.launch", "--num_workers=2", "--", *flags("mwms", model_dir, CALLS_OF_TEN)]
+    code, output = run_in_group(args, 250)
     assert code == 0, output[-3000:]
     assert "on 2 replica(s) (2 worker(s))" in output, output[-3000:]
     assert final_eval(model_dir)["loss"] == pytest.approx(final_eval(mirrored_dir)["loss"], rel=1e-5)
@@ -319,7 +325,7 @@ def test_the_bucketed_example_trains_on_two_multi_worker_mirrored_workers(tmp_pa
 @pytest.mark.timeout(300)
 def test_the_bucketed_example_trains_on_parameter_servers(tmp_path):
     model_dir = str(tmp_path / "run")
-    code, output = run_in_group(["-m", "trainer.main", *flags("ps", model_dir)], 250)
+    code, output = run_in_group(["-m", "trainer.main", *flags("ps", model_dir, CALLS_OF_TEN)], 250)
     assert code == 0, output[-3000:]
     assert "strategy 'parameter_server'" in output and not said_data(output), output[-3000:]
     assert_all_gone(server_pids(output))
