@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ import tensorflow as tf
 
 from tests import sequence_inputs
 from tests.sequence_inputs import NUM_EVAL, NUM_TRAIN, length, numbered, ragged_words, streamed_numbered
-from tests.support import REPO, read_jsonl, refused_in_one_process, subprocess_env
+from tests.support import REPO, read_jsonl, refused_in_one_process, subprocess_env, tree_digest
 from tests.test_ps import assert_all_gone, server_pids
 from tests.test_resume import held_at, kill_group, per_step_losses, wait_for_step
 from trainer import data
@@ -351,3 +352,30 @@ def test_sequence_mistakes_are_refused_before_anything_is_written(tmp_path):
     assert "increasing order" in lines["boundaries"]
     assert "not a sequence" in lines["length_feature"]
     assert "train.data_service hands out its own stream" in lines["with_the_service"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sequences_train_from_the_data_service(tmp_path):
+    """The service's data workers pad each batch to its longest (no bucketing: it hands out its own stream)."""
+    model_dir = str(tmp_path / "run")
+    bindings = [*CALLS_OF_TEN, "sequences.bucket_window = 0", "train.data_service = 'local'"]
+    code, output = run_in_group(["-m", "trainer.main", *flags("single", model_dir, bindings)], 250)
+    assert code == 0, output[-3000:]
+    assert said_data(output), output[-3000:]  # the service's at-most-once guarantee, said
+    assert final_eval(model_dir)["accuracy"] > 0.6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resuming_with_another_bucket_window_is_refused(mirrored_dir, tmp_path):
+    """Another window would name other examples at the checkpoint's position: one line, nothing written."""
+    model_dir = str(tmp_path / "copy")
+    shutil.copytree(mirrored_dir, model_dir)
+    before = tree_digest(model_dir)
+    code, output = run_in_group(
+        ["-m", "trainer.main", *flags("mirrored", model_dir, [*SHORT, "sequences.bucket_window = 4"])], 200
+    )
+    assert code == 2, output[-3000:]
+    assert "bucket_window 8 -> 4" in output and "allow_resume_changes" in output, output[-3000:]
+    assert tree_digest(model_dir) == before
