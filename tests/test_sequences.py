@@ -213,15 +213,14 @@ SHORT = [
     f"train.eval_every_steps={STEPS}",
     "train.checkpoint_every_steps=10",
     "train.log_every_steps=1",
-    "train.steps_per_loop=10",
+    "train.steps_per_loop=1",  # one length per call on several replicas (sparse gradients: trainer/loops/sync.py)
     "TokenSequences.num_train=640",
     "TokenSequences.num_eval=100",
 ]
 
 
-# Ten steps per loop call: batches of several lengths in one compiled call (an Embedding's sparse gradient is
-# summed dense across replicas there: trainer/loops/build.py).
-CALLS_OF_TEN = [*SHORT, "train.log_every_steps=10"]
+# Ten steps per loop call: batches of several lengths in one compiled call.
+CALLS_OF_TEN = [*SHORT, "train.log_every_steps=10", "train.steps_per_loop=10"]
 
 
 def flags(mode: str, model_dir: str, bindings: list[str] = SHORT) -> list[str]:
@@ -315,10 +314,27 @@ def test_killed_bucketed_run_resumes_exactly(mirrored_dir, tmp_path):
 def test_the_bucketed_example_trains_on_two_multi_worker_mirrored_workers(tmp_path, mirrored_dir):
     """The same global batches as on 2 mirrored replicas: the same eval loss, to float rounding."""
     model_dir = str(tmp_path / "run")
-    args = ["-m", "trainer.launch", "--num_workers=2", "--", *flags("mwms", model_dir, CALLS_OF_TEN)]
+    args = [
+        "-m",
+        "trainer.launch",
+        "--num_workers=2",
+        "--",
+        *flags("mwms", model_dir, [*SHORT, "train.log_every_steps=10"]),
+    ]
     code, output = run_in_group(args, 250)
     assert code == 0, output[-3000:]
     assert "on 2 replica(s) (2 worker(s))" in output, output[-3000:]
+    assert final_eval(model_dir)["loss"] == pytest.approx(final_eval(mirrored_dir)["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_bucketed_example_trains_under_central_storage(tmp_path, mirrored_dir):
+    """Ten steps per call on 2 replicas whose variables live on one device: the mirrored run's eval loss."""
+    model_dir = str(tmp_path / "run")
+    code, output = run_in_group(["-m", "trainer.main", *flags("central_storage", model_dir, CALLS_OF_TEN)], 250)
+    assert code == 0, output[-3000:]
+    assert "on 2 replica(s)" in output, output[-3000:]
     assert final_eval(model_dir)["loss"] == pytest.approx(final_eval(mirrored_dir)["loss"], rel=1e-5)
 
 
@@ -347,6 +363,11 @@ def test_sequence_mistakes_are_refused_before_anything_is_written(tmp_path):
             "with_the_service": [*example, "--gin_bindings=train.data_service = 'local'"],
         },
     )
+    # Several lengths in one call on 2 replicas: the Embedding's sparse gradient is summed by an all-gather.
+    mirrored = [*flags("mirrored", str(tmp_path / "mirrored"), CALLS_OF_TEN)]
+    code, output = run_in_group(["-m", "trainer.main", *mirrored], 200)
+    assert code == 2 and "set train.steps_per_loop = 1" in output, output[-3000:]
+    assert not os.path.exists(tmp_path / "mirrored" / "metrics.jsonl")
     assert "gives 0.5 for the feature at [0], which is int32" in lines["padding_dtype"]
     assert "is not in the structure" in lines["padding_structure"]
     assert "increasing order" in lines["boundaries"]

@@ -112,29 +112,6 @@ def skip_keras_gradient_sum(optimizer: Any) -> bool:
     return True
 
 
-def dense_keras_gradient_sum(optimizer: Any) -> bool:
-    """Makes a Keras 3 TensorFlow optimizer sum sparse gradients (`tf.IndexedSlices`, an Embedding's) across
-    replicas as dense tensors: their sum is an all-gather whose size is the batch's token count, and a
-    collective caches its shape per instance within one compiled call, so batches of other lengths in one
-    loop call fail ("Shape mismatch in the collective instance"). False, changing nothing, without that method
-    (on this instance and the optimizer a LossScaleOptimizer wraps)."""
-    changed = False
-    for target in {id(o): o for o in (optimizer, getattr(optimizer, "inner_optimizer", optimizer))}.values():
-        original = getattr(target, "_all_reduce_sum_gradients", None)
-        if not callable(original):
-            continue
-
-        def summed(grads_and_vars, original=original):
-            import tensorflow as tf
-
-            dense = [(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g, v) for g, v in grads_and_vars]
-            return original(dense)
-
-        target._all_reduce_sum_gradients = summed  # noqa: SLF001
-        changed = True
-    return changed
-
-
 def strategy_worker_count(strategy: Any) -> int | None:
     """The worker count a multi-worker strategy was built with (`extended._num_workers`; None for
     others): its public `cluster_resolver` also counts a parameter-server cluster's coordinator. Without

@@ -11,8 +11,8 @@ the longest), batched three ways side by side in one process per strategy:
   wide): what an element spec that is not static costs under MultiWorkerMirrored, where TensorFlow's
   distributed iterator adds a cross-worker all-reduce to every get_next.
 
-Each variant is our compiled train loop (`trainer.loops.build.build_sync_loops`: `steps_per_loop` steps per
-call) on its own model; after one warm-up call, each round times one call of `--steps` steps of every
+Each variant is our compiled train loop (`trainer.loops.build.build_sync_loops`: `--steps` steps per call, one
+per call on several replicas, `per_call`) on its own model; after one warm-up call, each round times one call of `--steps` steps of every
 variant, in alternating order (A B C, C B A, ...), so the variants share the machine's drift alike; a ratio
 is the geometric mean of the per-round ratios. The compile count (traces of the loop) is reported per
 variant: it stays 1 whatever the lengths. mwms runs 2 worker processes on this machine (TF_CONFIG on
@@ -105,11 +105,17 @@ def settings_of(strategy: str, variant: str, steps: int):
         input_fn=Sequences(spec["fixed"], spec.get("unknown_shape", False)),
         model_fn=lstm_classifier,
         global_batch_size=BATCH,
-        steps_per_loop=steps,
+        steps_per_loop=per_call(strategy, steps),
         sequences=data.SequenceBatching(bucket_window=spec.get("window", 0)),
         collective_timeout_secs=300.0 if strategy == "mwms" else None,
         print_fn=lambda line: None,
     )
+
+
+def per_call(strategy: str, steps: int) -> int:
+    """Steps per compiled call: 1 on several replicas, where an Embedding's sparse gradient is summed by an
+    all-gather whose size follows the batch's length (the loop refuses more: trainer/loops/sync.py)."""
+    return steps if strategy == "single" else 1
 
 
 def loop_of(runtime, settings):
@@ -143,13 +149,16 @@ def measure(strategy: str, variants: list[str], rounds: int, steps: int) -> dict
 
     runtime = make_runtime(settings_of(strategy, variants[0], steps))
     loops = {v: loop_of(runtime, settings_of(strategy, v, steps)) for v in variants}
+    calls, size = steps // per_call(strategy, steps), per_call(strategy, steps)
     for loop in loops.values():
-        loop.run(steps)  # warm-up: the first call's one-time costs
+        for _ in range(calls):  # warm-up: the first call's one-time costs
+            loop.run(size)
     rates: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(rounds):
         for v in variants if r % 2 == 0 else variants[::-1]:
             started = time.perf_counter()
-            loops[v].run(steps)
+            for _ in range(calls):
+                loops[v].run(size)
             rates[v].append(steps * BATCH / (time.perf_counter() - started))
     return {
         "strategy": strategy,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import tensorflow as tf
 
-from trainer import data, internals
+from trainer import data
 from trainer.data import sequences
 from trainer.data.distribute import check_input
 from trainer.distribution.runtime import Runtime
@@ -28,7 +28,6 @@ from trainer.loops.ps import (
 from trainer.loops.ps_schedules import count_steps_atomically
 from trainer.loops.step_summaries import StepSummaries
 from trainer.loops.sync import StepFn, TrainLoop
-from trainer.task.structure import flat
 from trainer.task.task import Task
 
 if TYPE_CHECKING:
@@ -80,9 +79,6 @@ def build_sync_loops(
     """The compiled train loop and, per eval split, an evaluator, for the synchronous strategies."""
     dist = runtime.strategy
     train_data = distributed_train_data(dist, task.input, settings, skip_steps=start_step, drop_batches=drop_batches)
-    if dist.num_replicas_in_sync > 1 and sequences.is_variable(task.input.element_spec):
-        for optimizer in flat(task.optimizers):  # batches of many lengths in one loop call
-            internals.dense_keras_gradient_sum(optimizer)
     loop = TrainLoop(
         dist,
         task.models,
@@ -94,6 +90,7 @@ def build_sync_loops(
         jit_compile=settings.jit_compile,
         after_update=after_update,
         summaries=step_summaries(runtime, settings),
+        lengths_vary=sequences.is_variable(task.input.element_spec) and settings.steps_per_loop > 1,
     )
     with dist.scope():  # metric variables aggregate across replicas (and workers)
         metrics = make_metrics(settings.eval_metrics_fn)
