@@ -132,7 +132,7 @@ def test_replica_slices_of_a_dict_structure():
     [
         (lambda split: regression(split).batch(4), "of shape (None, 4) at [0]['ids']"),
         (lambda split: [1, 2, 3], "a list, not a tf.data.Dataset"),
-        (lambda split: tf.data.Dataset.range(3).map(lambda i: tf.range(i)), "variable length"),
+        (lambda split: tf.data.Dataset.range(3).map(lambda i: tf.sparse.from_dense(tf.range(i))), "SparseTensorSpec"),
     ],
 )
 def test_a_bad_input_function_is_one_user_error_line(bad, words):

@@ -124,6 +124,7 @@ REGISTERED = {
     **built_in.GIN_NAMES,  # the built-in extensions' own (trainer/extensions/built_in.py)
     "parameter_server": loop_options.ParameterServerConfig,
     "data_service": data_service_lib.DataServiceConfig,
+    "sequences": data.SequenceBatching,
     "local_cluster": local_cluster_lib.LocalClusterConfig,
     "min_size_partitioner": tf.distribute.experimental.partitioners.MinSizePartitioner,
     "max_size_partitioner": tf.distribute.experimental.partitioners.MaxSizePartitioner,

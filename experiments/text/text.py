@@ -1,10 +1,12 @@
-"""Worked example: a classifier of variable-length token sequences, padded to a fixed length.
+"""Worked example: a classifier of variable-length token sequences.
 
 A deterministic synthetic corpus stands in for text: each sequence holds 4 to `max_length`
 token ids drawn from a vocabulary of filler words, and its class (0-3) says which of two
-keywords it contains (neither, the first, the second, both). The input function keeps the
-sequences ragged and pads each with 0 to `max_length` itself (the loop needs fixed shapes);
-the model embeds with `mask_zero=True`, so padding is left out of the average it pools.
+keywords it contains (neither, the first, the second, both). With `padded` (text.gin) the
+input function pads each with 0 to `max_length` itself; without (sequences.gin) it returns
+each sequence at its own length, shape (None,), and the loop pads each batch to its longest
+(and buckets by length, `train.sequences`). The model embeds with `mask_zero=True`, so padding
+is left out of the average it pools either way.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ VOCAB_SIZE = 64
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class TokenSequences:
-    """`num_train` + `num_eval` sequences, drawn from `seed`; int32 tokens, padded to `max_length`."""
+    """`num_train` + `num_eval` sequences, drawn from `seed`; int32 tokens, padded to `max_length` (`padded`),
+    or each of its own length."""
 
     num_train: int = 2000
     num_eval: int = 500
     max_length: int = 24
     vocab_size: int = VOCAB_SIZE
     seed: int = 0
+    padded: bool = True
     splits = ("train", "eval")
     num_classes = NUM_CLASSES
 
@@ -57,10 +61,12 @@ class TokenSequences:
         return tf.ensure_shape(padded, [self.max_length]), label
 
     def __call__(self, split: str) -> tf.data.Dataset:
-        """Unbatched `(tokens int32 [max_length], label int32 [])`, 0 after the sequence's end."""
+        """Unbatched `(tokens int32 [max_length], label int32 [])`, 0 after the sequence's end; not `padded`,
+        `(tokens int32 [None], label)`."""
         sequences, labels = self._corpus[split]
         ragged = tf.ragged.constant(sequences, dtype=tf.int32)
-        return tf.data.Dataset.from_tensor_slices((ragged, labels)).map(self._pad)
+        examples = tf.data.Dataset.from_tensor_slices((ragged, labels))
+        return examples.map(self._pad) if self.padded else examples
 
 
 @gin.configurable
@@ -74,7 +80,7 @@ def text_classifier(
 ) -> keras.Model:
     """Embedding (0 masked), masked average pooling, a hidden layer; returns logits.
 
-    `input_shape` is `(max_length,)`: the model is built here, under the strategy's scope, not on its
+    `input_shape` is `(max_length,)`, or `(None,)` for sequences of any length: the model is built here, under the strategy's scope, not on its
     first call inside the step.
     """
     return keras.Sequential(

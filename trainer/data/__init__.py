@@ -31,6 +31,7 @@ from trainer.data.pipeline import (
     shuffled_index_batches,
     train_dataset,
 )
+from trainer.data.sequences import SequenceBatching
 from trainer.data.sources import FASHION_MNIST_FILES, Digits, FashionMnist, Synthetic
 from trainer.data.tfrecord import (
     FEATURE_KINDS,

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from trainer.data import order
+from trainer.data import order, sequences
 from trainer.data.inputs import Input
 from trainer.data.pipeline import _raw_batch_index as raw_batch_index
 from trainer.data.pipeline import held_train, on_accelerator
@@ -63,6 +63,8 @@ def choose(
             "train data: each parameter-server closure gathers its global batches by index from its worker's "
             "copy of the split (a per-worker dataset; device variables hold it under the synchronous strategies only)",
         ), None
+    if sequences.is_variable(inp.element_spec):
+        return Choice(False, f"{tf_data} (examples of varying length, each batch padded to its longest)"), None
     if inp.decode_batch is not None:
         return Choice(False, f"{tf_data} (serialized records, decoded a batch at a time on the host)"), None
     arrays, size = held[0], split_bytes(held[0])

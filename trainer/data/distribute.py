@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from trainer import internals
+from trainer.data import sequences
 from trainer.data import service as data_service
 from trainer.data.inputs import Input, InputFunction, as_input
 from trainer.data.pipeline import eval_dataset, held_train, prefetch_for_accelerators, train_dataset, whole
@@ -73,7 +74,7 @@ def replica_slices(dataset: tf.data.Dataset, context: tf.distribute.InputContext
 
     def split(batch):
         chunks = tf.nest.map_structure(
-            lambda t: tf.reshape(t, [replicas, -1, *t.shape[1:]])[first : first + per_pipeline], batch
+            lambda t: tf.reshape(t, sequences.per_replica_shape(t, replicas))[first : first + per_pipeline], batch
         )
         return tf.data.Dataset.from_tensor_slices(chunks)
 

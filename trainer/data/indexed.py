@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from trainer.data import order
+from trainer.data import order, sequences
 from trainer.data.inputs import Input
 from trainer.data.pipeline import held_train
 
@@ -26,8 +26,9 @@ class IndexedBatches:
         seed: int,
         augment: Callable | None = None,
         decode: Callable | None = None,
+        bucketing: sequences.Bucketing | None = None,
     ):
-        self.arrays, self.augment, self.decode = arrays, augment, decode
+        self.arrays, self.augment, self.decode, self.bucketing = arrays, augment, decode, bucketing
         self.num_examples = len(tf.nest.flatten(arrays)[0])
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -40,7 +41,10 @@ class IndexedBatches:
 
     def batch(self, examples: Any, batch_index: tf.Tensor) -> Any:
         """Global batch `batch_index` from `examples` (one element of `source`), in order."""
-        positions = order.batch_positions(batch_index, self.global_batch_size)
+        if self.bucketing is not None:
+            positions = self.bucketing.batch_positions(batch_index)
+        else:
+            positions = order.batch_positions(batch_index, self.global_batch_size)
         indices = order.example_indices(positions, self.num_examples, self.seed)
         batch = tf.nest.map_structure(lambda t: tf.gather(t, indices), examples)
         batch = batch if self.decode is None else self.decode(batch)
@@ -50,7 +54,10 @@ class IndexedBatches:
 def indexed_batches(inp: Input, global_batch_size: int, seed: int, shard_policy: str = "AUTO") -> IndexedBatches | None:
     """The input's train split as indexed batches, None where it streams (`pipeline.held_train`)."""
     held = held_train(inp, shard_policy)
-    return None if held is None else IndexedBatches(held[0], global_batch_size, seed, inp.augment, inp.decode_batch)
+    if held is None:
+        return None
+    bucketing = sequences.bucketing_of(inp.bucket_keys, global_batch_size, seed, inp.sequences)
+    return IndexedBatches(held[0], global_batch_size, seed, inp.augment, inp.decode_batch, bucketing)
 
 
 def replica_slice(batch: Any) -> Any:
@@ -58,4 +65,4 @@ def replica_slice(batch: Any) -> Any:
     `experimental_distribute_dataset`."""
     context = tf.distribute.get_replica_context()
     replicas, replica = context.num_replicas_in_sync, context.replica_id_in_sync_group
-    return tf.nest.map_structure(lambda t: tf.reshape(t, [replicas, -1, *t.shape[1:]])[replica], batch)
+    return tf.nest.map_structure(lambda t: tf.reshape(t, sequences.per_replica_shape(t, replicas))[replica], batch)

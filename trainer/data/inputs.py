@@ -1,7 +1,8 @@
 """The loop's view of an input function: what it yields, how many, and whether it is usable.
 
 An input function is `input_fn(split)` or `input_fn(split, input_context)` returning an UNBATCHED
-`tf.data.Dataset` of fixed-shape examples of any structure; one that declares `input_context` returns
+`tf.data.Dataset` of examples of any structure, of fixed shape or of any length (features of unknown
+dimensions or ragged: batched padded, trainer/data/sequences.py); one that declares `input_context` returns
 only that pipeline's shard when `input_context.num_input_pipelines > 1`. Optional attributes, used where
 present: `num_classes`, `splits`, `num_examples(split)` (saves counting), `num_files(split)` (enables the
 FILE-sharding checks), `validate()` (raises UserError early), `arrays(split)` (the split in memory, or
@@ -19,10 +20,12 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 import tensorflow as tf
 
+from trainer.data import sequences
 from trainer.errors import UserError
 from trainer.task.user_code import user_function
 
 SPLITS = ("train", "eval")
+SEQUENCES = sequences.SequenceBatching()  # per-batch padding with 0, no bucketing
 # Train data of at most this many bytes is held in memory and gathered in whole batches (pipeline.gathered).
 MAX_IN_MEMORY_BYTES = 2 * 1024**3
 # A split of unknown cardinality is counted by iterating it, for at most this long: an endless one would
@@ -88,13 +91,20 @@ class Input:
     """One input function as the loop sees it; caches counts and in-memory train data (so build one per
     run: the pipeline functions also take a bare input function, but count it anew)."""
 
-    def __init__(self, input_fn: InputFunction, *, eval_splits: Sequence[str] = ("eval",)) -> None:
+    def __init__(
+        self,
+        input_fn: InputFunction,
+        *,
+        eval_splits: Sequence[str] = ("eval",),
+        sequences: sequences.SequenceBatching | None = None,
+    ) -> None:
         if isinstance(input_fn, Input) or not callable(input_fn):
             raise UserError(f"the input function must be a callable input_fn(split), got {input_fn!r}")
         signature = _checked_signature(input_fn)
         self.input_fn = input_fn
         self.name = _name(input_fn)  # how a refusal names the user's function
         self.eval_splits = tuple(eval_splits)
+        self.sequences = sequences or SEQUENCES  # how examples of any length are padded and bucketed
         self.num_classes: int | None = getattr(input_fn, "num_classes", None)
         # An input function that cannot give the same examples in the same order twice says so
         # (`fn.deterministic = False`): exact resume and roll-back need them again.
@@ -102,6 +112,7 @@ class Input:
         self.shards_itself = signature is not None and "input_context" in signature.parameters
         self.augment: Callable[[Any, tf.Tensor], Any] | None = getattr(input_fn, "augment", None)
         self.decode_batch: Callable[[Any], Any] | None = getattr(input_fn, "decode_batch", None)
+        self.bucket_keys: np.ndarray | None = None  # what bucketing sorts the held train examples by
         self._counts: dict[str, int] = {}
         self.print_fn: Callable[[str], None] | None = None
         self._memory: dict[Shard | None, Any] = {}
@@ -113,9 +124,10 @@ class Input:
 
     @property
     def element_spec(self) -> Any:
+        """The spec of one train example as batches hold it: ragged features dense, of unknown length."""
         if self._spec is None:
             with tf.init_scope():
-                self._spec = self.examples("train").element_spec
+                self._spec = sequences.dense_spec(self.examples("train").element_spec)
         return self._spec
 
     @property
@@ -152,20 +164,25 @@ class Input:
 
     def _check(self, dataset: Any, split: str) -> None:
         fix = (
-            "return an unbatched tf.data.Dataset of fixed-shape examples (no .batch(); pad variable-length "
-            "features, e.g. with data.Feature('int64_sequence', length=...))"
+            "return an unbatched tf.data.Dataset of examples (no .batch(): the loop batches, padding features "
+            "of unknown length to the longest example of each batch)"
         )
         where = f"input function {_name(self.input_fn)} returned"
         if not isinstance(dataset, tf.data.Dataset):
             raise UserError(f"{where} a {type(dataset).__name__}, not a tf.data.Dataset, for split {split!r}: {fix}")
-        for path, leaf in _leaves(dataset.element_spec):
-            if not isinstance(leaf, tf.TensorSpec):
+        leaves = _leaves(dataset.element_spec)
+        for path, leaf in leaves:
+            if not isinstance(leaf, (tf.TensorSpec, tf.RaggedTensorSpec)):
                 raise UserError(f"{where} a {type(leaf).__name__} at {path} for split {split!r}: {fix}")
-            if not leaf.shape.is_fully_defined():
-                raise UserError(
-                    f"{where} examples of shape {leaf.shape} at {path} for split {split!r} "
-                    f"(batched, or of variable length): {fix}"
-                )
+        # Every feature of unknown first dimension, more than one of them: a batched dataset (one feature of
+        # unknown length is a sequence, as is any example that also holds a fixed-shape label).
+        if len(leaves) > 1 and all(leaf.shape.rank and leaf.shape[0] is None for _, leaf in leaves):
+            path, leaf = leaves[0]
+            raise UserError(
+                f"{where} examples of shape {leaf.shape} at {path} for split {split!r}, every feature of "
+                f"unknown first dimension (batched?): {fix}"
+            )
+        sequences.check(dataset.element_spec, self.sequences, f"input function {_name(self.input_fn)}")
 
     def num_examples(self, split: str) -> int:
         if split not in self._counts:
@@ -189,7 +206,7 @@ class Input:
         return count
 
     def _count_by_iterating(self, dataset: tf.data.Dataset, split: str) -> int:
-        sizes = dataset.batch(1024).map(_batch_size)
+        sizes = dataset.map(_one).batch(1024).map(_batch_size)  # examples of any length counted alike
         count, started = 0, time.monotonic()
         next_line = started + COUNT_PROGRESS_SECONDS
         for size in sizes:
@@ -266,6 +283,8 @@ class Input:
 
     def _materialize(self, input_context: tf.distribute.InputContext | None) -> Any:
         dataset = self.examples("train", input_context)
+        if sequences.is_variable(dataset.element_spec):
+            return self._materialize_sequences(dataset)
         count, size = int(dataset.cardinality()), _example_bytes(dataset.element_spec)
         if count < 0 or size is None or size * count > MAX_IN_MEMORY_BYTES:
             return None
@@ -274,6 +293,28 @@ class Input:
                 lambda s: np.zeros((0, *s.shape), s.dtype.as_numpy_dtype), dataset.element_spec
             )
         return tf.nest.map_structure(lambda t: t.numpy(), dataset.batch(count).get_single_element())
+
+    def _materialize_sequences(self, dataset: tf.data.Dataset) -> Any:
+        """Examples of any length held padded to the longest of all with each one's shapes, a gathered batch cut
+        to its own longest (the held data's `decode_batch`); None where the split streams (as `_materialize`)."""
+        count = int(dataset.cardinality())
+        strings = any(leaf.dtype == tf.string for leaf in tf.nest.flatten(dataset.element_spec))
+        if count <= 0 or getattr(self.input_fn, "decode_batch", None) is not None or strings:
+            return None
+        held = sequences.hold(dataset, count, self.sequences)
+        if sum(array.nbytes for array in tf.nest.flatten(held)) > MAX_IN_MEMORY_BYTES:
+            return None
+        spec = self.element_spec
+        self.decode_batch = sequences.trimmer(spec)
+        if self.sequences.bucketing:
+            lengths = sequences.lengths_of(held, spec, self.sequences)
+            self.bucket_keys = sequences.bucket_keys(lengths, self.sequences)
+        return held
+
+
+@tf.autograph.experimental.do_not_convert
+def _one(*_: Any) -> tf.Tensor:
+    return tf.constant(1, tf.int8)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -290,8 +331,12 @@ def _leaves(spec: Any, path: str = "") -> list[tuple[str, Any]]:
     return [(path or "the top level", spec)]
 
 
-def as_input(x: "Input | InputFunction", eval_splits: Sequence[str] = ("eval",)) -> Input:
-    return x if isinstance(x, Input) else Input(x, eval_splits=eval_splits)
+def as_input(
+    x: "Input | InputFunction",
+    eval_splits: Sequence[str] = ("eval",),
+    sequences: "sequences.SequenceBatching | None" = None,
+) -> Input:
+    return x if isinstance(x, Input) else Input(x, eval_splits=eval_splits, sequences=sequences)
 
 
 def check_sizes(source: "Input | InputFunction", global_batch_size: int) -> None:

@@ -6,7 +6,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from trainer.data import order
+from trainer.data import order, sequences
 from trainer.data.inputs import Input, InputFunction, Shard, as_input, shard_of
 from trainer.errors import UserError
 
@@ -57,10 +57,13 @@ def train_dataset(
     drop_batches = sorted(set(drop_batches))
     first = _raw_batch_index(skip_batches, drop_batches)
     held = held_train(inp, shard_policy, input_context)
+    bucketing = None
     if held is not None:
         arrays, shard = held
+        keys = inp.bucket_keys if inp.bucket_keys is None or not shard else inp.bucket_keys[shard[1] :: shard[0]]
+        bucketing = sequences.bucketing_of(keys, batch_size, seed, inp.sequences)
         dataset = shuffled_index_batches(
-            len(tf.nest.flatten(arrays)[0]), batch_size, seed, first_batch=first, shard=shard
+            len(tf.nest.flatten(arrays)[0]), batch_size, seed, first_batch=first, shard=shard, bucketing=bucketing
         )
     else:
         buffer = min(inp.num_examples("train"), MAX_SHUFFLE_BUFFER)
@@ -68,7 +71,7 @@ def train_dataset(
         if not inp.shards_itself and (shard := shard_of(input_context)):
             dataset = dataset.shard(*shard)
         dataset = dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True).repeat()
-        dataset = dataset.batch(batch_size, drop_remainder=True).skip(first)
+        dataset = sequences.stream_batches(dataset, batch_size, seed, inp.sequences).skip(first)
     dropped = tf.constant([b for b in drop_batches if b >= first], tf.int64)
     kept = graph_code(lambda i, *_: tf.reduce_all(tf.not_equal(i, dropped)))
     if dropped.shape[0]:
@@ -80,11 +83,8 @@ def train_dataset(
             dataset = dataset.map(inp.decode_batch, **parallel_calls())
     if inp.augment is not None:  # seeded by each example's position: the batch numbers kept, alongside
         numbers = tf.data.Dataset.counter(first).filter(kept) if dropped.shape[0] else tf.data.Dataset.counter(first)
-        augment = graph_code(
-            lambda batch, number: order.augment_batch(
-                batch, inp.augment, order.batch_positions(number, batch_size), seed
-            )
-        )
+        positions = bucketing.batch_positions if bucketing else lambda number: order.batch_positions(number, batch_size)
+        augment = graph_code(lambda batch, number: order.augment_batch(batch, inp.augment, positions(number), seed))
         dataset = tf.data.Dataset.zip((dataset, numbers)).map(augment)
     return prefetch_for_accelerators(dataset).with_options(dataset_options)
 
@@ -144,7 +144,13 @@ def _raw_batch_index(skip_batches: int, drop_batches: Sequence[int]) -> int:
 
 
 def shuffled_index_batches(
-    num_examples: int, batch_size: int, seed: int, *, first_batch: int = 0, shard: Shard | None = None
+    num_examples: int,
+    batch_size: int,
+    seed: int,
+    *,
+    first_batch: int = 0,
+    shard: Shard | None = None,
+    bucketing: sequences.Bucketing | None = None,
 ) -> tf.data.Dataset:
     """Endless `[batch_size]` int64 batches of example indices, from batch `first_batch` on.
 
@@ -152,7 +158,8 @@ def shuffled_index_batches(
     (`order.example_indices`: epoch e a permutation keyed by (seed, e)); batches run across epoch boundaries,
     as in `shuffle().repeat().batch()`, but a batch costs one vectorized op instead of `batch_size` trips
     through a shuffle buffer, and a resumed run starts at its batch without replaying those before it.
-    `shard` keeps every n-th example (the examples of one input pipeline) and orders those.
+    `shard` keeps every n-th example (the examples of one input pipeline) and orders those. `bucketing`
+    takes each batch's positions from a bucketed order (trainer/data/sequences.py) instead.
     """
     ids = tf.range(num_examples, dtype=tf.int64)
     if shard:
@@ -169,6 +176,14 @@ def shuffled_index_batches(
         ordered = tf.reshape(order.example_indices(positions, count, seed), [INDEX_BATCHES, batch_size])
         return tf.gather(ids, ordered) if shard else ordered
 
+    if bucketing is not None:
+
+        @graph_code
+        def bucketed(batch):
+            ordered = order.example_indices(bucketing.batch_positions(batch), count, seed)
+            return tf.gather(ids, ordered) if shard else ordered
+
+        return tf.data.Dataset.counter(first_batch).map(bucketed)
     return tf.data.Dataset.counter(first_batch, INDEX_BATCHES).map(indices).unbatch()
 
 
@@ -190,6 +205,7 @@ def eval_dataset(
 ) -> tf.data.Dataset:
     """Every example of `split` once, weight 1.0 appended (`with_weight`), batched, the last batch partial.
 
+    Examples of any length are padded to the longest of each batch (trainer/data/sequences.py).
     Padding to a multiple of `pad_to_multiple_of` gives every worker and replica the same number of batches,
     so collectives cannot hang; so the padded examples are sharded, never the files. The padding is copies of
     the split's first examples with weight 0, never zeros: a model may be NaN on an all-zero example (a masked
@@ -199,7 +215,7 @@ def eval_dataset(
     """
     inp = as_input(inp)
     dataset_options = options(shard_policy)
-    examples = source = inp.examples(split)
+    examples = source = sequences.dense_examples(inp.examples(split), inp.sequences)
     spec = examples.element_spec
     if batches is not None:
         first, count = batches
@@ -211,5 +227,6 @@ def eval_dataset(
         dataset = dataset.concatenate(copies.map(whole(lambda example: with_weight(example, 0.0), spec)))
     if shard := shard_of(input_context):
         dataset = dataset.shard(*shard)
-    dataset = dataset.batch(batch_size, drop_remainder=False)
+    padding = with_weight(sequences.padding_structure(spec, inp.sequences, inp.name), 0.0)
+    dataset = sequences.batched(dataset, batch_size, padding, drop_remainder=False)
     return prefetch_for_accelerators(dataset).with_options(dataset_options)

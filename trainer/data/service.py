@@ -167,6 +167,7 @@ def train_batches(inp, batch_size: int, shuffle_buffer: int, seed: int):
     sorted by label) where the buffer is smaller than the data."""
     import tensorflow as tf
 
+    from trainer.data import sequences
     from trainer.data.inputs import as_input
     from trainer.data.pipeline import graph_code
 
@@ -178,9 +179,9 @@ def train_batches(inp, batch_size: int, shuffle_buffer: int, seed: int):
         source = tf.data.Dataset.range(count).map(graph_code(lambda i: tf.gather(order, i)))
     else:
         source = inp.examples("train", None)
+    if held is None:  # examples of any length padded per batch (bucketing is refused with the service)
+        return sequences.stream_batches(source.shuffle(shuffle_buffer).repeat(), batch_size, seed, inp.sequences)
     batches = source.shuffle(shuffle_buffer).repeat().batch(batch_size, drop_remainder=True)
-    if held is None:
-        return batches
     tensors = tf.nest.map_structure(tf.constant, held[0])
     batches = batches.map(graph_code(lambda index: tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)))
     return batches if inp.decode_batch is None else batches.map(inp.decode_batch)

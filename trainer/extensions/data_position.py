@@ -2,7 +2,8 @@
 
 Every checkpoint holds, beside the model, the examples trained (global step x global batch: positions
 `[0, examples)` of the one global order, trainer/data/order.py) and what that position is a position in:
-the train split's size, the seed and the global batch. Every worker writes the same numbers (they come from
+the train split's size, the seed and the global batch (and the bucket window where examples of any length are
+bucketed, trainer/data/sequences.py). Every worker writes the same numbers (they come from
 the global step and the settings). A resumed run whose data or seed differ would find another order
 behind the same position: refused in one line, or, with `train.allow_resume_changes`, said in one line
 (the run goes on at its global step's batch of the new order).
@@ -127,6 +128,8 @@ class DataPosition(Extension):
             "seed": settings.seed,
             "global_batch_size": settings.global_batch_size,
         }
+        if window := context.task.input.sequences.bucket_window:  # bucketing orders within windows of batches
+            self._identity["bucket_window"] = window
         if path is not None and self._saved is not None:
             self._check_unchanged(context, path)
         self._path_line = data_choice(context.task.input, settings)[0].line

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import tensorflow as tf
 
 from trainer import data
-from trainer.data import device
+from trainer.data import device, sequences
 from trainer.data.distribute import check_input
 from trainer.distribution.runtime import Runtime
 from trainer.errors import UserError
@@ -90,6 +90,7 @@ def build_sync_loops(
         jit_compile=settings.jit_compile,
         after_update=after_update,
         summaries=step_summaries(runtime, settings),
+        lengths_vary=sequences.is_variable(task.input.element_spec) and settings.steps_per_loop > 1,
     )
     with dist.scope():  # metric variables aggregate across replicas (and workers)
         metrics = make_metrics(settings.eval_metrics_fn)

@@ -36,9 +36,11 @@ class TrainLoop:
         jit_compile: bool = False,
         after_update: Callable[[], None] | None = None,
         summaries: StepSummaries | None = None,
+        lengths_vary: bool = False,
     ):
         self._strategy = strategy
         self._jit_compile = jit_compile
+        self._lengths_vary = lengths_vary  # batches of several lengths in one call (trainer/data/sequences.py)
         self._summaries = summaries = summaries or StepSummaries(None, 1)
         self._global_step = global_step
         self._feed = feed = feed_of(dataset)
@@ -91,6 +93,13 @@ class TrainLoop:
             step_name,
             lambda: self._train_steps.get_concrete_function(self._feed.source, tf.TensorSpec([], tf.int32)),
         )
+        if self._lengths_vary and gathers_across_replicas(concrete):
+            raise UserError(
+                f"train.step_fn {step_name} gathers a value across replicas (a sparse gradient, an Embedding's, "
+                "is summed by an all-gather) whose size follows the batch's length, and TensorFlow's collectives "
+                "cannot change a size within one compiled call, where batches of several lengths run: set "
+                "train.steps_per_loop = 1, or give the examples a fixed length"
+            )
         if self._jit_compile and writes_summaries(concrete):
             raise UserError(
                 f"train.step_fn {step_name} writes tf.summary inside the step, which XLA cannot compile "
@@ -105,3 +114,11 @@ class TrainLoop:
     @property
     def trace_count(self) -> int:
         return self._train_steps.experimental_get_tracing_count()
+
+
+def gathers_across_replicas(concrete) -> bool:
+    """Whether the traced loop holds a collective all-gather (measured: an Embedding's sparse gradient summed
+    under mirrored and MultiWorkerMirrored; a collective caches its shape per instance within one call)."""
+    graph = concrete.graph.as_graph_def()
+    nodes = [*graph.node, *(node for function in graph.library.function for node in function.node_def)]
+    return any(node.op.startswith("CollectiveGather") for node in nodes)

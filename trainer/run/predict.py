@@ -99,7 +99,9 @@ def predict(
             f"use a multiple of {runtime.num_replicas}"
         )
     inp = (
-        run_input if input_fn is None else data.as_input(contract.adapt(input_fn, contract.INPUT), eval_splits=(split,))
+        run_input
+        if input_fn is None
+        else data.as_input(contract.adapt(input_fn, contract.INPUT), eval_splits=(split,), sequences=settings.sequences)
     )
     inp.print_fn = print_fn
     inp.examples(split)  # an unknown split is refused here

@@ -45,7 +45,8 @@ class Settings:
     shard_policy, parameter_server, data_service (the tf.data service: 'local', 'grpc://host:port' or
     @data_service(), trainer/data/service.py), device_data_max_bytes (a train split with random access
     up to this size is held on every replica's device and gathered inside the compiled loop,
-    trainer/data/device.py; 0: always tf.data). Speed: jit_compile, mixed_precision, async_checkpoint. Safety:
+    trainer/data/device.py; 0: always tf.data), sequences (how examples of any length are padded and
+    bucketed: @sequences(), trainer/data/sequences.py). Speed: jit_compile, mixed_precision, async_checkpoint. Safety:
     check_loss_scaling, nonfinite, max_rollbacks, loss_upper_bound, allow_resume_changes, max_time_secs.
     The optional features are extensions (trainer/extensions/built_in.py), beside your own
     `extensions`. Set by the entry point: model_dir, describe_config, hparams (the flat bindings), print_fn.
@@ -80,6 +81,7 @@ class Settings:
     parameter_server: ParameterServerConfig | None = None
     data_service: str | service.DataServiceConfig | None = None
     device_data_max_bytes: int = device_data.DEFAULT_MAX_BYTES  # per device; 0: the train split through tf.data
+    sequences: data.SequenceBatching | None = None  # examples of any length: padding values, bucketing
     keep_checkpoints: int = 3
     async_checkpoint: bool = False
     nonfinite: str = "stop"
@@ -127,6 +129,7 @@ class Settings:
         if self.parameter_server is not None and not isinstance(self.parameter_server, ParameterServerConfig):
             raise UserError(f"train.parameter_server must be @parameter_server(), got {self.parameter_server!r}")
         object.__setattr__(self, "data_service", service.config_of(self.data_service))
+        self._check_sequences()
         if self.data_service is not None:
             modes.require("train.data_service", service.SUPPORT, self.strategy)
         if self.model_dir is not None and not isinstance(self.model_dir, str):
@@ -160,6 +163,16 @@ class Settings:
             )
         check_bool("train.jit_compile", self.jit_compile)
         check_int("train.device_data_max_bytes", self.device_data_max_bytes, minimum=0)
+
+    def _check_sequences(self) -> None:
+        if self.sequences is not None and not isinstance(self.sequences, data.SequenceBatching):
+            raise UserError(f"train.sequences must be @sequences(), got {self.sequences!r}")
+        if self.sequences is not None and self.sequences.bucketing and self.data_service is not None:
+            raise UserError(
+                "sequences.bucket_window buckets the train order by index, and train.data_service hands out its "
+                "own stream: set sequences.bucket_window = 0 (batches padded to their longest), or leave "
+                "train.data_service unset"
+            )
 
     def _check_runtime(self) -> None:
         """Where and how the run computes (trainer/distribution/runtime.py)."""
@@ -224,7 +237,7 @@ class Settings:
 
     def make_input(self) -> data.Input:
         """The run's input (a fresh `data.Input`: it caches counts and in-memory data)."""
-        return data.as_input(self.input_function, eval_splits=self.eval_split_names)
+        return data.as_input(self.input_function, eval_splits=self.eval_split_names, sequences=self.sequences)
 
     @classmethod
     def of(cls, bindings: Mapping[str, Any]) -> "Settings":

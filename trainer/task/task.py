@@ -78,7 +78,8 @@ def build_by_calling(models: Any, model_fn: Callable, inp: data.Input) -> None:
     features (docs/design.md rule 16: Keras 3's `build(shape)` creates no sublayer's variables)."""
     spec = inp.element_spec
     features = spec[0] if isinstance(spec, (tuple, list)) and len(spec) >= 2 else spec
-    zeros = tf.nest.map_structure(lambda s: tf.zeros([2, *s.shape], s.dtype), features)
+    # A feature of unknown length is built on examples of length 1.
+    zeros = tf.nest.map_structure(lambda s: tf.zeros([2, *(d or 1 for d in s.shape)], s.dtype), features)
     for key, model in named(models, default="").items():
         built = getattr(model, "built", None)
         if built or (built is None and getattr(model, "variables", None)):
