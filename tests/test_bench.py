@@ -558,3 +558,18 @@ def test_a_bench_that_is_killed_leaves_no_worker_behind(signum):
             except ProcessLookupError:
                 pass
         proc.wait()
+
+
+def test_the_epoch_order_baseline_takes_the_pipelines_arguments_and_gives_every_example_once_an_epoch():
+    """`ours_epoch_order` replaces the pipeline's index batches with its own: a keyword the pipeline gains
+    (bucketing did) must reach it, or the variant fails to start while the default ones run."""
+    import inspect
+
+    from experiments.bench import epoch_order
+    from trainer.data import pipeline
+
+    theirs = inspect.signature(pipeline.shuffled_index_batches).parameters
+    assert list(inspect.signature(epoch_order.epoch_permutation_batches).parameters) == list(theirs)
+    flat = np.concatenate(list(epoch_order.epoch_permutation_batches(10, 4, seed=1).take(5).as_numpy_iterator()))
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
+    assert flat[:10].tolist() != flat[10:20].tolist()  # another permutation each epoch

@@ -11,11 +11,12 @@ from trainer.data import pipeline
 
 
 def epoch_permutation_batches(
-    num_examples: int, batch_size: int, seed: int, *, first_batch: int = 0, shard=None
+    num_examples: int, batch_size: int, seed: int, *, first_batch: int = 0, shard=None, bucketing=None
 ) -> tf.data.Dataset:
-    """`pipeline.shuffled_index_batches`' contract (`shard` aside), from whole-epoch permutations."""
-    if shard:
-        raise ValueError("the epoch-order baseline takes no shard")
+    """`pipeline.shuffled_index_batches`' contract (`shard` and `bucketing` aside), from whole-epoch
+    permutations."""
+    if shard or bucketing:
+        raise ValueError("the epoch-order baseline takes no shard and no bucketing")
     first_epoch, offset = divmod(first_batch * batch_size, num_examples)
 
     def permutation(epoch):
