@@ -19,6 +19,7 @@ import tensorflow as tf
 from tests import sequence_inputs
 from tests.sequence_inputs import NUM_EVAL, NUM_TRAIN, length, numbered, ragged_words, streamed_numbered
 from tests.support import REPO, read_jsonl, refused_in_one_process, subprocess_env, tree_digest
+from tests.test_examples_a import run_in_group
 from tests.test_ps import assert_all_gone, server_pids
 from tests.test_resume import held_at, kill_group, per_step_losses, wait_for_step
 from trainer import data
@@ -230,23 +231,6 @@ def flags(mode: str, model_dir: str, bindings: list[str] = SHORT) -> list[str]:
         f"--model_dir={model_dir}",
         *(f"--gin_bindings={b}" for b in bindings),
     ]
-
-
-def run_in_group(args: list[str], timeout: float) -> tuple[int, str]:
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=REPO,
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        kill_group(proc)
-    return proc.returncode, output
 
 
 def said_data(output: str) -> bool:
