@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
 from tests.listening import SampledRun, sampled
-from tests.support import Main, run_main, subprocess_env
+from tests.support import HIDDEN_FROM_LAUNCHED, LEAN_SITE, Main, run_main, subprocess_env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launched_processes_start_lean():
+    """Every process a test starts imports TensorFlow without the test extra's matplotlib, IPython and
+    scikit-learn, which Keras imports when present (tests/lean_site/sitecustomize.py says why). Set in the
+    processes that run tests (a session fixture never runs in xdist's controller), so the test processes
+    themselves keep them."""
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "TRAINER_TESTS_HIDDEN")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (LEAN_SITE, saved["PYTHONPATH"]) if p)
+    os.environ["TRAINER_TESTS_HIDDEN"] = ",".join(HIDDEN_FROM_LAUNCHED)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,18 @@ import time
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Processes the tests start import TensorFlow without these (tests/lean_site/sitecustomize.py; tests/conftest.py).
+LEAN_SITE = os.path.join(REPO, "tests", "lean_site")
+HIDDEN_FROM_LAUNCHED = ("matplotlib", "IPython", "sklearn", "scipy")
 
 
-def subprocess_env(**extra: str) -> dict[str, str]:
+def subprocess_env(*, full: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a process a test starts; `full` gives it the test extra's packages that launched
+    processes start without (HIDDEN_FROM_LAUNCHED: matplotlib for trainer.plot, scikit-learn for the
+    examples on its data sets)."""
     env = dict(os.environ)
+    if full:
+        env.pop("TRAINER_TESTS_HIDDEN", None)
     env.pop("TF_CONFIG", None)
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)

@@ -67,12 +67,13 @@ def main_flags(mode: str, example: str, model_dir: str, bindings: list[str]) -> 
     ]
 
 
-def run_in_group(args: list[str], timeout: float) -> tuple[int, str]:
-    """`python args...` in a session of its own, so that every process it starts dies with it at the end."""
+def run_in_group(args: list[str], timeout: float, *, full: bool = False) -> tuple[int, str]:
+    """`python args...` in a session of its own, so that every process it starts dies with it at the end;
+    `full`: with the packages launched processes start without (the regression example reads scikit-learn's data)."""
     proc = subprocess.Popen(
         [sys.executable, *args],
         cwd=REPO,
-        env=subprocess_env(),
+        env=subprocess_env(full=full),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -110,7 +111,8 @@ def mirrored_dirs(tmp_path_factory) -> dict[str, str]:
     for example in EXAMPLES:
         model_dir = str(tmp_path_factory.mktemp(f"mirrored_{example}"))
         bindings = PER_STEP if example == "two_inputs" else SHORT
-        code, output = run_in_group(["-m", "trainer.main", *main_flags("mirrored", example, model_dir, bindings)], 120)
+        args = ["-m", "trainer.main", *main_flags("mirrored", example, model_dir, bindings)]
+        code, output = run_in_group(args, 120, full=example == "regression")
         assert code == 0, output[-3000:]
         assert "on 2 replica(s)" in output, output[-3000:]
         dirs[example] = model_dir
@@ -140,7 +142,9 @@ def test_dict_model_on_two_multi_worker_mirrored_workers(tmp_path):
 @pytest.mark.timeout(200)
 def test_regression_on_the_embedded_parameter_server_cluster(tmp_path):
     model_dir = str(tmp_path / "run")
-    code, output = run_in_group(["-m", "trainer.main", *main_flags("ps", "regression", model_dir, SHORT)], 150)
+    code, output = run_in_group(
+        ["-m", "trainer.main", *main_flags("ps", "regression", model_dir, SHORT)], 150, full=True
+    )
     assert code == 0, output[-3000:]
     assert "strategy 'parameter_server' on 1 replica(s) (2 worker(s))" in output, output[-3000:]
     assert_all_gone(server_pids(output))

@@ -27,7 +27,10 @@ def test_two_runs_overlaid_in_one_png_with_both_labels(profiled_run, trained_sin
         assert sorted(line.get_label() for line in ax.lines) == sorted(labels), ax.get_title()
 
     out = tmp_path / "curves.png"
-    proc = run_module("trainer.plot", f"--model_dir={run_a}", f"--model_dir={run_b}", f"--out={out}", timeout=120)
+    env = subprocess_env(full=True)  # with matplotlib
+    proc = run_module(
+        "trainer.plot", f"--model_dir={run_a}", f"--model_dir={run_b}", f"--out={out}", env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == f"wrote {out}: {', '.join(labels)}"
     data = out.read_bytes()
@@ -39,7 +42,7 @@ def test_missing_matplotlib_or_run_is_one_line_and_exit_2(tmp_path, profiled_run
     blocker = tmp_path / "blocked" / "matplotlib"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
-    env = subprocess_env()
+    env = subprocess_env(full=True)  # matplotlib installed, and blocked here
     env["PYTHONPATH"] = os.pathsep.join([str(blocker.parent), env["PYTHONPATH"]])
     no_matplotlib = run_module(
         "trainer.plot", f"--model_dir={profiled_run[0]}", f"--out={tmp_path / 'x.png'}", env=env, timeout=120

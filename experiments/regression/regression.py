@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from trainer.errors import UserError
 from trainer.task.steps import call_model, regularization_loss, scale_loss, weighted_sum
 
 
@@ -33,7 +34,12 @@ class Diabetes:
 
     @cached_property
     def _arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        from sklearn.datasets import load_diabetes
+        try:
+            from sklearn.datasets import load_diabetes
+        except ImportError:
+            raise UserError(
+                "experiments/regression reads scikit-learn's diabetes data: pip install -e '.[examples]'"
+            ) from None
 
         x, y = load_diabetes(return_X_y=True)
         order = np.random.RandomState(self.seed).permutation(len(y))
