@@ -51,7 +51,9 @@ def test_missing_matplotlib_or_run_is_one_line_and_exit_2(tmp_path, profiled_run
     assert no_matplotlib.stderr.strip().splitlines() == [
         "error: trainer.plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"
     ]
-    missing = run_module("trainer.plot", f"--model_dir={tmp_path / 'nowhere'}", timeout=120)
+    missing = run_module(
+        "trainer.plot", f"--model_dir={tmp_path / 'nowhere'}", env=subprocess_env(full=True), timeout=120
+    )
     assert missing.returncode == 2 and "no metrics.jsonl in" in missing.stderr
     assert not (tmp_path / "x.png").exists()
 
