@@ -59,6 +59,7 @@ def assert_reevaluated_exactly(model_dir: str, name: str, keys: set[tuple[int, s
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("single_runs")
 def test_the_newest_checkpoint_evaluates_as_the_run_logged_it_and_mistakes_write_nothing(trained_single_dir, tmp_path):
     """tests/conftest.py's short single-device run (eval and checkpoints at 30 and 60), copied: others read it."""
     model_dir = str(shutil.copytree(trained_single_dir, tmp_path / "copy"))

@@ -25,6 +25,7 @@ def _series(accumulator, tag: str) -> dict[int, float]:
     return {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)}
 
 
+@pytest.mark.xdist_group("single_runs")
 def test_event_files_hold_train_and_eval_scalars_and_the_operative_config(profiled_run):
     from tensorboard.util import tensor_util
 
@@ -45,6 +46,7 @@ def test_event_files_hold_train_and_eval_scalars_and_the_operative_config(profil
     assert train.SummaryMetadata("operative_config").plugin_data.plugin_name == "text"
 
 
+@pytest.mark.xdist_group("single_runs")
 def test_hparams_summary_holds_the_bindings_beside_the_eval_metrics(profiled_run):
     from tensorboard.plugins.hparams import metadata
 
