@@ -30,7 +30,8 @@ def launched_processes_start_lean():
 
 @pytest.fixture(scope="session")
 def trained_single_dir(tmp_path_factory) -> str:
-    """One short real run of gin/single.gin, shared by the tests that only read its output."""
+    """One short real run of gin/single.gin, shared by the tests that only read its output. They carry the
+    xdist_group "single_runs" (with profiled_run's), so it runs once, not once per pytest-xdist worker."""
     model_dir = str(tmp_path_factory.mktemp("single"))
     proc = run_main(
         "--gin_file=gin/single.gin",
@@ -48,8 +49,8 @@ def trained_single_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def profiled_run(tmp_path_factory):
     """One short run with the profiler hook on steps 7-13 and stdout to a pipe (not a
-    terminal): shared by the progress, profiler, TensorBoard and plot tests.
-    Returns (model_dir, the finished process)."""
+    terminal): shared by the progress, profiler, TensorBoard and plot tests, which carry the xdist_group
+    "single_runs" (with trained_single_dir's), so it runs once. Returns (model_dir, the finished process)."""
     model_dir = str(tmp_path_factory.mktemp("observed") / "lr_0.002")
     proc = run_main(
         "--gin_file=gin/single.gin",

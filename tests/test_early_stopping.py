@@ -65,20 +65,20 @@ def test_the_rule_is_keras_rule_and_a_function_of_the_history():
 @pytest.mark.timeout(200)
 def test_a_stopped_run_ends_with_exit_0_a_checkpoint_there_and_a_rerun_trains_no_more(tmp_path):
     model_dir = str(tmp_path / "run")
-    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT, *NEVER_IMPROVES, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "early stopping at step 60: loss" in proc.stdout, proc.stdout[-2000:]
+    args = ["--gin_file=gin/single.gin", *SHORT, *NEVER_IMPROVES]
+    # The run, then the same command again, in turn in one interpreter.
+    proc, rerun = main_in_one_process({"run": (args, model_dir), "rerun": (args, model_dir)}, timeout=180).values()
+    assert proc["code"] == 0, proc["stderr"][-3000:]
+    assert "early stopping at step 60: loss" in proc["stdout"], proc["stdout"][-2000:]
+    assert rerun["code"] == 0, rerun["stderr"][-3000:]
+    assert "this run stopped at step 60, nothing more to train" in rerun["stdout"]
     assert os.path.exists(os.path.join(model_dir, "ckpt-60.index"))
-    records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
+    records = read_jsonl(os.path.join(model_dir, "metrics.jsonl"))  # the rerun added no step
     assert max(r["step"] for r in records) == 60 and [r["step"] for r in records if r["split"] == "eval"] == [
         20,
         40,
         60,
     ]
-    rerun = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SHORT, *NEVER_IMPROVES, timeout=180)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "this run stopped at step 60, nothing more to train" in rerun.stdout
-    assert max(r["step"] for r in read_jsonl(os.path.join(model_dir, "metrics.jsonl"))) == 60
 
 
 BAD_VALUES = {

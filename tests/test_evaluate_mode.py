@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests.support import read_jsonl, refused_run, run_main, run_module, tree_digest
+from tests.support import main_in_one_process, read_jsonl, refused_run, run_main, run_module, tree_digest
 from tests.test_tensorboard import _accumulator, _series
 from trainer.distribution import early_isolation
 from trainer.errors import UserError
@@ -59,6 +59,7 @@ def assert_reevaluated_exactly(model_dir: str, name: str, keys: set[tuple[int, s
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("single_runs")
 def test_the_newest_checkpoint_evaluates_as_the_run_logged_it_and_mistakes_write_nothing(trained_single_dir, tmp_path):
     """tests/conftest.py's short single-device run (eval and checkpoints at 30 and 60), copied: others read it."""
     model_dir = str(shutil.copytree(trained_single_dir, tmp_path / "copy"))
@@ -126,24 +127,54 @@ def test_the_checkpoint_splits_and_weights_are_resolved_or_refused_before_anythi
     assert early_isolation.expects_embedded_cluster(["--gin_file=gin/ps.gin", "--mode=evaluate"])
 
 
+def synchronous_args(mode: str) -> list[str]:
+    """A short run under `mode` with EMA, or (mirrored) the SWA extension of experiments/swa."""
+    return [f"--gin_file=gin/{mode}.gin", *SHORT, *(SWA if mode == "mirrored" else [EMA])]
+
+
+# Central storage names its weights and splits; the others evaluate every weights on every split.
+CHOSEN = {"central_storage": ["--weights=ema", "--eval_splits=eval"]}
+EVALUATE_20 = ["--mode=evaluate", "--checkpoint=ckpt-20"]
+
+
+@pytest.fixture(scope="module")
+def synchronous_runs(tmp_path_factory) -> tuple[str, dict]:
+    """Mirrored and central storage each trained, then its ckpt-20 evaluated, in one interpreter
+    (main_in_one_process: one TensorFlow start instead of four). (their folder, outcomes by
+    "mode/train" and "mode/evaluate"); each mode's model_dir is <folder>/<mode>."""
+    root = str(tmp_path_factory.mktemp("synchronous"))
+    cases = {}
+    for mode in ("mirrored", "central_storage"):
+        model_dir = os.path.join(root, mode)
+        cases[f"{mode}/train"] = (synchronous_args(mode), model_dir)
+        cases[f"{mode}/evaluate"] = ([*synchronous_args(mode), *EVALUATE_20, *CHOSEN.get(mode, [])], model_dir)
+    return root, main_in_one_process(cases)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("synchronous_runs")
 @pytest.mark.parametrize("mode", ["mirrored", "central_storage", "mwms"])
-def test_each_synchronous_strategy_evaluates_a_checkpoint_as_it_logged_it(tmp_path, mode):
+def test_each_synchronous_strategy_evaluates_a_checkpoint_as_it_logged_it(request, tmp_path, mode):
     """With EMA, or (mirrored) the SWA extension of experiments/swa, a user's AveragedWeights: an older
     checkpoint, every weights by default; central storage names its weights and splits."""
-    model_dir = str(tmp_path / "run")
-    averaged = SWA if mode == "mirrored" else [EMA]
-    args = [f"--gin_file=gin/{mode}.gin", f"--model_dir={model_dir}", *SHORT, *averaged]
-    trained = run_main(*args, timeout=150)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    chosen = ["--weights=ema", "--eval_splits=eval"] if mode == "central_storage" else []
-    again = run_main(*args, "--mode=evaluate", "--checkpoint=ckpt-20", *chosen, timeout=150)
-    assert again.returncode == 0, again.stderr[-3000:]
+    chosen = CHOSEN.get(mode, [])
+    if mode == "mwms":  # MultiWorkerMirrored in processes of its own
+        model_dir = str(tmp_path / "run")
+        args = [*synchronous_args(mode), f"--model_dir={model_dir}"]
+        trained = run_main(*args, timeout=150)
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        again = run_main(*args, *EVALUATE_20, *chosen, timeout=150)
+        assert again.returncode == 0, again.stderr[-3000:]
+        stdout = again.stdout
+    else:
+        root, outcomes = request.getfixturevalue("synchronous_runs")
+        model_dir = os.path.join(root, mode)
+        for step in ("train", "evaluate"):
+            assert outcomes[f"{mode}/{step}"]["code"] == 0, outcomes[f"{mode}/{step}"]["stderr"][-3000:]
+        stdout = outcomes[f"{mode}/evaluate"]["stdout"]
     suffix = "_swa" if mode == "mirrored" else "_ema"
-    assert (f"eval ({suffix[1:].upper()}) at step 20: " in again.stdout) and (
-        ("eval at step 20: " in again.stdout) == (not chosen)
-    )
+    assert (f"eval ({suffix[1:].upper()}) at step 20: " in stdout) and (("eval at step 20: " in stdout) == (not chosen))
     expected = {(20, f"eval{suffix}")} | (set() if chosen else {(20, "eval")})
     assert_reevaluated_exactly(model_dir, "ckpt-20", expected)
 

@@ -1,6 +1,7 @@
 """The worked examples experiments/gan, experiments/batchnorm and experiments/auc, each run as a
-user runs it (its gin file after a mode file, a fresh `trainer.main` process) under one replica
-and under two (mirrored, 2 logical CPUs), to the quality their README lines state.
+user runs it (its gin file after a mode file, through trainer.main's own flags and `run`) under one
+replica and under two (mirrored, 2 logical CPUs), to the quality their README lines state. The six
+runs share one fresh interpreter (main_in_one_process), the mirrored ones first.
 
 The AUC check: the AUC that the 2-replica eval logged (a keras.metrics.AUC summed over the
 replicas) equals scikit-learn's roc_auc_score of the final checkpoint's predictions on every
@@ -15,24 +16,41 @@ import os
 import numpy as np
 import pytest
 
-from tests.support import read_jsonl, run_main
+from tests.support import main_in_one_process, read_jsonl
 
 # The module-scoped fixture below is shared by this file's tests: one worker runs them all.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("examples_b")]
+# The first of them waits for the six runs: a longer timeout than the suite's.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("examples_b"), pytest.mark.timeout(500)]
 
 MODES = ("single", "mirrored")
 
 
-def _run(example: str, mode: str, model_dir: str) -> list[dict]:
-    """`python -m trainer.main --gin_file=gin/<mode>.gin --gin_file=experiments/<example>/<example>.gin`."""
-    proc = run_main(
-        f"--gin_file=gin/{mode}.gin",
-        f"--gin_file=experiments/{example}/{example}.gin",
-        f"--model_dir={model_dir}",
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return read_jsonl(os.path.join(model_dir, "metrics.jsonl"))
+EXAMPLES = ("gan", "batchnorm", "auc")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[tuple[str, str], str]:
+    """Each example under each mode, `python -m trainer.main --gin_file=gin/<mode>.gin
+    --gin_file=experiments/<example>/<example>.gin` in one interpreter (one TensorFlow start instead of
+    six), mirrored first (TensorFlow splits the CPU before its first run): (example, mode) -> model_dir."""
+    root = tmp_path_factory.mktemp("examples_b")
+    cases = {
+        f"{example}/{mode}": (
+            [f"--gin_file=gin/{mode}.gin", f"--gin_file=experiments/{example}/{example}.gin"],
+            str(root / example / mode),
+        )
+        for mode in reversed(MODES)
+        for example in EXAMPLES
+    }
+    outcomes = main_in_one_process(cases)
+    for name, outcome in outcomes.items():
+        assert outcome["code"] == 0, (name, outcome["stderr"][-4000:])
+    return {tuple(name.split("/")): model_dir for name, (_, model_dir) in cases.items()}
+
+
+def _records(runs: dict[tuple[str, str], str], example: str, mode: str) -> list[dict]:
+    """The metrics.jsonl records of `example` run under `mode`."""
+    return read_jsonl(os.path.join(runs[example, mode], "metrics.jsonl"))
 
 
 def _split(records: list[dict], split: str) -> list[dict]:
@@ -47,19 +65,9 @@ def _restored(model, model_dir: str):
     return model
 
 
-@pytest.fixture(scope="module")
-def auc_runs(tmp_path_factory) -> dict[str, str]:
-    """The AUC example run once per mode: mode -> model_dir."""
-    runs = {}
-    for mode in MODES:
-        runs[mode] = str(tmp_path_factory.mktemp(f"auc_{mode}"))
-        _run("auc", mode, runs[mode])
-    return runs
-
-
 @pytest.mark.parametrize("mode", MODES)
-def test_gan_logs_finite_losses_at_every_log_step(mode, tmp_path):
-    records = _run("gan", mode, str(tmp_path))
+def test_gan_logs_finite_losses_at_every_log_step(mode, runs):
+    records = _records(runs, "gan", mode)
     train = _split(records, "train")
     assert [r["step"] for r in train] == list(range(50, 301, 50))
     for r in train:
@@ -70,7 +78,7 @@ def test_gan_logs_finite_losses_at_every_log_step(mode, tmp_path):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_batchnorm_cnn_learns_and_eval_uses_checkpointed_moving_statistics(mode, tmp_path):
+def test_batchnorm_cnn_learns_and_eval_uses_checkpointed_moving_statistics(mode, runs):
     import keras
     import tensorflow as tf
 
@@ -78,8 +86,8 @@ def test_batchnorm_cnn_learns_and_eval_uses_checkpointed_moving_statistics(mode,
     from trainer import data
     from trainer.task.steps import classification_eval_step
 
-    model_dir = str(tmp_path)
-    final = _split(_run("batchnorm", mode, model_dir), "eval")[-1]
+    model_dir = runs["batchnorm", mode]
+    final = _split(_records(runs, "batchnorm", mode), "eval")[-1]
     assert final["step"] == 300 and final["accuracy"] > 0.8  # chance: 0.1
 
     checkpoint = tf.train.latest_checkpoint(model_dir)
@@ -108,19 +116,19 @@ def test_batchnorm_cnn_learns_and_eval_uses_checkpointed_moving_statistics(mode,
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_auc_example_scores_well_above_chance(mode, auc_runs):
-    records = read_jsonl(os.path.join(auc_runs[mode], "metrics.jsonl"))
+def test_auc_example_scores_well_above_chance(mode, runs):
+    records = _records(runs, "auc", mode)
     final = _split(records, "eval")[-1]
     assert final["step"] == 300 and final["auc"] > 0.9  # chance: 0.5
 
 
-def test_keras_auc_on_two_replicas_equals_sklearn_roc_auc(auc_runs):
+def test_keras_auc_on_two_replicas_equals_sklearn_roc_auc(runs):
     import tensorflow as tf
     from sklearn.metrics import roc_auc_score
 
     from experiments.auc.auc import auc_mlp, small_or_large_digits
 
-    model_dir = auc_runs["mirrored"]
+    model_dir = runs["auc", "mirrored"]
     logged = _split(read_jsonl(os.path.join(model_dir, "metrics.jsonl")), "eval")[-1]
     assert logged["step"] == 300
     examples = list(small_or_large_digits("eval").as_numpy_iterator())

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.support import main_in_one_process, run_main, run_python
+from tests.support import main_in_one_process, run_python
 from trainer.errors import UserError
 from trainer.extensions import export
 from trainer.extensions.registry import Registry
@@ -56,15 +56,44 @@ def compare(model_dir: str, with_ema: bool, checkpoint: str | None = None, step:
     return run_python(code.replace("CHECKPOINT", repr(checkpoint)).replace("STEP", repr(step)))
 
 
+BEST = [  # the worst loss wins: step 20
+    "--gin_bindings=train.ema_decay=0.9",
+    "--gin_bindings=train.total_steps=40",
+    "--gin_bindings=train.eval_every_steps=20",
+    "--gin_bindings=train.keep_best=1",
+    "--gin_bindings=train.best_mode='max'",
+]
+
+
+@pytest.fixture(scope="module")
+def exporting_runs(tmp_path_factory) -> tuple[str, dict]:
+    """The exporting runs in one interpreter (main_in_one_process: one TensorFlow start instead of three),
+    mirrored with EMA first (TensorFlow splits the CPU before its first run), then one device raw, and one
+    device exporting its best checkpoint too; the exports are read back in fresh processes. (their folder,
+    outcomes by name); each run's model_dir is <folder>/<name>."""
+    root = str(tmp_path_factory.mktemp("exporting"))
+    cases = {
+        "mirrored": ["--gin_file=gin/mirrored.gin", *SMALL, "--gin_bindings=train.ema_decay=0.9"],
+        "single": ["--gin_file=gin/single.gin", *SMALL],
+        "best": ["--gin_file=gin/single.gin", *SMALL, *BEST],
+    }
+    return root, main_in_one_process({name: (args, os.path.join(root, name)) for name, args in cases.items()})
+
+
+def exported(runs: tuple[str, dict], name: str) -> tuple[str, str]:
+    """The model_dir and stdout of run `name`, checked to have exited 0."""
+    root, outcomes = runs
+    assert outcomes[name]["code"] == 0, outcomes[name]["stderr"][-3000:]
+    return os.path.join(root, name), outcomes[name]["stdout"]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
+@pytest.mark.xdist_group("exporting_runs")
 @pytest.mark.parametrize("gin_file,with_ema", [("gin/single.gin", False), ("gin/mirrored.gin", True)])
-def test_exported_saved_model_predicts_like_the_restored_model(tmp_path, gin_file, with_ema):
-    model_dir = str(tmp_path / "run")
-    extra = ["--gin_bindings=train.ema_decay=0.9"] if with_ema else []
-    proc = run_main(f"--gin_file={gin_file}", f"--model_dir={model_dir}", *SMALL, *extra)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"exported SavedModel{' (EMA weights)' if with_ema else ''} to {model_dir}/export/20" in proc.stdout
+def test_exported_saved_model_predicts_like_the_restored_model(exporting_runs, gin_file, with_ema):
+    model_dir, stdout = exported(exporting_runs, os.path.basename(gin_file).removesuffix(".gin"))
+    assert f"exported SavedModel{' (EMA weights)' if with_ema else ''} to {model_dir}/export/20" in stdout
     assert os.listdir(os.path.join(model_dir, "export")) == ["20"]  # no partial directory left beside it
     result = compare(model_dir, with_ema)
     print(gin_file, "ema" if with_ema else "raw", result)
@@ -73,21 +102,11 @@ def test_exported_saved_model_predicts_like_the_restored_model(tmp_path, gin_fil
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_the_best_checkpoint_is_exported_too(tmp_path):
-    model_dir = str(tmp_path / "run")
-    proc = run_main(
-        "--gin_file=gin/single.gin",
-        f"--model_dir={model_dir}",
-        *SMALL,
-        "--gin_bindings=train.ema_decay=0.9",
-        "--gin_bindings=train.total_steps=40",
-        "--gin_bindings=train.eval_every_steps=20",
-        "--gin_bindings=train.keep_best=1",
-        "--gin_bindings=train.best_mode='max'",
-    )  # the worst loss: step 20
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"of the best checkpoint by loss to {model_dir}/export/20" in proc.stdout
+@pytest.mark.timeout(300)
+@pytest.mark.xdist_group("exporting_runs")
+def test_the_best_checkpoint_is_exported_too(exporting_runs):
+    model_dir, stdout = exported(exporting_runs, "best")
+    assert f"of the best checkpoint by loss to {model_dir}/export/20" in stdout
     assert sorted(os.listdir(os.path.join(model_dir, "export"))) == ["20", "40"]
     best = compare(model_dir, True, os.path.join(model_dir, "best", "ckpt-20"), 20)
     final = compare(model_dir, True, None, 40)  # the final weights were put back after the best export

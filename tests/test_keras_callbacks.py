@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import tensorflow as tf
 
-from tests.support import launch_workers, main_in_one_process, read_jsonl, run_main, run_python
+from tests.support import launch_workers, main_in_one_process, read_jsonl, run_python
 from tests.test_early_stopping import SHORT, best_steps, top_k_steps
 from tests.test_multiworker import trainer_pids_for
 
@@ -101,6 +101,41 @@ def test_early_stopping_reduce_lr_and_csvlogger_behave_as_under_fit(tmp_path):
     assert [row[0] for row in mine] == [row[0] for row in theirs] and len(mine) == fit["epochs"] + 1
 
 
+SINGLE_PROCESS = {  # strategy -> its gin file; the 2-replica ones first (TensorFlow splits the CPU before its first run)
+    "mirrored": "gin/mirrored.gin",
+    "central_storage": "gin/central_storage.gin",
+    "default": "gin/single.gin",
+    "one_device": "gin/single.gin",
+}
+
+
+@pytest.fixture(scope="module")
+def single_process_runs(tmp_path_factory) -> tuple[str, dict]:
+    """Best checkpoints, Keras' EarlyStopping and CSVLogger under each strategy of one process, the runs in one
+    interpreter (main_in_one_process: one TensorFlow start instead of four). (their folder, outcomes by
+    strategy); each run's model_dir is <folder>/<strategy>, its CSV log <folder>/<strategy>.csv."""
+    root = str(tmp_path_factory.mktemp("single_process"))
+    cases = {
+        strategy: (
+            [
+                f"--gin_file={gin_file}",
+                *SHORT,
+                f"--gin_bindings=train.strategy='{strategy}'",
+                "--gin_bindings=train.keep_best=2",
+                "--gin_bindings=train.best_metric='accuracy'",
+                "--gin_bindings=train.best_mode='max'",
+                "--gin_bindings=train.keras_callbacks=[@keras.callbacks.EarlyStopping(), @keras.callbacks.CSVLogger()]",
+                "--gin_bindings=keras.callbacks.EarlyStopping.min_delta=100.0",
+                "--gin_bindings=keras.callbacks.EarlyStopping.patience=2",
+                f"--gin_bindings=keras.callbacks.CSVLogger.filename='{root}/{strategy}.csv'",
+            ],
+            os.path.join(root, strategy),
+        )
+        for strategy, gin_file in SINGLE_PROCESS.items()
+    }
+    return root, main_in_one_process(cases)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
@@ -112,26 +147,14 @@ def test_early_stopping_reduce_lr_and_csvlogger_behave_as_under_fit(tmp_path):
         ("gin/central_storage.gin", "central_storage"),
     ],
 )
-def test_all_three_features_under_each_single_process_strategy(tmp_path, gin_file, strategy):
-    model_dir = str(tmp_path / "run")
-    proc = run_main(
-        f"--gin_file={gin_file}",
-        f"--model_dir={model_dir}",
-        *SHORT,
-        f"--gin_bindings=train.strategy='{strategy}'",
-        "--gin_bindings=train.keep_best=2",
-        "--gin_bindings=train.best_metric='accuracy'",
-        "--gin_bindings=train.best_mode='max'",
-        "--gin_bindings=train.keras_callbacks=[@keras.callbacks.EarlyStopping(), @keras.callbacks.CSVLogger()]",
-        "--gin_bindings=keras.callbacks.EarlyStopping.min_delta=100.0",
-        "--gin_bindings=keras.callbacks.EarlyStopping.patience=2",
-        f"--gin_bindings=keras.callbacks.CSVLogger.filename='{tmp_path}/log.csv'",
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.mark.xdist_group("single_process_runs")
+def test_all_three_features_under_each_single_process_strategy(single_process_runs, gin_file, strategy):
+    root, outcomes = single_process_runs
+    outcome, model_dir = outcomes[strategy], os.path.join(root, strategy)
+    assert outcome["code"] == 0, outcome["stderr"][-3000:]
     # Keras' EarlyStopping stops after epoch 2 (steps 41-60): the run ends at step 60.
-    assert os.path.exists(os.path.join(model_dir, "ckpt-60.index")), proc.stdout[-2000:]
-    assert len(read_csv(f"{tmp_path}/log.csv")) == 1 + 3
+    assert os.path.exists(os.path.join(model_dir, "ckpt-60.index")), outcome["stdout"][-2000:]
+    assert len(read_csv(os.path.join(root, f"{strategy}.csv"))) == 1 + 3
     assert best_steps(model_dir) == top_k_steps(model_dir, 2)
 
 

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow  # every test here starts processes or trains for 
 SHORT = ["--gin_bindings=train.log_every_steps=20", "--gin_bindings=train.steps_per_loop=25"]
 
 
+@pytest.mark.xdist_group("single_runs")
 def test_single_run_writes_checkpoints_events_config_and_metrics(trained_single_dir):
     names = os.listdir(trained_single_dir)
     assert "operative_config.gin" in names
@@ -41,6 +42,7 @@ def test_single_run_writes_checkpoints_events_config_and_metrics(trained_single_
     assert 0.0 <= evals[-1]["accuracy"] <= 1.0 and evals[-1]["loss"] > 0
 
 
+@pytest.mark.xdist_group("single_runs")
 def test_rerun_continues_from_checkpoint_and_never_trains_a_step_twice(trained_single_dir, tmp_path):
     model_dir = str(tmp_path / "run")
     shutil.copytree(trained_single_dir, model_dir)
@@ -148,6 +150,7 @@ def _assert_user_error(code: int, stderr: str, *needles: str) -> None:
         assert needle in lines[-1], lines[-1]
 
 
+@pytest.mark.xdist_group("single_runs")
 def test_user_mistakes_exit_2_with_one_line_and_leave_model_dir_alone(trained_single_dir, tmp_path):
     model_dir = str(tmp_path / "run")
     shutil.copytree(trained_single_dir, model_dir)

@@ -100,23 +100,34 @@ def test_two_launched_workers_train_and_only_the_chief_writes(launched_mwms_run)
     assert not trainer_pids_for(model_dir)
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("method", ["dataset", "function"])
-def test_two_workers_match_one_process_at_the_same_global_batch(tmp_path, method):
-    # Few steps: Adam turns reduction-order differences (1e-8) into chaos after ~6 steps here
-    # (1e-2 by step 20, with SGD they stay at 1e-8); a scaling mistake shows at step 1.
-    common = [
-        f"--gin_bindings=train.distribute_method='{method}'",
-        "--gin_bindings=train.total_steps=5",
-        "--gin_bindings=train.steps_per_loop=2",
-        "--gin_bindings=cnn.l2=0.001",
-        "--gin_bindings=train.log_every_steps=1",
-    ]
-    single_dir, multi_dir = str(tmp_path / "single"), str(tmp_path / "multi")
-    single = run_main("--gin_file=gin/single.gin", f"--model_dir={single_dir}", *common)
+# Few steps: Adam turns reduction-order differences (1e-8) into chaos after ~6 steps here
+# (1e-2 by step 20, with SGD they stay at 1e-8); a scaling mistake shows at step 1.
+AT_THE_SAME_GLOBAL_BATCH = [
+    "--gin_bindings=train.total_steps=5",
+    "--gin_bindings=train.steps_per_loop=2",
+    "--gin_bindings=cnn.l2=0.001",
+    "--gin_bindings=train.log_every_steps=1",
+]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> str:
+    """The one-device run both distribute methods of the two workers must match (one device reads
+    the same batches either way)."""
+    model_dir = str(tmp_path_factory.mktemp("one_process") / "single")
+    single = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *AT_THE_SAME_GLOBAL_BATCH)
     assert single.returncode == 0, single.stderr[-3000:]
-    launch_workers("--gin_file=gin/mwms.gin", f"--model_dir={multi_dir}", *common)
-    expected, got = model_weights(single_dir), model_weights(multi_dir)
+    return model_dir
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.xdist_group("one_process")
+@pytest.mark.parametrize("method", ["dataset", "function"])
+def test_two_workers_match_one_process_at_the_same_global_batch(one_process, tmp_path, method):
+    multi_dir = str(tmp_path / "multi")
+    method_binding = f"--gin_bindings=train.distribute_method='{method}'"
+    launch_workers("--gin_file=gin/mwms.gin", f"--model_dir={multi_dir}", *AT_THE_SAME_GLOBAL_BATCH, method_binding)
+    expected, got = model_weights(one_process), model_weights(multi_dir)
     assert expected.keys() == got.keys() and len(expected) == 16
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6, err_msg=name)

@@ -13,6 +13,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("single_runs")
 def test_two_runs_overlaid_in_one_png_with_both_labels(profiled_run, trained_single_dir, tmp_path):
     from trainer import plot
     from trainer.files.metrics_log import read_history
@@ -38,6 +39,7 @@ def test_two_runs_overlaid_in_one_png_with_both_labels(profiled_run, trained_sin
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("single_runs")
 def test_missing_matplotlib_or_run_is_one_line_and_exit_2(tmp_path, profiled_run):
     blocker = tmp_path / "blocked" / "matplotlib"
     blocker.mkdir(parents=True)

@@ -93,6 +93,7 @@ def test_refusals_name_the_checkpoint_and_the_output(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.xdist_group("single_runs")
 def test_one_device_and_parameter_server_equal_keras_predict(trained_single_dir, tmp_path):
     model_dir = str(tmp_path / "run")
     shutil.copytree(trained_single_dir, model_dir)
@@ -220,6 +221,7 @@ def test_a_dict_of_models_by_key_and_a_step_of_nested_outputs(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("single_runs")
 def test_mirrored_and_two_launched_workers_write_every_example_once_in_order(trained_single_dir, tmp_path):
     """359 examples in batches of 50: the last global batch padded, split across 2 replicas."""
     common = [f"--model_dir={trained_single_dir}", "--mode=predict", "--gin_bindings=predict.batch_size=50"]

@@ -12,6 +12,7 @@ from tests.support import read_jsonl
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("single_runs")
 def test_trace_lands_where_the_profile_plugin_reads_it(profiled_run):
     from trainer.extensions.profiler import trace_files
 
@@ -34,6 +35,7 @@ def test_trace_lands_where_the_profile_plugin_reads_it(profiled_run):
     importlib.util.find_spec("xprof") is None,
     reason="the profile plugin (pip install -e '.[profile]') is not installed",
 )
+@pytest.mark.xdist_group("single_runs")
 def test_the_profile_plugin_itself_lists_the_trace(profiled_run):
     from xprof import profile_plugin
 

@@ -105,6 +105,7 @@ def test_on_a_terminal_the_bar_redraws_in_place_and_eval_lines_print_above_it(tm
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("single_runs")
 def test_without_a_terminal_the_output_is_plain_lines(profiled_run):
     _, proc = profiled_run
     assert "\r" not in proc.stdout

@@ -110,6 +110,7 @@ def test_launcher_runs_chief_workers_and_ps_as_separate_processes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+@pytest.mark.xdist_group("single_runs")
 def test_one_worker_trains_exactly_like_one_device(trained_single_dir, tmp_path):
     """Must-show 3: with one worker the updates are sequential, so the weights are bit-identical."""
     model_dir = tmp_path / "run"

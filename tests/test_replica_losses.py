@@ -8,6 +8,7 @@ built-in step (1.01 times) or, with synchronized BatchNorm, could not check it."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import threading
 import portpicker
 import pytest
 
-from tests.support import REPO, launch_workers, run_main, run_module, subprocess_env
+from tests.support import REPO, launch_workers, main_in_one_process, run_module, subprocess_env
 from tests.test_cross_replica import assert_same_weights
 from trainer.task.layer_state import PerThreadLosses
 
@@ -80,13 +81,13 @@ def test_two_multiworker_mirrored_workers_match_one_device():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("mode", ["mirrored", "central_storage"])
-def test_the_guard_passes_batchnorm_with_model_call_losses(tmp_path, mode, kind):
-    proc = run_main(f"--gin_file=gin/{mode}.gin", f"--model_dir={tmp_path / 'run'}", *bindings(kind), timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert PASSED in proc.stdout and "step 2/2" in proc.stdout, proc.stdout[-3000:]
+def test_the_guard_passes_batchnorm_with_model_call_losses(runs, mode, kind):
+    outcome = runs[1][f"guard/{mode}/{kind}"]
+    assert outcome["code"] == 0, outcome["stderr"][-3000:]
+    assert PASSED in outcome["stdout"] and "step 2/2" in outcome["stdout"], outcome["stdout"][-3000:]
 
 
 @pytest.mark.slow
@@ -116,22 +117,49 @@ SYNCHRONIZED_30 = [
 
 
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory) -> str:
-    model_dir = str(tmp_path_factory.mktemp("synchronized") / "single")
-    proc = run_main("--gin_file=gin/single.gin", f"--model_dir={model_dir}", *SYNCHRONIZED_30, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return model_dir
+def runs(tmp_path_factory) -> tuple[str, dict]:
+    """This file's runs of trainer.main on one machine's devices, in one interpreter (main_in_one_process:
+    one TensorFlow start instead of seven): the guard's four (mirrored and central storage, each model)
+    and synchronized BatchNorm on 2 replicas and on one device, the 2-replica ones first (TensorFlow
+    splits the CPU before its first run). (their folder, outcomes by name); each run's model_dir is
+    <folder>/<name>."""
+    root = str(tmp_path_factory.mktemp("replica_losses"))
+    cases = {
+        f"guard/{mode}/{kind}": [f"--gin_file=gin/{mode}.gin", *bindings(kind)]
+        for mode in ("mirrored", "central_storage")
+        for kind in MODELS
+    }
+    cases |= {
+        f"synchronized/{mode}": [f"--gin_file=gin/{mode}.gin", *SYNCHRONIZED_30]
+        for mode in ("mirrored", "central_storage", "single")
+    }
+    return root, main_in_one_process({name: (args, os.path.join(root, name)) for name, args in cases.items()})
+
+
+@pytest.fixture(scope="module")
+def one_device(runs) -> str:
+    root, outcomes = runs
+    outcome = outcomes["synchronized/single"]
+    assert outcome["code"] == 0, outcome["stderr"][-3000:]
+    return os.path.join(root, "synchronized", "single")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("mode", ["mirrored", "central_storage", "mwms"])
-def test_synchronized_batchnorm_with_an_activity_penalty_trains_the_weights_of_one_device(one_device, tmp_path, mode):
-    model_dir = str(tmp_path / mode)
-    args = [f"--gin_file=gin/{mode}.gin", f"--model_dir={model_dir}", *SYNCHRONIZED_30]
-    proc = launch_workers(*args, timeout=350) if mode == "mwms" else run_main(*args, timeout=200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert PASSED in proc.stdout and "on 2 replica(s)" in proc.stdout, proc.stdout[-3000:]
+def test_synchronized_batchnorm_with_an_activity_penalty_trains_the_weights_of_one_device(
+    runs, one_device, tmp_path, mode
+):
+    if mode == "mwms":  # real worker processes
+        model_dir = str(tmp_path / mode)
+        args = [f"--gin_file=gin/{mode}.gin", f"--model_dir={model_dir}", *SYNCHRONIZED_30]
+        stdout = launch_workers(*args, timeout=350).stdout
+    else:
+        root, outcomes = runs
+        outcome = outcomes[f"synchronized/{mode}"]
+        assert outcome["code"] == 0, outcome["stderr"][-3000:]
+        model_dir, stdout = os.path.join(root, "synchronized", mode), outcome["stdout"]
+    assert PASSED in stdout and "on 2 replica(s)" in stdout, stdout[-3000:]
     assert_same_weights(one_device, model_dir)
 
 

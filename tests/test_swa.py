@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.support import REPO, launch_workers, read_jsonl, refused_run, run_main, subprocess_env
+from tests.support import REPO, launch_workers, main_in_one_process, read_jsonl, refused_run, run_main, subprocess_env
 from tests.test_multiworker import model_weights
 from tests.test_resume import held_at, kill_group, wait_for_step
 
@@ -52,27 +52,38 @@ def mirrored_args(model_dir: str) -> list[str]:
     return ["--gin_file=gin/mirrored.gin", SWA, f"--model_dir={model_dir}", *SHORT]
 
 
+EXPORTED = ["--gin_bindings=swa.export=True", "--gin_bindings=train.export_saved_model=True"]
+
+
 @pytest.fixture(scope="module")
-def mirrored_run(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
-    """One uninterrupted mirrored run, checked like the single-device one and the killed run's reference."""
-    model_dir = str(tmp_path_factory.mktemp("swa") / "mirrored")
-    proc = run_main(*mirrored_args(model_dir), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return model_dir, proc
+def runs(tmp_path_factory) -> tuple[str, dict]:
+    """The uninterrupted mirrored run (checked like the single-device one, and the killed run's reference:
+    first, as a fresh process runs it), one device, and one device exporting, in one interpreter
+    (main_in_one_process: one TensorFlow start instead of three). (their folder, outcomes by name);
+    each run's model_dir is <folder>/<name>."""
+    root = str(tmp_path_factory.mktemp("swa"))
+    cases = {
+        "mirrored": ["--gin_file=gin/mirrored.gin", SWA, *SHORT],
+        "single": ["--gin_file=gin/single.gin", SWA, *SHORT],
+        "exported": ["--gin_file=gin/single.gin", SWA, *SHORT, *EXPORTED],
+    }
+    return root, main_in_one_process({name: (args, os.path.join(root, name)) for name, args in cases.items()})
+
+
+def ran(runs: tuple[str, dict], name: str) -> tuple[str, str]:
+    """The model_dir and stdout of run `name`, checked to have exited 0."""
+    root, outcomes = runs
+    assert outcomes[name]["code"] == 0, outcomes[name]["stderr"][-3000:]
+    return os.path.join(root, name), outcomes[name]["stdout"]
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.xdist_group("swa_mirrored_run")
+@pytest.mark.xdist_group("swa_runs")
 @pytest.mark.parametrize("mode", ["single", "mirrored"])
-def test_swa_trains_and_evaluates_beside_the_raw_weights(request, tmp_path, mode):
-    if mode == "mirrored":
-        model_dir, proc = request.getfixturevalue("mirrored_run")
-    else:
-        model_dir = str(tmp_path / "run")
-        proc = run_main(f"--gin_file=gin/{mode}.gin", SWA, f"--model_dir={model_dir}", *SHORT, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+def test_swa_trains_and_evaluates_beside_the_raw_weights(runs, mode):
+    model_dir, stdout = ran(runs, mode)
     assert swa_evals(model_dir) == [40, 80, 120]  # after every raw eval once it holds a snapshot
-    assert "eval (SWA) at step 120" in proc.stdout
+    assert "eval (SWA) at step 120" in stdout
     means, raw = averages(model_dir), model_weights(model_dir)
     assert len(means) == len(raw) and not any(np.array_equal(m, r) for m in means.values() for r in raw.values())
 
@@ -86,9 +97,9 @@ def test_swa_under_two_multiworker_mirrored_workers(tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xdist_group("swa_mirrored_run")
-def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bit(mirrored_run, tmp_path):
-    reference_dir, resumed_dir = mirrored_run[0], str(tmp_path / "resumed")
+@pytest.mark.xdist_group("swa_runs")
+def test_killed_and_restarted_swa_averages_match_an_uninterrupted_run_bit_for_bit(runs, tmp_path):
+    reference_dir, resumed_dir = ran(runs, "mirrored")[0], str(tmp_path / "resumed")
     kill_at = random.Random().randint(41, 110)  # after the first checkpoint (40), before the end
     first = subprocess.Popen(
         [sys.executable, "-m", "trainer.main", *mirrored_args(resumed_dir), *held_at(kill_at, "@swa()")],
@@ -117,18 +128,9 @@ def test_swa_is_refused_under_parameter_server_in_one_line(tmp_path):
     assert error.startswith("error: swa (train.extensions) is not supported with parameter_server"), error
 
 
-@pytest.mark.timeout(300)
-def test_swa_weights_are_exported_when_asked(tmp_path):
-    model_dir = str(tmp_path / "run")
-    proc = run_main(
-        "--gin_file=gin/single.gin",
-        SWA,
-        f"--model_dir={model_dir}",
-        *SHORT,
-        "--gin_bindings=swa.export=True",
-        "--gin_bindings=train.export_saved_model=True",
-        timeout=250,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "exported SavedModel (SWA weights)" in proc.stdout
+@pytest.mark.timeout(400)
+@pytest.mark.xdist_group("swa_runs")
+def test_swa_weights_are_exported_when_asked(runs):
+    model_dir, stdout = ran(runs, "exported")
+    assert "exported SavedModel (SWA weights)" in stdout
     assert os.path.exists(os.path.join(model_dir, "export", "120", "saved_model.pb"))

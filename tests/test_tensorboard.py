@@ -25,6 +25,7 @@ def _series(accumulator, tag: str) -> dict[int, float]:
     return {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)}
 
 
+@pytest.mark.xdist_group("single_runs")
 def test_event_files_hold_train_and_eval_scalars_and_the_operative_config(profiled_run):
     from tensorboard.util import tensor_util
 
@@ -45,6 +46,7 @@ def test_event_files_hold_train_and_eval_scalars_and_the_operative_config(profil
     assert train.SummaryMetadata("operative_config").plugin_data.plugin_name == "text"
 
 
+@pytest.mark.xdist_group("single_runs")
 def test_hparams_summary_holds_the_bindings_beside_the_eval_metrics(profiled_run):
     from tensorboard.plugins.hparams import metadata
 
@@ -112,17 +114,30 @@ def _assert_step_summaries(model_dir) -> None:
     assert np.isfinite(list(_series(train, "loss").values())).all()
 
 
+@pytest.fixture(scope="module")
+def step_summary_runs(tmp_path_factory) -> tuple[str, dict]:
+    """The summary step under mirrored, central storage and on one device, in one interpreter
+    (main_in_one_process: one TensorFlow start instead of three), the 2-replica ones first (TensorFlow
+    splits the CPU before its first run). (their folder, outcomes by mode); model_dir <folder>/<mode>."""
+    from tests.support import main_in_one_process
+
+    root = str(tmp_path_factory.mktemp("step_summaries"))
+    cases = {
+        mode: ([f"--gin_file=gin/{mode}.gin", *SUMMARY_STEP, *SHORT_RUN], os.path.join(root, mode))
+        for mode in ("mirrored", "central_storage", "single")
+    }
+    return root, main_in_one_process(cases)
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("step_summary_runs")
 @pytest.mark.parametrize("mode", ["single", "mirrored", "central_storage"])
-def test_summaries_inside_the_step_are_written_at_the_log_interval(tmp_path, mode):
+def test_summaries_inside_the_step_are_written_at_the_log_interval(step_summary_runs, mode):
     """Must-show 7: scalar, histogram and image summaries the step writes land in the chief's train
     event file at steps 10, 20, 30, 40 (log_every_steps 10), from replica 0 only on 2 replicas."""
-    from tests.support import run_main
-
-    model_dir = tmp_path / "run"
-    proc = run_main(f"--gin_file=gin/{mode}.gin", *SUMMARY_STEP, *SHORT_RUN, f"--model_dir={model_dir}")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    _assert_step_summaries(model_dir)
+    root, outcomes = step_summary_runs
+    assert outcomes[mode]["code"] == 0, outcomes[mode]["stderr"][-4000:]
+    _assert_step_summaries(os.path.join(root, mode))
 
 
 @pytest.mark.timeout(300)

@@ -5,13 +5,14 @@ batch of zeros of the train features before the optimizer and the checkpoint exi
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
 
 import pytest
 
-from tests.support import REPO, launch_workers, run_main, run_module, subprocess_env
+from tests.support import REPO, launch_workers, main_in_one_process, run_module, subprocess_env
 from tests.test_resume import held_at, kill_group, per_step_losses, wait_for_step
 
 pytestmark = pytest.mark.slow  # every test here starts processes or trains for long
@@ -35,26 +36,29 @@ def flags(gin_file: str, model: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def mirrored_residual_mlp(tmp_path_factory) -> tuple[str, subprocess.CompletedProcess]:
-    """One uninterrupted mirrored run of residual_mlp, checked like the others and the killed run's reference."""
-    model_dir = str(tmp_path_factory.mktemp("unbuilt") / "mirrored")
-    proc = run_main(*flags("gin/mirrored.gin", "residual_mlp"), f"--model_dir={model_dir}", timeout=250)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return model_dir, proc
+def replica_runs(tmp_path_factory) -> tuple[str, dict]:
+    """Both models on one device and mirrored, in one interpreter (main_in_one_process: one TensorFlow start
+    instead of four). Mirrored first: TensorFlow splits the CPU before its first run; mirrored residual_mlp
+    is also the killed run's reference, uninterrupted. (their folder, outcomes by "mode/model"); each run's
+    model_dir is <folder>/<mode>/<model>."""
+    root = str(tmp_path_factory.mktemp("unbuilt"))
+    cases = {
+        f"{mode}/{model}": (flags(f"gin/{mode}.gin", model), os.path.join(root, mode, model))
+        for mode in ("mirrored", "single")
+        for model in MODELS
+    }
+    return root, main_in_one_process(cases)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.xdist_group("mirrored_residual_mlp")
+@pytest.mark.timeout(400)
+@pytest.mark.xdist_group("unbuilt_replica_runs")
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("mode", ["single", "mirrored"])
-def test_unbuilt_models_train_on_one_and_two_replicas(request, tmp_path, model, mode):
-    if (mode, model) == ("mirrored", "residual_mlp"):
-        _, proc = request.getfixturevalue("mirrored_residual_mlp")
-    else:
-        proc = run_main(*flags(f"gin/{mode}.gin", model), f"--model_dir={tmp_path / 'run'}", timeout=250)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    eval_line = [line for line in proc.stdout.splitlines() if line.startswith("eval at step 40")]
-    assert eval_line and float(eval_line[0].split("accuracy ")[1].split()[0]) > 0.5, proc.stdout[-2000:]
+def test_unbuilt_models_train_on_one_and_two_replicas(replica_runs, model, mode):
+    outcome = replica_runs[1][f"{mode}/{model}"]
+    assert outcome["code"] == 0, outcome["stderr"][-3000:]
+    eval_line = [line for line in outcome["stdout"].splitlines() if line.startswith("eval at step 40")]
+    assert eval_line and float(eval_line[0].split("accuracy ")[1].split()[0]) > 0.5, outcome["stdout"][-2000:]
 
 
 @pytest.mark.timeout(400)
@@ -65,8 +69,8 @@ def test_unbuilt_models_train_on_two_multiworker_mirrored_workers(tmp_path, mode
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.xdist_group("mirrored_residual_mlp")
-def test_a_killed_run_of_an_unbuilt_model_resumes_bit_for_bit(mirrored_residual_mlp, tmp_path):
+@pytest.mark.xdist_group("unbuilt_replica_runs")
+def test_a_killed_run_of_an_unbuilt_model_resumes_bit_for_bit(replica_runs, tmp_path):
     command = [sys.executable, "-m", "trainer.main", *flags("gin/mirrored.gin", "residual_mlp")]
     resumed = str(tmp_path / "resumed")
     kill_at = random.Random().randint(21, 36)
@@ -91,7 +95,9 @@ def test_a_killed_run_of_an_unbuilt_model_resumes_bit_for_bit(mirrored_residual_
         timeout=250,
     )
     assert restart.returncode == 0 and "continuing from step 20" in restart.stdout, restart.stderr[-3000:]
-    expected, got = per_step_losses(mirrored_residual_mlp[0]), per_step_losses(resumed)
+    root, outcomes = replica_runs
+    assert outcomes["mirrored/residual_mlp"]["code"] == 0, outcomes["mirrored/residual_mlp"]["stderr"][-3000:]
+    expected, got = per_step_losses(os.path.join(root, "mirrored", "residual_mlp")), per_step_losses(resumed)
     assert [got[s] for s in range(21, 41)] == [expected[s] for s in range(21, 41)]  # bit for bit, dropout included
 
 
