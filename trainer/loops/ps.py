@@ -42,7 +42,7 @@ from trainer.errors import UserError, error_line, peer_failure
 from trainer.extensions.worker_watch import closure_report
 from trainer.loops.controller import EvaluatorLike
 from trainer.loops.step_summaries import refuse_under_parameter_server, tracing_for_summaries, writes_summaries
-from trainer.loops.totals import over_steps, reduce_outputs, repeated, stacked
+from trainer.loops.totals import reduce_outputs, repeated, stacked, with_step
 from trainer.safety import tracing
 from trainer.task import combine
 from trainer.task.structure import flat, named, trainable_variables
@@ -174,7 +174,7 @@ class PSTrainLoop:
                 names[:] = list(outputs)
                 outputs = stacked(outputs, names)
                 kinds = combine.kinds(rule, names)
-                return tf.cond(i > 0, lambda: over_steps(kinds, totals, outputs), lambda: outputs)
+                return tf.cond(i > 0, lambda: with_step(kinds, totals, outputs), lambda: outputs)
 
             started = tf.timestamp()
             with tf.control_dependencies([started]):

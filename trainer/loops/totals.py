@@ -1,7 +1,7 @@
 """A call's worth of steps on every replica: outputs checked, summed on each replica, and reduced with SUM
 across replicas once per call (docs/design.md, rule 3), or combined as the step declares
 (trainer/task/combine.py). Shared by the train loop and the eval pass: a graph while loop whose count is a
-tensor (a new count never retraces), the step in replica context through `strategy.run`.
+tensor (a new count never retraces), the step in replica context through `strategy.run`, traced once.
 """
 
 from __future__ import annotations
@@ -77,9 +77,12 @@ def _across_replicas(strategy: tf.distribute.Strategy, value, kind: str) -> tf.T
 
 def repeated(step: Callable, start, num_steps: tf.Tensor):
     """The state after `num_steps` (>= 1) calls `state = step(i, state)`, i = 0, 1, ..., from `start`: a bounded
-    while loop, as AutoGraph would write it, that traces `step` once. The step's first call (i == 0) ignores
-    `start`, a stand-in of the state's structure (tensors, PerReplica values) whose tensors may have other
-    shapes: the loop variables keep only their ranks, and take the shapes the step gives them after the loop."""
+    while loop, as AutoGraph would write it, that traces `step` once (a first step peeled off the loop to give
+    the loop variables their shapes would trace it, the model's forward pass and gradient, twice). `start`'s
+    tensors (in tensors or PerReplica values) may be stand-ins of another size, which a step told by `i == 0`
+    that it is the first ignores: the loop variables keep only their ranks, and after the loop the shapes the
+    step gave them.
+    """
     flat_start = tf.nest.flatten(start, expand_composites=True)
     shapes = []
 
@@ -107,7 +110,7 @@ def _any_size(value) -> tf.TensorShape | None:
     return tf.TensorShape([None] * value.shape.rank) if isinstance(value, tf.Tensor) else None
 
 
-def over_steps(kinds: list[str], totals: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+def with_step(kinds: list[str], totals: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
     """A vector of outputs (of `kinds`, trainer/task/combine.py) of one more step added to `totals`: summed,
     or the max/min kept."""
     if all(kind in (combine.SHARE, combine.MEAN) for kind in kinds):
@@ -184,7 +187,7 @@ class ReplicaTotals:
     def _add(self, i, totals, finite_steps, batch):
         outputs = self._vector(batch)
         kinds = combine.kinds(self.rule, self.names)
-        totals = tf.cond(i > 0, lambda: over_steps(kinds, totals, outputs), lambda: outputs)  # the first: its own
+        totals = tf.cond(i > 0, lambda: with_step(kinds, totals, outputs), lambda: outputs)  # the first: its own
         return totals, finite_steps + self._finite(totals)
 
     def _finite(self, totals: tf.Tensor) -> tf.Tensor:
