@@ -156,8 +156,10 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 from trainer.loops.sync import TrainLoop
 
 BAD = {bad}  # element value -> makes the loss of the replica whose batch holds it NaN
+step_traces = []  # one a replica: the compiled loop traces the step once, its first step no copy of its own
 
 def step(model, optimizer, batch, global_batch_size):
+    step_traces.append(1)
     poisoned = tf.reduce_any([tf.reduce_any(tf.equal(batch, b)) for b in BAD] or [False])
     loss = tf.where(poisoned, float("nan"), tf.reduce_sum(tf.cast(batch, tf.float32)))
     return {{"loss": loss, "examples": tf.size(batch)}}
@@ -171,7 +173,8 @@ calls = []
 for _ in range(3):
     means = loop.run(4)
     calls.append({{"means": means, "offset": loop.last_nonfinite_offset}})
-print(json.dumps({{"calls": calls, "step": int(step_counter.numpy()), "traces": loop.trace_count}}))
+result = {{"calls": calls, "step": int(step_counter.numpy()), "traces": loop.trace_count, "step_traces": len(step_traces)}}
+print(json.dumps(result))
 """
 
 
@@ -187,7 +190,7 @@ def test_the_first_nonfinite_step_of_a_call_is_found_on_any_replica(replicas):
     assert first == {"means": {"loss": sum(range(16)) / 4, "examples": 4.0}, "offset": None}
     assert second["offset"] == 1 and np.isnan(second["means"]["loss"]) and second["means"]["examples"] == 4.0
     assert third == {"means": {"loss": sum(range(32, 48)) / 4, "examples": 4.0}, "offset": None}
-    assert result["step"] == 12 and result["traces"] == 1
+    assert result["step"] == 12 and result["traces"] == 1 and result["step_traces"] == replicas
 
 
 def test_weights_that_go_non_finite_behind_finite_outputs_are_never_saved(runs):

@@ -78,6 +78,7 @@ class Evaluator:
                 "declare eval_step_fn(model, batch, metrics) and update them there"
             )
         self._step_name = function_name(eval_step_fn)
+        self.model = model  # its variables read once a pass under parameter servers (trainer/loops/ps_eval.py)
 
         def replica_fn(batch):
             batch = placed(batch)

@@ -42,7 +42,7 @@ from trainer.errors import UserError, error_line, peer_failure
 from trainer.extensions.worker_watch import closure_report
 from trainer.loops.controller import EvaluatorLike
 from trainer.loops.step_summaries import refuse_under_parameter_server, tracing_for_summaries, writes_summaries
-from trainer.loops.totals import reduce_outputs, repeated
+from trainer.loops.totals import reduce_outputs, repeated, stacked, with_step
 from trainer.safety import tracing
 from trainer.task import combine
 from trainer.task.structure import flat, named, trainable_variables
@@ -166,15 +166,21 @@ class PSTrainLoop:
         def train_steps(iterator, first_batch, num_steps):
             batch_at = batches(iterator)
 
-            def one_step(state):
-                batch_index, totals = (first_batch, None) if state is None else state
+            names: list[str] = []  # the step's outputs, in its order, known once traced
+
+            def one_step(i, totals):
+                batch_index = first_batch + tf.cast(i, tf.int64)
                 outputs = reduce_outputs(strategy, strategy.run(replica_step, args=(batch_at(batch_index),)), rule=rule)
-                return batch_index + 1, combine.over_steps(rule, totals, outputs)
+                names[:] = list(outputs)
+                outputs = stacked(outputs, names)
+                kinds = combine.kinds(rule, names)
+                return tf.cond(i > 0, lambda: with_step(kinds, totals, outputs), lambda: outputs)
 
             started = tf.timestamp()
             with tf.control_dependencies([started]):
-                _, totals = repeated(one_step, num_steps)  # sums (or max/min) over the closure's steps
-            with tf.control_dependencies(tf.nest.flatten(totals)):
+                summed = repeated(one_step, tf.zeros([0], tf.float32), num_steps)  # sums (or max/min) over the steps
+            totals = {name: summed[j] for j, name in enumerate(names)}
+            with tf.control_dependencies([summed]):
                 return totals, closure_report(started)  # which worker ran it, in how many seconds
 
         # Plain TF ops: no AutoGraph but for the user's step (trainer/task/user_code.py).

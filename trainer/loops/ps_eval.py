@@ -24,6 +24,7 @@ from trainer import internals
 from trainer.errors import UserError
 from trainer.loops.evaluator import Evaluator
 from trainer.loops.totals import ReplicaTotals
+from trainer.task.structure import all_variables
 
 AUTO = "auto"
 # Each shard reads the examples before its first batch to skip them (through the input's own preprocessing), about
@@ -94,7 +95,9 @@ class WorkerEvaluator:
 
         def shard_rows(first, count):
             iterator = iter(dataset_fn(first, count))  # built on the worker, fresh for every run of the closure
-            with internals.cached_variable_reads():  # read in the peeled first step, reused by the others
+            with internals.cached_variable_reads():  # each model variable read once, before the first batch
+                for variable in all_variables(evaluator.model):
+                    tf.convert_to_tensor(variable)  # the read every batch's step reuses
                 return totals.each_step(count, lambda: next(iterator))
 
         self._shard_rows = tf.function(shard_rows, autograph=False)

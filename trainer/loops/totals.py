@@ -1,7 +1,7 @@
 """A call's worth of steps on every replica: outputs checked, summed on each replica, and reduced with SUM
 across replicas once per call (docs/design.md, rule 3), or combined as the step declares
 (trainer/task/combine.py). Shared by the train loop and the eval pass: a graph while loop whose count is a
-tensor (a new count never retraces), the step in replica context through `strategy.run`.
+tensor (a new count never retraces), the step in replica context through `strategy.run`, traced once.
 """
 
 from __future__ import annotations
@@ -75,17 +75,55 @@ def _across_replicas(strategy: tf.distribute.Strategy, value, kind: str) -> tf.T
     return extreme(tf.stack(strategy.experimental_local_results(value)), axis=0)  # all local (ps: this worker's)
 
 
-def repeated(step: Callable, num_steps: tf.Tensor):
-    """The state after `num_steps` (>= 1) calls of `step` on it, `step(None)` the first (peeled, so the loop
-    variables take the shapes of the step's outputs); a bounded while loop, as AutoGraph would write it."""
-    state = step(None)
-    _, state = tf.while_loop(
-        lambda i, _: i < num_steps,
-        lambda i, state: (i + 1, step(state)),
-        (tf.constant(1), state),
-        maximum_iterations=tf.maximum(num_steps - 1, 0),
+def repeated(step: Callable, start, num_steps: tf.Tensor):
+    """The state after `num_steps` (>= 1) calls `state = step(i, state)`, i = 0, 1, ..., from `start`: a bounded
+    while loop, as AutoGraph would write it, that traces `step` once (a first step peeled off the loop to give
+    the loop variables their shapes would trace it, the model's forward pass and gradient, twice). `start`'s
+    tensors (in tensors or PerReplica values) may be stand-ins of another size, which a step told by `i == 0`
+    that it is the first ignores: the loop variables keep only their ranks, and after the loop the shapes the
+    step gave them.
+    """
+    flat_start = tf.nest.flatten(start, expand_composites=True)
+    shapes = []
+
+    def body(i, *flat):
+        state = step(i, tf.nest.pack_sequence_as(start, flat, expand_composites=True))
+        flat = tf.nest.flatten(state, expand_composites=True)
+        shapes[:] = [getattr(t, "shape", None) for t in flat]
+        return (i + 1, *flat)
+
+    _, *flat = tf.while_loop(
+        lambda i, *_: i < num_steps,
+        body,
+        (tf.constant(0, num_steps.dtype), *flat_start),
+        shape_invariants=(tf.TensorShape([]), *(_any_size(t) for t in flat_start)),
+        maximum_iterations=num_steps,
     )
-    return state
+    for t, shape in zip(flat, shapes, strict=True):
+        if shape is not None:
+            t.set_shape(shape)  # what the step gives: at least one step ran
+    return tf.nest.pack_sequence_as(start, flat, expand_composites=True)
+
+
+def _any_size(value) -> tf.TensorShape | None:
+    """A tensor's rank with each dimension unknown; None (its own spec) for a TensorArray."""
+    return tf.TensorShape([None] * value.shape.rank) if isinstance(value, tf.Tensor) else None
+
+
+def with_step(kinds: list[str], totals: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+    """A vector of outputs (of `kinds`, trainer/task/combine.py) of one more step added to `totals`: summed,
+    or the max/min kept."""
+    if all(kind in (combine.SHARE, combine.MEAN) for kind in kinds):
+        return totals + outputs
+    smallest = tf.where([k == combine.MIN for k in kinds], tf.minimum(totals, outputs), totals + outputs)
+    return tf.where([k == combine.MAX for k in kinds], tf.maximum(totals, outputs), smallest)
+
+
+def stacked(outputs: Mapping[str, tf.Tensor], names: list[str]) -> tf.Tensor:
+    """The float32 vector of `outputs` in the order of `names`."""
+    if not names:
+        return tf.zeros([0], tf.float32)
+    return tf.stack([tf.cast(outputs[k], tf.float32) for k in names])
 
 
 class ReplicaTotals:
@@ -117,9 +155,7 @@ class ReplicaTotals:
         outputs = check_outputs(self._replica_fn(batch), self._what)
         self.names = list(outputs)
         combine.check_names(self.rule, self.names, self._what)
-        if not outputs:
-            return tf.zeros([0], tf.float32)
-        return tf.stack([tf.cast(outputs[k], tf.float32) for k in self.names])
+        return stacked(outputs, self.names)
 
     def accumulate(
         self, num_steps: tf.Tensor, next_batch: Callable[[], Any], *, after_step: Callable[[], None] | None = None
@@ -127,41 +163,31 @@ class ReplicaTotals:
         """The per-replica totals and finite-step counts after `num_steps` steps, each on `next_batch()`, in
         cross-replica context, where `after_step` runs after each step's update (e.g. EMA)."""
 
-        def one_step(state):
-            if state is None:
-                state = self._strategy.run(self._first, args=(next_batch(),))
-            else:
-                state = self._strategy.run(self._add, args=(*state, next_batch()))
+        def one_step(i, state):
+            state = self._strategy.run(self._add, args=(i, *state, next_batch()))
             if after_step is not None:
                 after_step()
             return state
 
-        return repeated(one_step, num_steps)
+        start = self._strategy.run(lambda: (tf.zeros([0], tf.float32), tf.constant(0)))  # no outputs, no steps
+        return repeated(one_step, start, num_steps)
 
     def each_step(self, num_steps: tf.Tensor, next_batch: Callable[[], Any]) -> tf.Tensor:
         """`[num_steps, outputs]`: each step's outputs on `next_batch()`, summed over the replicas, in step order.
         Added up row by row in float32, one replica's rows give `sums(accumulate(...))` bit for bit: a pass cut
         into parts run apart (trainer/loops/ps_eval.py) keeps the sums of one pass."""
 
-        def one_step(state):
-            i, rows = state or (tf.constant(0), tf.TensorArray(tf.float32, size=tf.cast(num_steps, tf.int32)))
+        def one_step(i, rows):
             outputs = self._strategy.run(self._vector, args=(next_batch(),))
-            return i + 1, rows.write(i, self._strategy.reduce(SUM, outputs, axis=None))
+            return rows.write(i, self._strategy.reduce(SUM, outputs, axis=None))
 
-        return repeated(one_step, tf.cast(num_steps, tf.int32))[1].stack()
+        rows = tf.TensorArray(tf.float32, size=tf.cast(num_steps, tf.int32))
+        return repeated(one_step, rows, tf.cast(num_steps, tf.int32)).stack()
 
-    def _first(self, batch):
-        totals = self._vector(batch)
-        return totals, self._finite(totals)
-
-    def _add(self, totals, finite_steps, batch):
+    def _add(self, i, totals, finite_steps, batch):
         outputs = self._vector(batch)
         kinds = combine.kinds(self.rule, self.names)
-        if all(kind in (combine.SHARE, combine.MEAN) for kind in kinds):
-            totals = totals + outputs
-        else:  # max/min over the call's steps, the others summed
-            smallest = tf.where([k == combine.MIN for k in kinds], tf.minimum(totals, outputs), totals + outputs)
-            totals = tf.where([k == combine.MAX for k in kinds], tf.maximum(totals, outputs), smallest)
+        totals = tf.cond(i > 0, lambda: with_step(kinds, totals, outputs), lambda: outputs)  # the first: its own
         return totals, finite_steps + self._finite(totals)
 
     def _finite(self, totals: tf.Tensor) -> tf.Tensor:
