@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.support import run_module
+from tests.support import run_module, subprocess_env
 
 SMALL = ["--gin_bindings=cnn.filters=(8, 8, 8)", "--gin_bindings=cnn.dense_units=16"]
 
@@ -138,6 +138,7 @@ def test_regression_with_fit_loss_from_gin_matches_keras_3_fit_under_mirrored():
         "--gin_file=experiments/regression/regression.gin",
         "--gin_bindings=parity.loss='mean_squared_error'",
         "--steps=3",
+        env=subprocess_env(full=True),  # the example reads scikit-learn's diabetes data
         timeout=85,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
